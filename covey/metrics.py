@@ -1,0 +1,82 @@
+"""Metric logging: one JSON line per step, sample completions, progress bar, memory.
+
+Metric names are fixed and documented in the README ("Metrics").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+# Fields that legitimately differ between two runs of the same seed.
+NONDETERMINISTIC_PREFIXES = ("time/", "memory/", "throughput/")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 if sys.platform != "darwin" else kib / 2**20
+
+
+def current_rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * resource.getpagesize() / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _clean(value):
+    """JSON-safe floats: NaN/inf become null so the file stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """Appends to runs/<name>/metrics.jsonl; optionally mirrors to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError("logger=tensorboard needs `pip install covey[tensorboard]`") from e
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines written after the checkpoint's step."""
+        for path in (self.metrics_path, self.samples_path):
+            if not path.exists():
+                continue
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        with self.samples_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

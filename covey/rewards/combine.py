@@ -1,0 +1,123 @@
+"""Weighted sum of reward functions with an explicit failure policy.
+
+A reward function has TRL's shape `fn(prompts, completions, **columns) ->
+list[float | None]`, where `columns` holds the dataset columns (`answer`, ...)
+and `completion_lengths` (tokens). A function that raises, times out, returns
+the wrong count, None, NaN or inf is a *fault*. Policy (`reward.on_error`):
+
+- raise: stop with one line naming the function and the first bad sample;
+- zero:  that sample scores 0 for that function (counted in reward/errors);
+- drop:  the sample is removed from its group before advantages (counted in
+         reward/dropped).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+class RewardError(RuntimeError):
+    """A reward function failed under on_error=raise."""
+
+
+@dataclass
+class RewardTerm:
+    name: str
+    fn: Callable
+    weight: float
+
+
+@dataclass
+class Scores:
+    total: torch.Tensor          # (N,) weighted sum
+    parts: dict                  # name -> (N,) unweighted values (0 where faulty)
+    valid: torch.Tensor          # (N,) bool, False where a fault asks for a drop
+    errors: int                  # faulty (function, sample) pairs
+
+
+def load_callable(spec: str) -> Callable:
+    """'package.module:function' -> the function; clear error when it cannot be found."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function '{spec}' must look like module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward function '{spec}': cannot import {module_name}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function '{spec}': {module_name} has no callable '{attr}'")
+    return fn
+
+
+def _call_with_timeout(fn: Callable, timeout_s: float, *args, **kwargs):
+    # A hung Python function cannot be killed from a thread; we stop waiting,
+    # report the fault, and leave the daemon thread behind.
+    pool = cf.ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(fn, *args, **kwargs).result(timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bad_value(v) -> str | None:
+    if v is None:
+        return "returned None"
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return f"returned non-number {v!r}"
+    return None if math.isfinite(f) else f"returned {f}"
+
+
+class Rewarder:
+    """Scores completions with every term, applies the failure policy, sums with weights."""
+
+    def __init__(self, terms: list[RewardTerm], on_error: str = "raise", timeout_s: float = 30.0):
+        if not terms:
+            raise ValueError("no reward function configured (all weights are 0)")
+        self.terms = terms
+        self.on_error = on_error
+        self.timeout_s = timeout_s
+
+    def _run_term(self, term: RewardTerm, prompts, completions, columns) -> tuple[list, list[str | None]]:
+        """Values of one term and, per sample, a fault description or None."""
+        n = len(completions)
+        try:
+            out = _call_with_timeout(term.fn, self.timeout_s, prompts, completions, **columns)
+        except cf.TimeoutError:
+            return [0.0] * n, [f"timed out after {self.timeout_s:g}s"] * n
+        except Exception as e:  # noqa: BLE001 - any user failure is a reward fault
+            return [0.0] * n, [f"raised {type(e).__name__}: {e}"] * n
+        if not isinstance(out, (list, tuple)) or len(out) != n:
+            got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
+            return [0.0] * n, [f"returned {got} values for {n} samples"] * n
+        faults = [_bad_value(v) for v in out]
+        values = [0.0 if f else float(v) for v, f in zip(out, faults)]
+        return values, faults
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict) -> Scores:
+        n = len(completions)
+        total = torch.zeros(n)
+        valid = torch.ones(n, dtype=torch.bool)
+        parts, errors = {}, 0
+        for term in self.terms:
+            values, faults = self._run_term(term, prompts, completions, columns)
+            for i, fault in enumerate(faults):
+                if fault is None:
+                    continue
+                errors += 1
+                if self.on_error == "raise":
+                    raise RewardError(f"reward function '{term.name}' {fault} "
+                                      f"(first bad sample #{i}: {completions[i][:80]!r})")
+                if self.on_error == "drop":
+                    valid[i] = False
+            parts[term.name] = torch.tensor(values)
+            total += term.weight * parts[term.name]
+        return Scores(total=total, parts=parts, valid=valid, errors=errors)

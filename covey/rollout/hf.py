@@ -1,0 +1,85 @@
+"""Generation with Hugging Face `generate`: the default engine, CPU or GPU.
+
+The engine shares the policy module, so no weight sync is needed: a sample
+is always drawn from the current parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from covey.rollout.base import Rollout
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a response (tokenizer EOS and the generation config's)."""
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, gen_eos):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask = 1 up to and including the first EOS; rows without EOS are truncated.
+
+    Returns (mask (N, L) float, truncated (N,) bool).
+    """
+    n, length = response_ids.shape
+    is_eos = torch.isin(response_ids, torch.tensor(eos, dtype=response_ids.dtype))
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), length - 1))
+    positions = torch.arange(length).unsqueeze(0)
+    mask = (positions <= first.unsqueeze(1)).float()
+    return mask, ~has_eos
+
+
+class HFEngine:
+    """Samples G completions per prompt with `model.generate` (left padding)."""
+
+    def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.eos = eos_ids(model, tokenizer)
+
+    def sync_weights(self, model) -> None:
+        self.model = model
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[str], group_size: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None) -> Rollout:
+        tok = self.tokenizer
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        sampling = {} if greedy else {
+            "do_sample": True, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k or None,
+        }
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            num_return_sequences=group_size, do_sample=not greedy,
+            pad_token_id=tok.pad_token_id, eos_token_id=self.eos,
+            **{k: v for k, v in sampling.items() if k != "do_sample"},
+        )
+        self.model.train(was_training)
+        prompt_len = enc["input_ids"].shape[1]
+        response_ids = out[:, prompt_len:].cpu()
+        mask, truncated = response_mask_from_ids(response_ids, self.eos)
+        response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, tok.pad_token_id))
+        index = torch.arange(len(prompts)).repeat_interleave(group_size)
+        texts = tok.batch_decode(response_ids, skip_special_tokens=True)
+        return Rollout(
+            prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index],
+            response_ids=response_ids, response_mask=mask, group_ids=index.clone(),
+            truncated=truncated, completions=texts, example_index=index.tolist(),
+        )

@@ -1,0 +1,167 @@
+"""Prompts from user data: JSONL files and `datasets` folders saved with `save_to_disk`.
+
+Bad data must fail early (before a model is loaded) with one line that names the
+file and the row, or be skipped and counted when the user asks for that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from covey.tasks.base import Example
+
+ON_ERROR = ("raise", "skip")
+
+
+class DataError(ValueError):
+    """A one-line, user-facing problem with a dataset: '<file>:<line>: <problem>'."""
+
+
+class _RowError(Exception):
+    """A problem with one row; the caller adds the location."""
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> Example:
+    """Validate one row; numbers as answers become strings, other columns go to `meta`."""
+    if not isinstance(row, dict):
+        raise _RowError(f"expected a JSON object, got {_type_name(row)}")
+    for key in (prompt_key, answer_key):
+        if key not in row:
+            raise _RowError(f"missing field {key!r}")
+    prompt, answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str):
+        raise _RowError(f"field {prompt_key!r} must be a string, got {_type_name(prompt)}")
+    if not prompt.strip():
+        raise _RowError(f"field {prompt_key!r} is empty")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise _RowError(f"field {answer_key!r} must be a string or a number, got {_type_name(answer)}")
+    answer = str(answer).strip()
+    if not answer:
+        raise _RowError(f"field {answer_key!r} is empty")
+    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
+    return Example(prompt=prompt, answer=answer, meta=meta)
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+
+
+def _collect(rows: Iterable[tuple[str, Any]], prompt_key: str, answer_key: str,
+             on_error: str) -> tuple[list[Example], int]:
+    """Turn (location, row-or-_RowError) pairs into examples, raising or counting errors."""
+    examples, skipped = [], 0
+    for where, row in rows:
+        try:
+            if isinstance(row, _RowError):
+                raise row
+            examples.append(row_to_example(row, prompt_key, answer_key))
+        except _RowError as err:
+            if on_error == "raise":
+                raise DataError(f"{where}: {err}") from None
+            skipped += 1
+    return examples, skipped
+
+
+def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """Yield ('file:line', parsed row or _RowError); blank lines are ignored."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, _RowError(f"not valid UTF-8 ({err.reason} at byte {err.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield where, _RowError(f"invalid JSON: {err.msg} at column {err.colno}")
+
+
+def _require_nonempty(examples: list[Example], skipped: int, where: str) -> None:
+    if not examples:
+        why = f"all {skipped} rows were invalid and skipped" if skipped else "no rows"
+        raise DataError(f"{where}: empty dataset ({why})")
+
+
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+               on_error: str = "raise") -> tuple[list[Example], int]:
+    """Read one JSON object per line -> (examples, number of rows skipped).
+
+    on_error="raise" stops at the first bad row; "skip" drops bad rows and counts them.
+    An empty result is always an error: training on nothing is never intended.
+    """
+    _check_on_error(on_error)
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    examples, skipped = _collect(_jsonl_rows(path), prompt_key, answer_key, on_error)
+    _require_nonempty(examples, skipped, str(path))
+    return examples, skipped
+
+
+def _import_datasets():
+    try:
+        import datasets  # noqa: PLC0415  (optional dependency, imported on use)
+    except ImportError:
+        raise ImportError("loading a Hugging Face dataset needs the 'datasets' package: "
+                          "pip install 'covey[datasets]'") from None
+    return datasets
+
+
+def _pick_split(ds: Any, split: str | None, path: Path) -> Any:
+    """A DatasetDict needs a split unless it has exactly one; a Dataset takes none."""
+    if not hasattr(ds, "keys"):
+        if split is not None:
+            raise DataError(f"{path}: split {split!r} requested but the dataset has no splits")
+        return ds
+    names = list(ds.keys())
+    if split is None:
+        if len(names) != 1:
+            raise DataError(f"{path}: choose a split, one of: {', '.join(names)}")
+        split = names[0]
+    if split not in names:
+        raise DataError(f"{path}: no split {split!r}; available: {', '.join(names)}")
+    return ds[split]
+
+
+def load_hf_dataset(path: str | Path, split: str | None = None, prompt_key: str = "prompt",
+                    answer_key: str = "answer", on_error: str = "raise") -> tuple[list[Example], int]:
+    """Read a `datasets` Dataset/DatasetDict saved with `save_to_disk` -> (examples, skipped)."""
+    _check_on_error(on_error)
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: dataset folder not found")
+    datasets = _import_datasets()
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"{path}: not a dataset saved with save_to_disk ({first_line})") from None
+    ds = _pick_split(ds, split, path)
+    where = f"{path}[{split}]" if split else str(path)
+    for key in (prompt_key, answer_key):
+        if key not in ds.column_names:
+            raise DataError(f"{where}: missing column {key!r} (columns: {', '.join(ds.column_names)})")
+    rows = ((f"{where} row {i}", row) for i, row in enumerate(ds))
+    examples, skipped = _collect(rows, prompt_key, answer_key, on_error)
+    _require_nonempty(examples, skipped, where)
+    return examples, skipped
+
+
+def load_examples(source: str | Path, **kwargs) -> tuple[list[Example], int]:
+    """Dispatch on the path: a folder -> `load_hf_dataset`, else `load_jsonl` (`split` ignored)."""
+    path = Path(source)
+    if path.is_dir():
+        return load_hf_dataset(path, **kwargs)
+    kwargs.pop("split", None)
+    return load_jsonl(path, **kwargs)

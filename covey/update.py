@@ -1,0 +1,154 @@
+"""The optimisation phase of a step: mu epochs x mini-batches x micro-batches.
+
+Each optimizer step builds one global `Normalizer` from the masks of its whole
+mini-batch, so summing micro-batch losses gives exactly the mini-batch loss:
+the gradient does not depend on `micro_batch_size`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from covey import algos
+from covey.config import Config
+from covey.forward import critic_values, policy_logprobs
+from covey.rollout.base import Rollout
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite updates."""
+
+
+@dataclass
+class UpdateState:
+    """Counters that outlive one step (saved in checkpoints)."""
+    consecutive_skips: int = 0
+    skipped_steps: int = 0
+
+
+def minibatch_schedule(n: int, epochs: int, minibatches: int, generator: torch.Generator):
+    """Yield index tensors, one per optimizer step: mu epochs of shuffled mini-batches.
+
+    With a single mini-batch the order is kept (shuffling changes nothing).
+    """
+    size = n // minibatches
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator) if minibatches > 1 else torch.arange(n)
+        yield from order.split(size)
+
+
+class MetricAverager:
+    """Token-weighted mean of micro-batch metrics."""
+
+    def __init__(self):
+        self.sums = defaultdict(float)
+        self.weights = defaultdict(float)
+
+    def add(self, metrics: dict, weight: float) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.sums[k] += v * weight
+                self.weights[k] += weight
+
+    def result(self) -> dict:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def policy_loss_options(cfg: Config) -> algos.PolicyLossOptions:
+    a = cfg.algo
+    return algos.PolicyLossOptions(
+        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+        dual_clip=a.dual_clip or None, ratio_level=a.ratio_level, ratio_against=a.ratio_against)
+
+
+def micro_policy_loss(policy, part: Rollout, norm, cfg: Config, kl_coef: float) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch (already scaled by the global normaliser) and its metrics."""
+    a = cfg.algo
+    # Entropy is always reported; it enters the loss only when entropy_coef > 0.
+    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature,
+                                           with_entropy=True, precision=cfg.model.autocast)
+    mask = part.response_mask[:, :width]
+    old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
+    ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
+    loss, metrics = algos.policy_loss(a.policy_loss, logp, old, part.advantages[:, :width], mask, norm,
+                                      policy_loss_options(cfg), ref_logp=ref)
+    tokens = mask.sum().clamp(min=1)
+    if ref is not None:
+        kl = algos.kl_penalty(logp, ref, a.kl_estimator)
+        metrics["kl/ref"] = float((kl.detach() * mask).sum() / tokens)
+        if a.kl_in == "loss" and kl_coef > 0:
+            kl_term = algos.aggregate(kl, mask, norm)
+            loss = loss + kl_coef * kl_term
+    if entropy is not None:
+        metrics["policy/entropy"] = float((entropy.detach() * mask).sum() / tokens)
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * algos.aggregate(entropy, mask, norm)
+    return loss, metrics
+
+
+def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: UpdateState,
+                    max_skips: int, what: str) -> dict:
+    """Clip, check finiteness, step. A non-finite gradient skips the update and is counted."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        state.consecutive_skips += 1
+        state.skipped_steps += 1
+        if state.consecutive_skips >= max_skips:
+            raise NonFiniteError(f"{what}: {state.consecutive_skips} consecutive non-finite gradients; "
+                                 "aborting (lower optim.lr or check the reward scale)")
+        return {"optim/grad_norm": float("nan")}
+    state.consecutive_skips = 0
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"optim/grad_norm": float(norm)}
+
+
+def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, kl_coef: float,
+                  state: UpdateState, generator: torch.Generator) -> dict:
+    """mu epochs of clipped policy-gradient updates over the rollout."""
+    a = cfg.algo
+    avg = MetricAverager()
+    for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
+        norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
+        for micro in batch.split(a.micro_batch_size):
+            part = rollout.select(micro)
+            loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef)
+            loss.backward()
+            metrics["policy/loss"] = float(loss.detach())
+            avg.add(metrics, float(part.response_mask.sum()))
+        step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
+                                       state, cfg.optim.max_skipped_steps, "policy")
+        avg.add(step_metrics, 1.0)
+    out = avg.result()
+    out["optim/skipped_steps"] = state.skipped_steps
+    return out
+
+
+def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: UpdateState,
+                  generator: torch.Generator) -> dict:
+    """Clipped value regression onto the returns, same schedule as the policy."""
+    a = cfg.algo
+    avg = MetricAverager()
+    for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
+        norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
+        for micro in batch.split(a.micro_batch_size):
+            part = rollout.select(micro)
+            values, width = critic_values(critic, part, cfg.model.autocast)
+            mask = part.response_mask[:, :width]
+            loss, metrics = algos.value_loss(values, part.values[:, :width], part.returns[:, :width], mask,
+                                             norm, a.value_clip or None)
+            (a.value_coef * loss).backward()
+            avg.add(metrics, float(mask.sum()))
+        avg.add({f"critic/{k.split('/')[-1]}": v for k, v in _optimizer_step(
+            critic.parameters(), optimizer, None, cfg.optim.max_grad_norm, state,
+            cfg.optim.max_skipped_steps, "critic").items()}, 1.0)
+    return avg.result()
+
