@@ -112,7 +112,7 @@ class AlgoConfig:
     """Advantage estimator (covey.algos.ESTIMATORS)."""
     policy_loss: str = "ppo_clip"
     """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg."""
-    loss_agg: str = "token_mean"
+    loss_agg: str = "seq_mean_token_mean"
     """Aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | constant."""
     clip_eps_low: float = 0.2
     """Lower clip: ratio >= 1 - eps_low."""
@@ -214,6 +214,8 @@ class TrainConfig:
     """jsonl | tensorboard (jsonl is always written)."""
     resume: str = ""
     """'' | auto | PATH of a checkpoint."""
+    resume_force: bool = False
+    """Resume even if result-changing config keys differ from the checkpoint's."""
     progress: bool = True
     """Show a live progress bar."""
 

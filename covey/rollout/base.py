@@ -32,6 +32,7 @@ class Rollout:
     advantages: Tensor | None = None   # (N, L)
     returns: Tensor | None = None      # (N, L)
     baseline_scores: Tensor | None = None  # (N,) ReMax greedy rewards
+    valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
 
     @property
     def input_ids(self) -> Tensor:
@@ -62,7 +63,12 @@ class Rollout:
 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts of different widths (prompts left-padded, responses right-padded)."""
+    """Stack scored rollouts of different widths (prompts left-padded, responses right-padded).
+
+    Group ids are offset so groups of different parts stay distinct; `example_index`
+    values are kept (they index the task's example list, shared by all parts).
+    Per-row scores are carried; per-token fields (log-probs, values) are not.
+    """
     p_len = max(r.prompt_ids.shape[1] for r in parts)
     l_len = max(r.response_ids.shape[1] for r in parts)
 
@@ -74,11 +80,15 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.cat([filler, t] if left else [t, filler], dim=1)
 
     offset = 0
-    groups, examples = [], []
+    groups = []
     for r in parts:
         groups.append(r.group_ids + offset)
-        examples += [i + offset for i in r.example_index]
         offset += int(r.group_ids.max()) + 1 if len(r) else 0
+
+    def per_row(name: str):
+        values = [getattr(r, name) for r in parts]
+        return torch.cat(values) if all(v is not None for v in values) else None
+
     return Rollout(
         prompt_ids=torch.cat([pad(r.prompt_ids, p_len, True, pad_token_id) for r in parts]),
         prompt_mask=torch.cat([pad(r.prompt_mask, p_len, True, 0) for r in parts]),
@@ -87,7 +97,11 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         group_ids=torch.cat(groups),
         truncated=torch.cat([r.truncated for r in parts]),
         completions=[c for r in parts for c in r.completions],
-        example_index=examples,
+        example_index=[i for r in parts for i in r.example_index],
+        scores=per_row("scores"),
+        baseline_scores=per_row("baseline_scores"),
+        valid=per_row("valid"),
+        reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
     )
 
 

@@ -1,0 +1,89 @@
+"""covey command line: train | eval | advantages | plot (| more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+
+
+def _fail(command: str, err: BaseException) -> int:
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"covey {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args) -> int:
+    from covey.config import load_config
+    from covey.train import train
+    config_path, overrides = _split_config(args.args)
+    cfg = load_config(config_path, overrides)
+    train(cfg)
+    return 0
+
+
+def _split_config(items: list[str]) -> tuple[str | None, list[str]]:
+    """First item may be a YAML file; the rest are key=value overrides."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def cmd_eval(args) -> int:
+    from covey.config import load_config
+    from covey.eval_cmd import run_eval_command
+    config_path, overrides = _split_config(args.args)
+    cfg = load_config(config_path, overrides)
+    if args.model:
+        cfg.model.path = args.model
+    run_eval_command(cfg, args.pass_k)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from covey.plot import plot_run
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="covey", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a policy: covey train [CONFIG.yaml] [key=value ...]")
+    p.add_argument("args", nargs="*", help="optional YAML preset, then key=value overrides")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval", help="held-out accuracy of a model: covey eval [--model PATH] [key=value ...]")
+    p.add_argument("--model", default="", help="model folder, .gguf or 'default'")
+    p.add_argument("--pass-k", type=int, default=0, help="also report pass@k")
+    p.add_argument("args", nargs="*")
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("plot", help="PNG curves of a run's metrics")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
+    try:
+        from covey import advantages_cmd
+        advantages_cmd.add_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as err:
+        return _fail(args.command, err)
+    except RuntimeError as err:
+        if type(err).__module__.startswith("covey"):
+            return _fail(args.command, err)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""From the reward config to a Rewarder: rule terms with weights plus user callables."""
+
+from __future__ import annotations
+
+import functools
+
+from covey.rewards.combine import Rewarder, RewardTerm, load_callable
+
+
+def parse_functions(spec: str) -> list[tuple[str, float]]:
+    """'pkg.mod:fn:0.5,other:fn2' -> [('pkg.mod:fn', 0.5), ('other:fn2', 1.0)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) == 3:
+            try:
+                out.append((f"{parts[0]}:{parts[1]}", float(parts[2])))
+            except ValueError:
+                raise ValueError(f"reward.functions: weight of '{item}' is not a number") from None
+        elif len(parts) == 2:
+            out.append((item, 1.0))
+        else:
+            raise ValueError(f"reward.functions: '{item}' must be module:function[:weight]")
+    return out
+
+
+def build_rewarder(cfg) -> Rewarder:
+    from covey.rewards.rules import correctness_reward, format_reward, overlong_penalty
+    r = cfg.reward
+    terms = []
+    if r.correctness:
+        terms.append(RewardTerm("correctness", correctness_reward, r.correctness))
+    if r.format:
+        terms.append(RewardTerm("format", format_reward, r.format))
+    if r.overlong_buffer:
+        fn = functools.partial(overlong_penalty, max_len=cfg.rollout.max_new_tokens, buffer=r.overlong_buffer)
+        terms.append(RewardTerm("overlong", fn, r.overlong_weight))
+    for spec, weight in parse_functions(r.functions):
+        terms.append(RewardTerm(spec, load_callable(spec), weight))
+    return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)

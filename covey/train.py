@@ -1,0 +1,411 @@
+"""The RL loop, top to bottom in the order it runs.
+
+One loop serves every algorithm: the config picks the advantage estimator and
+policy loss from `covey.algos`, whether a reference model and a critic exist,
+and where the KL goes (loss term or per-token reward penalty).
+
+Deviations from the papers, on purpose:
+- the importance ratio is taken against the sampling policy (pi_old), not the
+  reference as reference 001 writes (`algo.ratio_against=ref` gives 001's form);
+- k3 uses r = pi_ref / pi_theta (reference 003 writes the inverse, which is
+  not an unbiased KL estimate);
+- when one rollout gives one optimizer step (epochs = minibatches = 1),
+  pi_old = pi_theta exactly, so no separate old-log-prob pass is run: the
+  ratio is exp(logp - logp.detach()) = 1 with the right gradient.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from covey import algos
+from covey.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from covey.config import Config, as_dict, derived_sizes, uses_critic
+from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_task_data
+from covey.evaluation import evaluate
+from covey.forward import batched_logprobs, batched_values
+from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
+from covey.models import load_critic, load_policy, load_reference, param_memory_mb
+from covey.rewards.build import build_rewarder
+from covey.rollout.base import Rollout, concat_rollouts
+from covey.rollout.hf import HFEngine
+from covey.update import UpdateState, update_critic, update_policy
+
+
+@dataclass
+class Run:
+    """What the loop holds between steps (everything a checkpoint must restore)."""
+    cfg: Config
+    run_dir: Path
+    policy: torch.nn.Module
+    tokenizer: object
+    reference: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic_optimizer: torch.optim.Optimizer | None
+    kl_controller: object
+    stream: PromptStream
+    update_state: UpdateState = field(default_factory=UpdateState)
+    step: int = 0
+    shuffle_generator: torch.Generator = field(default_factory=torch.Generator)
+    logger: MetricsLogger | None = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def needs_reference(cfg: Config) -> bool:
+    a = cfg.algo
+    return (a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref"
+
+
+def make_optimizer(params, lr: float, cfg: Config) -> torch.optim.Optimizer:
+    b1, b2 = (float(x) for x in cfg.optim.betas.split(","))
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, betas=(b1, b2),
+                             weight_decay=cfg.optim.weight_decay)
+
+
+def make_scheduler(optimizer, warmup_steps: int):
+    """Linear warm-up to the configured lr, constant after."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+
+
+def make_kl_controller(cfg: Config):
+    a = cfg.algo
+    if a.kl_target > 0:
+        return algos.AdaptiveKLController(a.beta, a.kl_target, a.kl_horizon)
+    return algos.FixedKLController(a.beta)
+
+
+def build_run(cfg: Config, run_dir: Path, train_size: int) -> Run:
+    """Models, optimizers and controllers, in the order they are needed."""
+    dtype = getattr(torch, cfg.model.dtype)
+    policy, tokenizer = load_policy(cfg.model.path, dtype=dtype)
+    reference = load_reference(policy) if needs_reference(cfg) else None
+    critic = load_critic(cfg.model.critic_path or cfg.model.path, dtype=dtype) if uses_critic(cfg) else None
+    optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
+    critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
+    run = Run(cfg=cfg, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
+              critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, cfg.optim.warmup_steps),
+              critic_optimizer=critic_opt, kl_controller=make_kl_controller(cfg),
+              stream=PromptStream(train_size, cfg.train.seed))
+    run.shuffle_generator.manual_seed(cfg.train.seed + 1)
+    return run
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+def score(rollout: Rollout, rewarder, examples, prompts) -> dict:
+    """Fill rollout.scores; returns reward metrics (errors counted)."""
+    picked = [examples[i] for i in rollout.example_index]
+    columns = {"answer": [ex.answer for ex in picked],
+               "completion_lengths": rollout.response_mask.sum(1).long().tolist()}
+    for key in picked[0].meta if picked else ():
+        columns[key] = [ex.meta.get(key) for ex in picked]
+    scores = rewarder([prompts[i] for i in rollout.example_index], rollout.completions, columns)
+    rollout.scores, rollout.reward_parts, rollout.valid = scores.total, scores.parts, scores.valid
+    return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum())}
+
+
+def drop_invalid(rollout: Rollout) -> Rollout:
+    """reward.on_error=drop: remove faulty samples from their groups."""
+    if rollout.valid is None or bool(rollout.valid.all()):
+        return rollout
+    return rollout.select(rollout.valid.nonzero().squeeze(1))
+
+
+def informative_groups(rollout: Rollout) -> torch.Tensor:
+    """Group ids whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
+    gids = rollout.group_ids.unique()
+    keep = [g for g in gids.tolist() if rollout.scores[rollout.group_ids == g].std(unbiased=False) > 0]
+    return torch.tensor(keep, dtype=torch.long)
+
+
+def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dict) -> tuple[Rollout, dict]:
+    """Draw B prompts, sample G completions each, score them."""
+    cfg = run.cfg
+    ids = run.stream.next(cfg.rollout.prompts_per_step)
+    t0 = time.perf_counter()
+    rollout = engine.generate([prompts[i] for i in ids], cfg.rollout.group_size)
+    rollout.example_index = [ids[i] for i in rollout.example_index]
+    timings["time/generate"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    metrics = score(rollout, rewarder, examples, prompts)
+    if cfg.algo.estimator == "remax":
+        t1 = time.perf_counter()
+        greedy = engine.generate([prompts[i] for i in ids], 1, greedy=True)
+        greedy.example_index = [ids[i] for i in greedy.example_index]
+        timings["time/generate"] += time.perf_counter() - t1
+        score(greedy, rewarder, examples, prompts)
+        rollout.baseline_scores = greedy.scores[rollout.group_ids]
+    timings["time/score"] += time.perf_counter() - t0
+    return rollout, metrics
+
+
+def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Rollout, dict]:
+    """One batch of scored samples; with dynamic sampling, only informative groups, refilled."""
+    cfg = run.cfg
+    timings = {"time/generate": 0.0, "time/score": 0.0}
+    rollout, metrics = sample_and_score(run, engine, rewarder, examples, prompts, timings)
+    metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / cfg.rollout.prompts_per_step
+    metrics["accuracy"] = float(rollout.reward_parts.get("correctness", rollout.scores).mean())
+    if cfg.algo.dynamic_sampling:
+        rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
+                                                             timings)
+    rollout = drop_invalid(rollout)
+    return rollout, {**metrics, **timings}
+
+
+def keep_informative(rollout: Rollout) -> Rollout:
+    return rollout.select(torch.isin(rollout.group_ids, informative_groups(rollout)).nonzero().squeeze(1))
+
+
+def refill_groups(run: Run, rollout: Rollout, engine, rewarder, examples, prompts, timings) -> tuple[Rollout, int]:
+    """Keep informative groups; sample more prompts until B groups or the round limit.
+
+    Returns the rollout and the number of extra prompts sampled. If the limit is
+    reached with fewer than B groups, the step trains on what it has (the loss
+    normaliser is global, so a smaller batch is still an unbiased estimate).
+    """
+    want = run.cfg.rollout.prompts_per_step
+    parts = [keep_informative(rollout)]
+    kept, resampled = len(informative_groups(rollout)), 0
+    for _ in range(run.cfg.algo.max_resample_rounds):
+        if kept >= want:
+            break
+        extra, _ = sample_and_score(run, engine, rewarder, examples, prompts, timings)
+        resampled += want
+        parts.append(keep_informative(extra))
+        kept += len(informative_groups(extra)) if len(parts[-1]) else 0
+    nonempty = [p for p in parts if len(p)]
+    if not nonempty:  # nothing informative at all: train on the original batch
+        return rollout, resampled
+    merged = concat_rollouts(nonempty, run.tokenizer.pad_token_id)
+    first_groups = merged.group_ids.unique()[:want]
+    return merged.select(torch.isin(merged.group_ids, first_groups).nonzero().squeeze(1)), resampled
+
+
+# --------------------------------------------------------------------------- log-probs and advantages
+
+
+def add_logprobs(run: Run, rollout: Rollout) -> dict:
+    """pi_old and pi_ref log-probs and critic values, each only where something uses it."""
+    cfg, t0 = run.cfg, time.perf_counter()
+    mb, temp, prec = cfg.algo.micro_batch_size, cfg.rollout.temperature, cfg.model.autocast
+    old_needed = derived_sizes(cfg)["reuses_old_logprobs"] or cfg.algo.kl_in == "reward"
+    if old_needed:
+        rollout.old_logp = batched_logprobs(run.policy, rollout, temp, mb, prec)
+    if run.reference is not None:
+        rollout.ref_logp = batched_logprobs(run.reference, rollout, temp, mb, prec)
+    if run.critic is not None:
+        rollout.values = batched_values(run.critic, rollout, mb, prec)
+    return {"time/logprobs": time.perf_counter() - t0}
+
+
+def advantage_options(cfg: Config) -> algos.AdvantageOptions:
+    a = cfg.algo
+    return algos.AdvantageOptions(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
+                                  ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize,
+                                  whiten=a.whiten_advantages)
+
+
+def add_advantages(run: Run, rollout: Rollout) -> dict:
+    """Advantages and returns from the configured estimator; KL-in-reward when asked."""
+    cfg = run.cfg
+    token_kl, metrics = None, {}
+    if cfg.algo.kl_in == "reward" and rollout.ref_logp is not None:
+        token_kl = algos.kl_penalty(rollout.old_logp, rollout.ref_logp, cfg.algo.kl_estimator) * rollout.response_mask
+        tokens = rollout.response_mask.sum().clamp(min=1)
+        metrics["kl/ref"] = float(token_kl.sum() / tokens)
+        metrics["kl/reward_penalty"] = float(run.kl_controller.value * token_kl.sum(1).mean())
+    inp = algos.AdvantageInput(scores=rollout.scores, response_mask=rollout.response_mask,
+                               group_ids=rollout.group_ids, values=rollout.values, token_kl=token_kl,
+                               kl_coef=run.kl_controller.value if token_kl is not None else 0.0,
+                               baseline_scores=rollout.baseline_scores)
+    adv, ret, adv_metrics = algos.compute_advantages(cfg.algo.estimator, inp, advantage_options(cfg))
+    rollout.advantages, rollout.returns = adv, ret
+    metrics.update(adv_metrics)
+    metrics["returns/mean"] = float((ret * rollout.response_mask).sum() / rollout.response_mask.sum().clamp(min=1))
+    return metrics
+
+
+# --------------------------------------------------------------------------- update and reference refresh
+
+
+def update(run: Run, rollout: Rollout) -> dict:
+    cfg, t0 = run.cfg, time.perf_counter()
+    metrics = update_policy(run.policy, run.optimizer, run.scheduler, rollout, cfg, run.kl_controller.value,
+                            run.update_state, run.shuffle_generator)
+    if run.critic is not None:
+        metrics.update(update_critic(run.critic, run.critic_optimizer, rollout, cfg, run.update_state,
+                                     run.shuffle_generator))
+    metrics["optim/lr"] = run.scheduler.get_last_lr()[0]
+    metrics["time/update"] = time.perf_counter() - t0
+    return metrics
+
+
+@torch.no_grad()
+def refresh_reference(run: Run) -> None:
+    """Reset the reference to the policy every K steps, or mix it in (EMA) every step."""
+    a = run.cfg.algo
+    if run.reference is None:
+        return
+    if a.ref_refresh_every and run.step % a.ref_refresh_every == 0:
+        run.reference.load_state_dict(run.policy.state_dict())
+    elif a.ref_ema:
+        for r, p in zip(run.reference.parameters(), run.policy.parameters()):
+            r.lerp_(p, a.ref_ema)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def rollout_metrics(rollout: Rollout) -> dict:
+    lengths = rollout.response_mask.sum(1)
+    return {
+        "reward/mean": float(rollout.scores.mean()),
+        "reward/std": float(rollout.scores.std(unbiased=False)),
+        **{f"reward/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()},
+        "response/len_mean": float(lengths.mean()),
+        "response/len_max": float(lengths.max()),
+        "response/truncated_frac": float(rollout.truncated.float().mean()),
+    }
+
+
+def memory_metrics(run: Run) -> dict:
+    out = {"memory/peak_rss_mb": peak_rss_mb(), "memory/rss_mb": current_rss_mb(),
+           "memory/params_mb/actor": param_memory_mb(run.policy)}
+    if run.reference is not None:
+        out["memory/params_mb/reference"] = param_memory_mb(run.reference)
+    if run.critic is not None:
+        out["memory/params_mb/critic"] = param_memory_mb(run.critic)
+    opt_bytes = sum(t.numel() * t.element_size() for opt in (run.optimizer, run.critic_optimizer) if opt
+                    for state in opt.state.values() for t in state.values() if torch.is_tensor(t))
+    out["memory/params_mb/optimizer"] = opt_bytes / 2**20
+    return out
+
+
+def sample_rows(rollout: Rollout, examples, limit: int = 8) -> list[dict]:
+    rows = []
+    for i in range(min(limit, len(rollout))):
+        ex = examples[rollout.example_index[i]]
+        rows.append({"prompt": ex.prompt, "answer": ex.answer, "completion": rollout.completions[i],
+                     "reward": float(rollout.scores[i]), "advantage": float(rollout.advantages[i][0])})
+    return rows
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def run_eval(run: Run, engine, prompts, examples) -> dict:
+    cfg, t0 = run.cfg, time.perf_counter()
+    out = evaluate(engine, prompts, examples, batch_size=cfg.rollout.eval_batch_size,
+                   max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=cfg.train.eval_pass_k)
+    out["time/eval"] = time.perf_counter() - t0
+    return out
+
+
+def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
+    """One step: sample -> score -> log-probs -> advantages -> update."""
+    t0 = time.perf_counter()
+    rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
+    metrics.update(add_logprobs(run, rollout))
+    metrics.update(add_advantages(run, rollout))
+    metrics.update(update(run, rollout))
+    run.step += 1
+    run.kl_controller.update(metrics.get("kl/ref", 0.0), 1)
+    refresh_reference(run)
+    metrics.update(rollout_metrics(rollout))
+    metrics["kl/beta"] = run.kl_controller.value
+    metrics["time/step"] = time.perf_counter() - t0
+    metrics["throughput/tokens_per_s"] = float(rollout.response_mask.sum()) / max(metrics["time/generate"], 1e-9)
+    metrics.update(memory_metrics(run))
+    if run.cfg.train.samples_every and run.step % run.cfg.train.samples_every == 0:
+        run.logger.log_samples(run.step, sample_rows(rollout, data.train))
+    return metrics
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    name = cfg.train.run_name or f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.train.output_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def print_header(cfg: Config, run_dir: Path, data) -> None:
+    sizes = derived_sizes(cfg)
+    print(f"covey: run folder {run_dir}")
+    print(f"covey: {cfg.algo.name} | estimator={cfg.algo.estimator} loss={cfg.algo.policy_loss} "
+          f"agg={cfg.algo.loss_agg} beta={cfg.algo.beta} kl_in={cfg.algo.kl_in}")
+    print("covey: sizes " + " ".join(f"{k}={v}" for k, v in sizes.items()))
+    print(f"covey: task {cfg.task.name}: {len(data.train)} train / {len(data.eval)} held-out examples"
+          + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
+
+
+def train(cfg: Config) -> dict:
+    """Run training; returns a summary with held-out accuracy before and after."""
+    import yaml
+    from tqdm import tqdm
+
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    data = load_task_data(cfg)  # bad data fails before a model is loaded
+    run_dir = prepare_run_dir(cfg)
+    print_header(cfg, run_dir, data)
+    seed_everything(cfg.train.seed)
+    rewarder = build_rewarder(cfg)
+    run = build_run(cfg, run_dir, len(data.train))
+    run.logger = MetricsLogger(run_dir, tensorboard=cfg.train.logger == "tensorboard")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
+    prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
+    eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
+    context = getattr(run.policy.config, "max_position_embeddings", 2048)
+    check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
+    check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
+    engine = HFEngine(run.policy, run.tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+
+    resume_from = resolve_resume(cfg, run_dir)
+    if resume_from is not None:
+        before = load_checkpoint(run, resume_from)
+        run.logger.truncate_after(run.step)
+        print(f"covey: resumed from {resume_from} at step {run.step}")
+    else:
+        before = run_eval(run, engine, eval_prompts, data.eval)
+        run.logger.log(0, before)
+        print(f"covey: held-out accuracy before training: {before['eval/accuracy']:.1%} "
+              f"({before['eval/n']} problems, greedy)")
+
+    bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
+    while run.step < cfg.train.steps:
+        metrics = train_step(run, engine, rewarder, data, prompts)
+        if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
+            metrics.update(run_eval(run, engine, eval_prompts, data.eval))
+        run.logger.log(run.step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+                        kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
+        bar.update(1)
+        if cfg.train.save_every and run.step % cfg.train.save_every == 0:
+            save_checkpoint(run, before)
+    bar.close()
+
+    after = run_eval(run, engine, eval_prompts, data.eval)
+    run.logger.log(run.step, {**after, "final": 1})
+    final_dir = save_final(run)
+    summary = {"accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
+               "steps": run.step, "run_dir": str(run_dir), "final_model": str(final_dir)}
+    print(f"covey: held-out accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
+          f"after {run.step} steps; model saved to {final_dir}")
+    return summary
