@@ -1,0 +1,150 @@
+"""Multi-step arithmetic for process supervision: every step is checkable exactly.
+
+A problem is a start value and 2-4 operations ("Start with 12. Add 7, then
+multiply by 3, then subtract 5."). The reference solution has one operation
+per line ("12 + 7 = 19\\n19 * 3 = 57\\n57 - 5 = 52"), so step labels for a
+process reward model are computed, not annotated (ref. 000's process
+supervision; issue 7). Values stay non-negative and below `max_value`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from covey.rewards.answers import extract_answer, math_equal, normalize_number
+from covey.tasks.base import Example
+
+OPS = ("+", "-", "*")
+_WORDS = {"+": "add {y}", "-": "subtract {y}", "*": "multiply by {y}"}
+DEFAULT_TEMPLATE = ("Start with {start}. {steps}. What is the result? Work it out with one "
+                    "operation per line, like '2 + 3 = 5', then write 'Answer: <number>'.")
+_NUM = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
+_EQUATION_RE = re.compile(rf"({_NUM})\s*([+\-*×xX·])\s*({_NUM})\s*=\s*({_NUM})")
+_OP_ALIASES = {"×": "*", "x": "*", "X": "*", "·": "*"}
+
+
+def _apply(value: int, op: str, y: int) -> int:
+    return {"+": value + y, "-": value - y, "*": value * y}[op]
+
+
+def _draw_ops(rng: random.Random, start: int, n_ops: int, ops: tuple[str, ...],
+              operand_max: int, max_value: int) -> list[list]:
+    """Operations that keep every intermediate value in [0, max_value]."""
+    value, out = start, []
+    for _ in range(n_ops):
+        y = rng.randint(2, operand_max)
+        allowed = [op for op in ops if 0 <= _apply(value, op, y) <= max_value]
+        op = rng.choice(allowed or ["+"])
+        out.append([op, y])
+        value = _apply(value, op, y)
+    return out
+
+
+def reference_steps(start: int, ops: list) -> list[str]:
+    """The solution lines 'a op b = c', one per operation."""
+    lines, value = [], int(start)
+    for op, y in ops:
+        new = _apply(value, op, int(y))
+        lines.append(f"{value} {op} {y} = {new}")
+        value = new
+    return lines
+
+
+def _make_example(start: int, ops: list, template: str) -> Example:
+    words = ", then ".join(_WORDS[op].format(y=y) for op, y in ops)
+    prompt = template.format(start=start, steps=words[0].upper() + words[1:])
+    steps = reference_steps(start, ops)
+    answer = steps[-1].rsplit("=", 1)[1].strip()
+    meta = {"start": start, "ops": ops, "solution": "\n".join(steps)}
+    return Example(prompt=prompt, answer=answer, meta=meta)
+
+
+def _generate(rng: random.Random, n: int, params: dict, exclude: set[str]) -> list[Example]:
+    lo, hi = params["min_ops"], params["max_ops"]
+    if not 1 <= lo <= hi:
+        raise ValueError(f"need 1 <= min_ops <= max_ops, got {lo}, {hi}")
+    if not set(params["ops"]) <= set(OPS):
+        raise ValueError(f"ops must be drawn from {OPS}, got {params['ops']}")
+    out, misses = [], 0
+    while len(out) < n:
+        start = rng.randint(10 ** (params["start_digits"] - 1), 10 ** params["start_digits"] - 1)
+        ops = _draw_ops(rng, start, rng.randint(lo, hi), tuple(params["ops"]),
+                        params["operand_max"], params["max_value"])
+        ex = _make_example(start, ops, params["template"])
+        if ex.prompt in exclude:
+            misses += 1
+            if misses > 10_000 + 100 * n:
+                raise ValueError(f"could not draw {n} distinct multi-step problems; lower n")
+            continue
+        exclude.add(ex.prompt)
+        out.append(ex)
+    return out
+
+
+_DEFAULTS = {"min_ops": 2, "max_ops": 4, "ops": OPS, "start_digits": 2, "operand_max": 9,
+             "max_value": 999, "template": DEFAULT_TEMPLATE}
+
+
+def _params(difficulty: dict) -> dict:
+    unknown = set(difficulty) - set(_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown multistep option(s): {', '.join(sorted(unknown))}")
+    return {**_DEFAULTS, **difficulty}
+
+
+def generate_multistep(n: int, seed: int, **difficulty) -> list[Example]:
+    """`n` distinct problems, deterministic in `seed`.
+
+    difficulty: min_ops / max_ops (operations per problem), ops (subset of + - *),
+    start_digits, operand_max (operands are 2..operand_max), max_value (bound on
+    every intermediate value), template (`{start}`, `{steps}` placeholders).
+    """
+    return _generate(random.Random(seed), n, _params(difficulty), set())
+
+
+def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tuple[list[Example], list[Example]]:
+    """(train, eval), disjoint; eval drawn first so it does not depend on n_train."""
+    params, seen = _params(difficulty), set()
+    eval_set = _generate(random.Random(f"{seed}-multistep-eval"), n_eval, params, seen)
+    train = _generate(random.Random(f"{seed}-multistep-train"), n_train, params, seen)
+    return train, eval_set
+
+
+# ------------------------------------------------------------ step labels
+
+def split_steps(completion: str, separator: str = "\n") -> list[str]:
+    """Non-empty, stripped pieces of the completion between separators."""
+    return [s.strip() for s in completion.split(separator) if s.strip()]
+
+
+def _parse_equation(step: str) -> tuple[str, str, str, str] | None:
+    """(a, op, b, c) as normalised strings from the first 'a op b = c' in the step."""
+    m = _EQUATION_RE.search(step.replace("\u2212", "-"))
+    if m is None:
+        return None
+    a, op, b, c = m.groups()
+    return (normalize_number(a), _OP_ALIASES.get(op, op), normalize_number(b), normalize_number(c))
+
+
+def label_steps(example: Example, completion: str, separator: str = "\n") -> tuple[list[str], list[int]]:
+    """(steps, labels): each step of the completion labelled 1 (correct) or 0.
+
+    Rule, exact and positional: the k-th equation line 'a op b = c' is correct
+    iff it is the k-th reference step (same operands, operator and result), so
+    after a mistake later steps are wrong unless they restate the right values.
+    A non-equation step is correct only if it is the last step and states the
+    right final answer ("Answer: 52"); chatter and extra equations score 0.
+    """
+    expected = [_parse_equation(line) for line in reference_steps(example.meta["start"], example.meta["ops"])]
+    steps = split_steps(completion, separator)
+    labels, k = [], 0
+    for i, step in enumerate(steps):
+        eq = _parse_equation(step)
+        if eq is not None:
+            labels.append(int(k < len(expected) and eq == expected[k]))
+            k += 1
+        else:
+            last = i == len(steps) - 1
+            labels.append(int(last and math_equal(extract_answer(step), example.answer)))
+    return steps, labels
