@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from covey import algos
+from covey.models import response_values
 from covey.rollout.base import Rollout
 
 
@@ -58,8 +59,7 @@ def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tenso
     ids, mask, resp_len = trim(part)
     with autocast_context(precision):
         values = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
-    # values[:, j] is V(prefix up to j); response token t sits at P'+t, its state is prefix P'+t-1.
-    return values[:, -resp_len - 1:-1].float(), resp_len
+    return response_values(values, ids.shape[1] - resp_len, resp_len).float(), resp_len
 
 
 def pad_to(t: Tensor, width: int) -> Tensor:

@@ -31,7 +31,7 @@ from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_
 from covey.evaluation import evaluate
 from covey.forward import batched_logprobs, batched_values
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
-from covey.models import load_critic, load_policy, load_reference, param_memory_mb
+from covey.models import ValueModel, load_policy, load_reference, param_memory_mb
 from covey.rewards.build import build_rewarder
 from covey.rollout.base import Rollout, concat_rollouts
 from covey.rollout.hf import HFEngine
@@ -93,7 +93,8 @@ def build_run(cfg: Config, run_dir: Path, train_size: int) -> Run:
     dtype = getattr(torch, cfg.model.dtype)
     policy, tokenizer = load_policy(cfg.model.path, dtype=dtype)
     reference = load_reference(policy) if needs_reference(cfg) else None
-    critic = load_critic(cfg.model.critic_path or cfg.model.path, dtype=dtype) if uses_critic(cfg) else None
+    critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
+              if uses_critic(cfg) else None)
     optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
     critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
     run = Run(cfg=cfg, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,

@@ -1,0 +1,58 @@
+import re
+
+import pytest
+
+from covey.config import ConfigError, derived_sizes, load_config
+
+
+def test_overrides_and_short_keys():
+    cfg = load_config(None, ["steps=3", "algo.beta=0.1", "rollout.group_size=4"])
+    assert (cfg.train.steps, cfg.algo.beta, cfg.rollout.group_size) == (3, 0.1, 4)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("stepz=3", "unknown config key 'stepz' (did you mean 'steps'?)"),
+    ("algo.beta=abc", "config key 'algo.beta' expects float, got 'abc'"),
+    ("train.steps=1.5", "config key 'train.steps' expects int"),
+    ("algo.estimator=foo", "algo.estimator='foo' is not one of"),
+    ("algo.dual_clip=0.5", "algo.dual_clip must be > 1"),
+    ("rollout.group_size=1", "rollout.group_size must be >= 2"),
+    ("algo.minibatches=3", "must divide prompts_per_step*group_size=32"),
+    ("lr=1e-5", None),
+])
+def test_bad_values(override, message):
+    if message is None:
+        assert load_config(None, [override]).optim.lr == 1e-5
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_kl_in_reward_needs_token_estimator():
+    with pytest.raises(ConfigError, match="kl_in=reward needs"):
+        load_config(None, ["algo.kl_in=reward"])
+
+
+def test_presets_load(tmp_path):
+    import pathlib
+    for preset in sorted(pathlib.Path("configs").glob("*.yaml")):
+        cfg = load_config(str(preset))
+        assert cfg.algo.name == preset.stem
+
+
+def test_derived_sizes():
+    cfg = load_config(None, ["algo.epochs=2", "algo.minibatches=4", "algo.micro_batch_size=3"])
+    sizes = derived_sizes(cfg)
+    assert sizes["sequences_per_minibatch"] == 8
+    assert sizes["micro_batches_per_minibatch"] == 3  # ceil(8 / 3)
+    assert sizes["optimizer_steps_per_rollout"] == 8
+    assert sizes["reuses_old_logprobs"]
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(str(bad))

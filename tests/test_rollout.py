@@ -1,0 +1,53 @@
+"""Rollout masks and the HF engine on the tiny model."""
+
+import torch
+
+from covey.rollout.base import concat_rollouts
+from covey.rollout.hf import HFEngine, response_mask_from_ids
+
+EOS, PAD = 2, 2
+
+
+def test_mask_eos_inside_end_and_absent():
+    ids = torch.tensor([
+        [5, 6, EOS, PAD, PAD],   # EOS inside: tokens 0..2 trained (EOS included)
+        [5, 6, 7, 8, EOS],       # EOS at the last position: all 5 trained
+        [5, 6, 7, 8, 9],         # no EOS: all 5 trained, flagged truncated
+    ])
+    mask, truncated = response_mask_from_ids(ids, [EOS])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_mask_first_of_several_eos_ids():
+    ids = torch.tensor([[5, 0, 6, 2]])  # id 0 is also an end token: stop at index 1
+    mask, truncated = response_mask_from_ids(ids, [0, 2])
+    assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
+
+
+def test_engine_groups_and_padding(tiny_model_dir):
+    from covey.models import load_policy
+    model, tok = load_policy(tiny_model_dir)
+    engine = HFEngine(model, tok, max_new_tokens=6)
+    torch.manual_seed(0)
+    out = engine.generate(["1 + 1 =", "a much longer prompt 3 * 4 ="], group_size=3)
+    assert out.response_ids.shape[0] == 6
+    assert out.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    # left padding: the shorter prompt's padding is on the left
+    assert out.prompt_mask[0, 0] == 0 and out.prompt_mask[0, -1] == 1
+    # tokens outside the mask are pad tokens
+    assert bool((out.response_ids[out.response_mask == 0] == tok.pad_token_id).all())
+    assert len(out.completions) == 6
+
+
+def test_concat_keeps_groups_distinct(tiny_model_dir):
+    from covey.models import load_policy
+    model, tok = load_policy(tiny_model_dir)
+    engine = HFEngine(model, tok, max_new_tokens=4)
+    a = engine.generate(["x"], 2)
+    b = engine.generate(["longer prompt here"], 2)
+    a.scores, b.scores = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5])
+    merged = concat_rollouts([a, b], tok.pad_token_id)
+    assert merged.group_ids.tolist() == [0, 0, 1, 1]
+    assert merged.scores.tolist() == [1.0, 0.0, 0.5, 0.5]
+    assert merged.prompt_ids.shape[1] == max(a.prompt_ids.shape[1], b.prompt_ids.shape[1])
