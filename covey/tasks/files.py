@@ -82,7 +82,7 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 yield where, _RowError(f"invalid JSON: {err.msg} at column {err.colno}")
 

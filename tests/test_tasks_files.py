@@ -1,0 +1,125 @@
+"""JSONL and saved-dataset loading: good rows, every bad-row kind with file:line, skip mode."""
+
+import json
+
+import pytest
+
+from covey.tasks import DataError, Example, load_examples, load_hf_dataset, load_jsonl
+
+
+def write(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
+    return path
+
+
+def test_good_rows_answers_as_strings_and_meta(tmp_path):
+    path = write(tmp_path, [json.dumps({"prompt": "2+2?", "answer": 4, "level": "easy"}),
+                            "",  # blank lines are ignored, not errors
+                            json.dumps({"prompt": "1/2?", "answer": "0.5"}),
+                            json.dumps({"prompt": "pi?", "answer": 3.14})])
+    examples, skipped = load_jsonl(path)
+    assert skipped == 0
+    assert examples == [Example("2+2?", "4", {"level": "easy"}), Example("1/2?", "0.5"), Example("pi?", "3.14")]
+
+
+def test_custom_column_names(tmp_path):
+    path = write(tmp_path, [json.dumps({"question": "q", "solution": "7", "answer": "other"})])
+    (ex,), _ = load_jsonl(path, prompt_key="question", answer_key="solution")
+    assert ex == Example("q", "7", {"answer": "other"})
+
+
+GOOD = json.dumps({"prompt": "p", "answer": "1"})
+
+
+@pytest.mark.parametrize("bad,message", [
+    ('{"prompt": "p"}', "missing field 'answer'"),
+    ('{"answer": "1"}', "missing field 'prompt'"),
+    ('{"prompt": "p", "answer": 1', "invalid JSON: Expecting ',' delimiter at column 28"),
+    ("not json", "invalid JSON: Expecting value at column 1"),
+    ('["p", "1"]', "expected a JSON object, got list"),
+    ('{"prompt": "p", "answer": null}', "field 'answer' must be a string or a number, got null"),
+    ('{"prompt": "p", "answer": true}', "field 'answer' must be a string or a number, got bool"),
+    ('{"prompt": "p", "answer": [1]}', "field 'answer' must be a string or a number, got list"),
+    ('{"prompt": "p", "answer": "  "}', "field 'answer' is empty"),
+    ('{"prompt": 3, "answer": "1"}', "field 'prompt' must be a string, got int"),
+    ('{"prompt": "", "answer": "1"}', "field 'prompt' is empty"),
+    (b'{"prompt": "\xff", "answer": "1"}', "not valid UTF-8"),
+])
+def test_bad_row_names_file_and_line(tmp_path, bad, message):
+    path = write(tmp_path, [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(DataError) as info:
+        load_jsonl(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}:3: ") and message in text
+    assert "\n" not in text
+    examples, skipped = load_jsonl(path, on_error="skip")
+    assert len(examples) == 3 and skipped == 1
+
+
+def test_empty_and_all_bad_files(tmp_path):
+    empty = write(tmp_path, [""], name="empty.jsonl")
+    with pytest.raises(DataError, match=r"empty\.jsonl: empty dataset \(no rows\)"):
+        load_jsonl(empty)
+    bad = write(tmp_path, ["{}", "[]"], name="bad.jsonl")
+    with pytest.raises(DataError, match=r"bad\.jsonl: empty dataset \(all 2 rows were invalid and skipped\)"):
+        load_jsonl(bad, on_error="skip")
+
+
+def test_missing_file_and_bad_option(tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl: file not found"):
+        load_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="on_error"):
+        load_jsonl(write(tmp_path, [GOOD]), on_error="ignore")
+
+
+def test_load_examples_dispatches_on_file(tmp_path):
+    path = write(tmp_path, [GOOD])
+    assert load_examples(path, split=None) == ([Example("p", "1")], 0)
+
+
+# ------------------------------------------------------------ Hugging Face datasets
+
+def test_hf_dataset_and_dataset_dict(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"prompt": ["a", "b", "c"], "answer": [1, None, 3], "extra": [1, 2, 3]}
+    ds = datasets.Dataset.from_dict(rows)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(DataError, match=r"ds row 1: field 'answer' must be a string or a number, got null"):
+        load_hf_dataset(tmp_path / "ds")
+    examples, skipped = load_hf_dataset(tmp_path / "ds", on_error="skip")
+    assert examples == [Example("a", "1", {"extra": 1}), Example("c", "3", {"extra": 3})] and skipped == 1
+
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    assert load_examples(tmp_path / "dd", split="test") == ([Example("a", "1", {"extra": 1})], 0)
+    with pytest.raises(DataError, match="choose a split, one of: train, test"):
+        load_hf_dataset(tmp_path / "dd")
+    with pytest.raises(DataError, match="no split 'tset'; available: train, test"):
+        load_hf_dataset(tmp_path / "dd", split="tset")
+    with pytest.raises(DataError, match=r"dd\[test\]: missing column 'solution' \(columns: prompt, answer, extra\)"):
+        load_hf_dataset(tmp_path / "dd", split="test", answer_key="solution")
+
+
+def test_hf_dataset_bad_paths(tmp_path):
+    pytest.importorskip("datasets")
+    with pytest.raises(DataError, match="dataset folder not found"):
+        load_hf_dataset(tmp_path / "missing")
+    (tmp_path / "notads").mkdir()
+    with pytest.raises(DataError, match="not a dataset saved with save_to_disk"):
+        load_hf_dataset(tmp_path / "notads")
+
+
+def test_hf_without_datasets_installed_says_how_to_fix(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets":
+            raise ImportError("No module named 'datasets'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(ImportError, match=r"pip install 'covey\[datasets\]'"):
+        load_hf_dataset(tmp_path / "ds")
