@@ -1,0 +1,183 @@
+"""Policy losses (PPO clip with dual-clip / GSPO / ratio-vs-ref options, plain PG), value loss,
+and the entropy / KL loss terms, all aggregated with a global ``Normalizer``.
+
+All policy losses share one signature::
+
+    loss_fn(logp, old_logp, advantages, response_mask, norm, opts, ref_logp=None) -> (scalar loss, metrics)
+
+Metrics are micro-batch-local plain floats (means over valid tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean, masked_summary
+from covey.algos.aggregation import Normalizer, aggregate
+from covey.algos.kl import kl_penalty
+from covey.algos.options import PolicyLossOptions
+
+LOG_RATIO_CLAMP = 20.0
+"""|log ratio| is clamped here before exp (e^20 ~ 4.9e8): no overflow, no NaN."""
+
+
+def _mean(x: Tensor, mask: Tensor) -> float:
+    return float(masked_mean(x.detach().to(torch.float64), mask))
+
+
+def _old_kl_metrics(logp: Tensor, old_logp: Tensor | None, mask: Tensor) -> dict:
+    """approx KL(pi_old || pi_theta) on tokens sampled from pi_old, with r = pi_theta / pi_old:
+    k1 = -log r, k3 = r - 1 - log r (Schulman 2020)."""
+    if old_logp is None:
+        return {}
+    d = (logp.detach() - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"policy/approx_kl": _mean(torch.expm1(d) - d, mask), "policy/approx_kl_k1": _mean(-d, mask)}
+
+
+def _adv_metrics(adv: Tensor, mask: Tensor) -> dict:
+    s = masked_summary(adv, mask)
+    return {"adv/mean": s["mean"], "adv/std": s["std"], "adv/max_abs": s["max_abs"]}
+
+
+def log_ratio(logp: Tensor, base_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Clamped log importance ratio per token; 0 on masked positions.
+
+    token:    log pi_theta(y_t) - log pi_base(y_t)
+    sequence: GSPO-token (Zheng et al. 2025): sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)] in log space,
+              s_i = mean_t log ratio over the valid tokens of sequence i. Its value is s_i on every token
+              and its gradient is that of the sequence ratio exp(s_i).
+    """
+    lr = masked_fill_zero(logp - base_logp.detach(), mask)
+    if level == "sequence":
+        seq = lr.detach().sum(-1) / mask.sum(-1).clamp(min=1).to(lr.dtype)
+        lr = masked_fill_zero(logp - logp.detach() + seq[:, None], mask)
+    return lr.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
+                  opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate (Schulman et al. 2017; ref. 003), per token:
+
+        l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+        dual clip (Ye et al. 2020), A < 0 only: l = min(l, -c * A)
+
+    ratio against old_logp (default) or ref_logp (ref. 001's form, opts.ratio_against='ref').
+    """
+    opts.validate()
+    mask = as_bool_mask(response_mask)
+    if opts.ratio_against == "ref":
+        if ref_logp is None:
+            raise ValueError("ratio_against='ref' needs ref_logp")
+        base = ref_logp
+    else:
+        if old_logp is None:
+            raise ValueError("ppo_clip with ratio_against='old' needs old_logp")
+        base = old_logp
+    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    ratio = torch.exp(log_ratio(logp, base, mask, opts.ratio_level))
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(min=1.0 - opts.clip_eps_low, max=1.0 + opts.clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = mask & (clipped > unclipped)
+    dual = torch.zeros_like(mask)
+    if opts.dual_clip is not None:
+        cap = -opts.dual_clip * adv
+        dual = mask & (adv < 0) & (cap < per_token)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    loss = aggregate(per_token, mask, norm)
+    r = ratio.detach()
+    upper, lower = clip_active & (r > 1), clip_active & (r < 1)
+    metrics = {
+        "policy/clipfrac": _mean(clip_active.float(), mask),
+        "policy/clipfrac_upper": _mean(upper.float(), mask),
+        "policy/clipfrac_lower": _mean(lower.float(), mask),
+        "policy/clipfrac_dual": _mean(dual.float(), mask),
+        "policy/ratio_mean": _mean(r, mask),
+        "policy/ratio_max": float(masked_fill_zero(r, mask).max()) if bool(mask.any()) else 0.0,
+        **_old_kl_metrics(logp, old_logp, mask), **_adv_metrics(adv, mask),
+    }
+    return loss, metrics
+
+
+def pg_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
+            opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Plain policy gradient (REINFORCE): l = -A * logp per token. No ratio, no clipping.
+
+    Its gradient equals ppo_clip's on the first on-policy epoch (ratio = 1).
+    """
+    opts.validate()
+    mask = as_bool_mask(response_mask)
+    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    loss = aggregate(-adv * masked_fill_zero(logp, mask), mask, norm)
+    metrics = {"policy/clipfrac": 0.0, "policy/clipfrac_upper": 0.0, "policy/clipfrac_lower": 0.0,
+               "policy/clipfrac_dual": 0.0, **_old_kl_metrics(logp, old_logp, mask), **_adv_metrics(adv, mask)}
+    if old_logp is not None:
+        r = torch.exp((logp.detach() - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        metrics["policy/ratio_mean"] = _mean(r, mask)
+        metrics["policy/ratio_max"] = float(masked_fill_zero(r, mask).max()) if bool(mask.any()) else 0.0
+    return loss, metrics
+
+
+PolicyLoss = Callable[..., "tuple[Tensor, dict]"]
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "pg": pg_loss}
+
+
+def policy_loss(name: str, logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor,
+                norm: Normalizer, opts: PolicyLossOptions | None = None,
+                ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Run policy loss `name` (POLICY_LOSSES): aggregated scalar loss of this micro-batch and its metrics."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name](logp, old_logp, advantages, response_mask, norm,
+                               opts if opts is not None else PolicyLossOptions(), ref_logp=ref_logp)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, norm: Normalizer,
+               clip_range: float | None) -> tuple[Tensor, dict]:
+    """Clipped value loss (ref. 003; PPO2 baselines):
+
+        l = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)     (c = clip_range; None: 0.5 (V - R)^2)
+
+    Metrics: critic/loss, critic/clipfrac (clipped term strictly larger), critic/explained_var
+    (1 - Var(R - V) / Var(R), 0 when Var(R) = 0), critic/value_mean.
+    """
+    mask = as_bool_mask(response_mask)
+    returns = returns.detach().to(values.dtype)
+    err = (values - returns) ** 2
+    clip_active = torch.zeros_like(mask)
+    if clip_range is not None:
+        if not clip_range > 0:
+            raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
+        old = old_values.detach().to(values.dtype)
+        clipped = old + (values - old).clamp(min=-clip_range, max=clip_range)
+        err_clipped = (clipped - returns) ** 2
+        clip_active = mask & (err_clipped > err)
+        err = torch.maximum(err, err_clipped)
+    loss = aggregate(0.5 * err, mask, norm)
+    v, r = values.detach().to(torch.float64), returns.to(torch.float64)
+    var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
+    resid = r - v
+    var_resid = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+    explained = float(1.0 - var_resid / var_r) if float(var_r) > 0 else 0.0
+    metrics = {"critic/loss": float(loss.detach()), "critic/clipfrac": _mean(clip_active.float(), mask),
+               "critic/explained_var": explained, "critic/value_mean": _mean(v, mask)}
+    return loss, metrics
+
+
+def entropy_loss(entropy: Tensor, response_mask: Tensor, norm: Normalizer, coef: float) -> tuple[Tensor, dict]:
+    """Entropy bonus as a loss term: -coef * aggregate(H). Metric policy/entropy (mean H over valid tokens)."""
+    mask = as_bool_mask(response_mask)
+    return -coef * aggregate(entropy, mask, norm), {"policy/entropy": _mean(entropy, mask)}
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, norm: Normalizer, coef: float,
+            kind: str = "k3") -> tuple[Tensor, dict]:
+    """GRPO's KL term in the loss (ref. 000, 003): coef * aggregate(kl_penalty(logp, ref_logp, kind)).
+    Metric kl/ref (mean estimate over valid tokens)."""
+    mask = as_bool_mask(response_mask)
+    kl = kl_penalty(logp, ref_logp.detach(), kind)
+    return coef * aggregate(kl, mask, norm), {"kl/ref": _mean(kl, mask)}
