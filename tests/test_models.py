@@ -254,3 +254,11 @@ def test_default_model_prepares_and_answers():
     out = model.generate(**batch, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "5" in answer, answer
+
+
+def test_tiny_spec_builds_a_cached_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("COVEY_CACHE", str(tmp_path))
+    path = models.resolve_model_path("tiny")
+    assert path == str(tmp_path / "models" / "tiny-llama") and models.is_complete(tmp_path / "models" / "tiny-llama")
+    model, tokenizer = models.load_policy("tiny")
+    assert model.config.hidden_size == 64 and len(tokenizer) == model.config.vocab_size
