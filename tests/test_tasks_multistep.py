@@ -1,0 +1,82 @@
+"""Multi-step arithmetic: generation, reference solutions and exact step labels."""
+
+import pytest
+
+from covey.rewards.rules import correctness_reward
+from covey.tasks import Example, generate_multistep, label_steps, multistep_splits, split_steps
+from covey.tasks.multistep import reference_steps
+
+# Start 12, +7, *3, -5: reference "12 + 7 = 19", "19 * 3 = 57", "57 - 5 = 52".
+EX = Example("Start with 12. Add 7, then multiply by 3, then subtract 5.", "52",
+             {"start": 12, "ops": [["+", 7], ["*", 3], ["-", 5]]})
+
+
+def test_reference_steps():
+    assert reference_steps(12, [["+", 7], ["*", 3], ["-", 5]]) == ["12 + 7 = 19", "19 * 3 = 57", "57 - 5 = 52"]
+
+
+def test_generation_is_deterministic_valid_and_bounded():
+    exs = generate_multistep(300, seed=0)
+    assert exs == generate_multistep(300, seed=0) and exs != generate_multistep(300, seed=1)
+    assert len({e.prompt for e in exs}) == 300
+    for e in exs:
+        ops = e.meta["ops"]
+        assert 2 <= len(ops) <= 4 and 10 <= e.meta["start"] <= 99
+        lines = e.meta["solution"].split("\n")
+        assert lines == reference_steps(e.meta["start"], ops)
+        values = [int(line.rsplit("=", 1)[1]) for line in lines]
+        assert all(0 <= v <= 999 for v in values) and str(values[-1]) == e.answer
+
+
+def test_splits_disjoint_and_options():
+    train, held = multistep_splits(200, 50, seed=3, min_ops=3, max_ops=3, ops=("+", "-"))
+    assert not {e.prompt for e in train} & {e.prompt for e in held}
+    assert all(len(e.meta["ops"]) == 3 and {op for op, _ in e.meta["ops"]} <= {"+", "-"} for e in train)
+    assert multistep_splits(10, 50, seed=3, min_ops=3, max_ops=3, ops=("+", "-"))[1] == held
+    with pytest.raises(TypeError, match="n_steps"):
+        multistep_splits(1, 1, seed=0, n_steps=3)
+    with pytest.raises(ValueError, match="min_ops <= max_ops"):
+        generate_multistep(1, seed=0, min_ops=3, max_ops=2)
+    with pytest.raises(ValueError, match="ops must be drawn"):
+        generate_multistep(1, seed=0, ops=("/",))
+
+
+def test_reference_solution_is_all_correct_and_scores_one():
+    for e in generate_multistep(50, seed=2):
+        completion = e.meta["solution"] + f"\nAnswer: {e.answer}"
+        steps, labels = label_steps(e, completion)
+        assert labels == [1] * len(steps) and len(steps) == len(e.meta["ops"]) + 1
+        assert correctness_reward([e.prompt], [completion], [e.answer]) == [1.0]
+
+
+@pytest.mark.parametrize("completion,labels", [
+    ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\nAnswer: 52", [1, 1, 1, 1]),
+    ("12 + 7 = 20\n20 * 3 = 60\n60 - 5 = 55\nAnswer: 55", [0, 0, 0, 0]),  # error propagates
+    ("12 + 7 = 20\n19 * 3 = 57\n57 - 5 = 52\nAnswer: 52", [0, 1, 1, 1]),  # restated right value
+    ("12 + 7 = 19\n19 * 4 = 76\n76 - 5 = 71", [1, 0, 0]),                  # wrong operand
+    ("12 - 7 = 5\n5 * 3 = 15", [0, 0]),                                    # wrong operator
+    ("Let's compute.\n12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52", [0, 1, 1, 1]),  # chatter scores 0
+    ("Step 1: 12 + 7 = 19\n2. 19 × 3 = 57\n57 − 5 = 52.", [1, 1, 1]),       # prefixes, ×, unicode minus
+    ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\n52 + 1 = 53\nAnswer: 53", [1, 1, 1, 0, 0]),  # extra step
+    ("Answer: 52", [1]),                                                     # final answer only
+    ("Answer: 52\nbye", [0, 0]),                                             # answer not last
+    ("", []),
+])
+def test_label_steps(completion, labels):
+    steps, got = label_steps(EX, completion)
+    assert got == labels and len(steps) == len(labels)
+
+
+def test_custom_separator_and_split():
+    assert split_steps("a\n\n b \n") == ["a", "b"]
+    steps, labels = label_steps(EX, "12 + 7 = 19; 19 * 3 = 57; 57 - 5 = 50", separator=";")
+    assert steps == ["12 + 7 = 19", "19 * 3 = 57", "57 - 5 = 50"] and labels == [1, 1, 0]
+
+
+def test_labels_work_on_meta_read_back_from_json():
+    import json
+
+    e = generate_multistep(1, seed=9)[0]
+    row = json.loads(json.dumps({"prompt": e.prompt, "answer": e.answer, **e.meta}))
+    back = Example(row.pop("prompt"), row.pop("answer"), row)
+    assert label_steps(back, e.meta["solution"])[1] == [1] * len(e.meta["ops"])
