@@ -1,0 +1,220 @@
+"""Policy and value losses on hand-derived numbers (torchtune style: the reasoning is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from covey.algos import (
+    POLICY_LOSSES, Normalizer, PolicyLossOptions, entropy_loss, kl_loss, policy_loss, value_loss,
+)
+
+F64 = torch.float64
+
+
+def token_mean(mask):
+    return Normalizer.from_totals("token_mean", float(torch.as_tensor(mask).sum()), 1, 1)
+
+
+def ppo_case():
+    # five tokens in one row; ratios and advantages chosen to hit every branch of the clip
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5, 4.0]], dtype=F64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]], dtype=F64)
+    old = torch.full((1, 5), -2.0, dtype=F64)
+    logp = (old + ratios.log()).requires_grad_(True)
+    return logp, old, adv, torch.ones(1, 5, dtype=torch.bool)
+
+
+def test_ppo_clip_every_branch():
+    # per token l = max(-A r, -A clip(r, 0.8, 1.2)):
+    #   A=+1, r=1.5: max(-1.5, -1.2) = -1.2   upper clip active, gradient 0
+    #   A=+1, r=0.5: max(-0.5, -0.8) = -0.5   not clipped, dl/dlogp = -A r = -0.5
+    #   A=-1, r=0.5: max( 0.5,  0.8) =  0.8   lower clip active, gradient 0
+    #   A=-1, r=1.5: max( 1.5,  1.2) =  1.5   not clipped, dl/dlogp = 1.5
+    #   A=-1, r=4.0: max( 4.0,  1.2) =  4.0   not clipped, dl/dlogp = 4.0
+    # token mean: (-1.2 - 0.5 + 0.8 + 1.5 + 4.0) / 5 = 0.92
+    logp, old, adv, mask = ppo_case()
+    loss, m = policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions())
+    assert loss.item() == pytest.approx(0.92)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 4.0]], dtype=F64) / 5)
+    assert m["policy/clipfrac"] == pytest.approx(0.4)
+    assert m["policy/clipfrac_upper"] == pytest.approx(0.2) and m["policy/clipfrac_lower"] == pytest.approx(0.2)
+    assert m["policy/clipfrac_dual"] == 0.0
+    assert m["policy/ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5 + 1.5 + 4.0) / 5)
+    assert m["policy/ratio_max"] == pytest.approx(4.0)
+    assert m["adv/mean"] == pytest.approx(-0.2) and m["adv/max_abs"] == 1.0
+    assert m["adv/std"] == pytest.approx(math.sqrt(0.96))  # values +-1, mean -0.2: (2*1.44 + 3*0.64)/5
+    # approx KL(old || new) with d = log r: k1 = mean(-d), k3 = mean(r - 1 - d)
+    d = torch.tensor([1.5, 0.5, 0.5, 1.5, 4.0]).log()
+    assert m["policy/approx_kl_k1"] == pytest.approx(float(-d.mean()), rel=1e-6)
+    assert m["policy/approx_kl"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-6)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # c = 3: token 5 (A=-1, r=4): min(4.0, -c A = 3) = 3, gradient 0; token 4 (r=1.5): min(1.5, 3) = 1.5
+    # token mean: (-1.2 - 0.5 + 0.8 + 1.5 + 3.0) / 5 = 0.72
+    logp, old, adv, mask = ppo_case()
+    loss, m = policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions(dual_clip=3.0))
+    assert loss.item() == pytest.approx(0.72)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 0.0]], dtype=F64) / 5)
+    assert m["policy/clipfrac_dual"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions(dual_clip=1.0))
+
+
+def test_asymmetric_and_large_clip():
+    # DAPO clip-higher (0.2, 0.28), A = 1: r = 1.25 -> -1.25 (inside); r = 1.3 -> -1.28 (clipped)
+    # R1 setting eps = 10, A = 1: r = 5 < 11 -> -5 (never clipped)
+    old = torch.zeros(1, 3, dtype=F64)
+    logp = torch.tensor([[1.25, 1.3, 5.0]], dtype=F64).log()
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    loss, _ = policy_loss("ppo_clip", logp, old, torch.ones(1, 3, dtype=F64), mask, token_mean(mask),
+                          PolicyLossOptions(clip_eps_high=0.28))
+    assert loss.item() == pytest.approx((-1.25 - 1.28) / 2)
+    mask = torch.tensor([[0, 0, 1]], dtype=torch.bool)
+    loss, m = policy_loss("ppo_clip", logp, old, torch.ones(1, 3, dtype=F64), mask, token_mean(mask),
+                          PolicyLossOptions(clip_eps_low=10.0, clip_eps_high=10.0))
+    assert loss.item() == pytest.approx(-5.0) and m["policy/clipfrac"] == 0.0
+
+
+def test_gspo_sequence_ratio():
+    # log ratios [0.2, -0.4] -> sequence ratio s = exp(mean) = exp(-0.1) = 0.904837 on both tokens
+    # eps 0.05, A = +1: s < 0.95 but A > 0 -> unclipped: l = -s per token
+    # seq_mean_token_mean, 1 sequence: loss = -s; dl/dlogp_t = -s / 2 (d s / d logp_t = s / T)
+    old = torch.zeros(1, 2, dtype=F64)
+    logp = torch.tensor([[0.2, -0.4]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    norm = Normalizer.from_totals("seq_mean_token_mean", 2, 1, 2)
+    opts = PolicyLossOptions(clip_eps_low=0.05, clip_eps_high=0.05, ratio_level="sequence")
+    loss, m = policy_loss("ppo_clip", logp, old, torch.ones(1, 2, dtype=F64), mask, norm, opts)
+    s = math.exp(-0.1)
+    assert loss.item() == pytest.approx(-s)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((1, 2), -s / 2, dtype=F64))
+    assert m["policy/ratio_mean"] == pytest.approx(s)
+    # A = -1: max(s, clip(s) = 0.95) = 0.95, clipped -> no gradient
+    logp.grad = None
+    loss, m = policy_loss("ppo_clip", logp, old, -torch.ones(1, 2, dtype=F64), mask, norm, opts)
+    assert loss.item() == pytest.approx(0.95) and m["policy/clipfrac_lower"] == 1.0
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.zeros(1, 2, dtype=F64))
+
+
+def test_gspo_gradient_equals_sequence_objective():
+    # GSPO-token must have the gradient of the sequence-level objective -A_i exp(mean_t log r_{i,t}) (unclipped)
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.randn(3, 4, generator=g, dtype=F64) * 0.01).requires_grad_(True)
+    old = torch.zeros(3, 4, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -2.0, 0.5], dtype=F64)[:, None].expand(3, 4)
+    norm = Normalizer.from_totals("seq_mean_token_mean", 8, 3, 4)
+    loss, _ = policy_loss("ppo_clip", logp, old, adv, mask, norm, PolicyLossOptions(ratio_level="sequence"))
+    grad, = torch.autograd.grad(loss, logp)
+    seq = (logp * mask).sum(-1) / mask.sum(-1)
+    ref = (-adv[:, 0] * seq.exp()).mean()
+    ref_grad, = torch.autograd.grad(ref, logp)
+    assert torch.allclose(grad, ref_grad)
+
+
+def test_ratio_against_reference_is_an_option():
+    # logp = old = -1, ref = -1.5: against old r = 1 -> l = -A = -1; against ref r = e^0.5 = 1.6487 -> clipped -1.2
+    logp = torch.full((1, 1), -1.0, dtype=F64)
+    ref = torch.full((1, 1), -1.5, dtype=F64)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    one = torch.ones(1, 1, dtype=F64)
+    loss_old, _ = policy_loss("ppo_clip", logp, logp.clone(), one, mask, token_mean(mask), PolicyLossOptions(),
+                              ref_logp=ref)
+    loss_ref, _ = policy_loss("ppo_clip", logp, logp.clone(), one, mask, token_mean(mask),
+                              PolicyLossOptions(ratio_against="ref"), ref_logp=ref)
+    assert loss_old.item() == pytest.approx(-1.0) and loss_ref.item() == pytest.approx(-1.2)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss("ppo_clip", logp, logp, one, mask, token_mean(mask), PolicyLossOptions(ratio_against="ref"))
+
+
+def test_plain_policy_gradient():
+    # l = -A logp: logp [-1, -2], A [1, -0.5] -> [1, -1]; token mean 0; dl/dlogp = -A / 2 = [-0.5, 0.25]
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = policy_loss("pg", logp, None, torch.tensor([[1.0, -0.5]], dtype=F64), mask, token_mean(mask))
+    assert loss.item() == pytest.approx(0.0)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, 0.25]], dtype=F64))
+    assert m["policy/clipfrac"] == 0.0
+
+
+def test_pg_and_ppo_agree_on_policy():
+    # at ratio = 1 (first epoch) the clipped surrogate has the plain policy-gradient gradient
+    g = torch.Generator().manual_seed(1)
+    logp = torch.randn(2, 5, generator=g, dtype=F64).requires_grad_(True)
+    adv = torch.randn(2, 5, generator=g, dtype=F64)
+    mask = torch.rand(2, 5, generator=g) < 0.7
+    norm = token_mean(mask)
+    g_ppo, = torch.autograd.grad(policy_loss("ppo_clip", logp, logp.detach(), adv, mask, norm)[0], logp)
+    g_pg, = torch.autograd.grad(policy_loss("pg", logp, logp.detach(), adv, mask, norm)[0], logp)
+    assert torch.allclose(g_ppo, g_pg)
+
+
+def test_policy_loss_registry():
+    assert set(POLICY_LOSSES) == {"ppo_clip", "pg"}
+    with pytest.raises(ValueError, match="valid: ppo_clip, pg"):
+        policy_loss("grpo", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                    token_mean(torch.ones(1, 1)))
+
+
+def one_value(pred, old=10.0, ret=15.0, clip=1.0):
+    v = torch.tensor([[pred]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, m = value_loss(v, torch.tensor([[old]], dtype=F64), torch.tensor([[ret]], dtype=F64), mask,
+                         token_mean(mask), clip)
+    loss.backward()
+    return loss.item(), v.grad.item(), m
+
+
+def test_value_clip_reference_003_example():
+    """Ref. 003: old value 10, return 15, clip 1 (allowed range [9, 11]).
+
+    Its 16 and 49 are the squared errors max((V-R)^2, (V_clip-R)^2) *before* the 0.5 factor:
+      prediction 12: max((12-15)^2 = 9, (11-15)^2 = 16) = 16 -> loss 0.5 * 16 = 8; the clipped term wins and
+                     does not depend on V, so the gradient is 0 (the update is stopped)
+      prediction  8: max((8-15)^2 = 49, (9-15)^2 = 36) = 49 -> loss 24.5; gradient 0.5 * 2 * (8 - 15) = -7
+    """
+    loss, grad, m = one_value(12.0)
+    assert 2 * loss == pytest.approx(16.0) and loss == pytest.approx(8.0)
+    assert grad == 0.0 and m["critic/clipfrac"] == 1.0
+    loss, grad, m = one_value(8.0)
+    assert 2 * loss == pytest.approx(49.0) and loss == pytest.approx(24.5)
+    assert grad == pytest.approx(-7.0) and m["critic/clipfrac"] == 0.0
+    # without clipping: 0.5 * 9 = 4.5, gradient 12 - 15 = -3
+    loss, grad, _ = one_value(12.0, clip=None)
+    assert loss == pytest.approx(4.5) and grad == pytest.approx(-3.0)
+
+
+def test_value_loss_explained_variance():
+    # R = [1, 2, 3, 4] (var 1.25), V = [1, 2, 3, 5]: residual [0, 0, 0, -1], var 0.1875 -> 1 - 0.15 = 0.85
+    v = torch.tensor([[1.0, 2.0, 3.0, 5.0]], dtype=F64)
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=F64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    loss, m = value_loss(v, v, r, mask, token_mean(mask), 0.2)
+    assert m["critic/explained_var"] == pytest.approx(0.85)
+    assert m["critic/value_mean"] == pytest.approx(2.75)
+    assert m["critic/loss"] == pytest.approx(0.5 * 1 / 4) == loss.item()
+    _, m = value_loss(v, v, torch.ones(1, 4, dtype=F64), mask, token_mean(mask), None)
+    assert m["critic/explained_var"] == 0.0  # Var(R) = 0: reported as 0, not NaN
+
+
+def test_entropy_and_kl_loss_terms():
+    # entropy bonus: -coef * mean H = -0.1 * (1 + 3)/2 = -0.2
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, m = entropy_loss(torch.tensor([[1.0, 3.0]]), mask, token_mean(mask), 0.1)
+    assert loss.item() == pytest.approx(-0.2) and m["policy/entropy"] == pytest.approx(2.0)
+    # KL loss, k3 with d = ln 2: e^-d + d - 1 = 0.5 + 0.693147 - 1 = 0.193147; coef 0.5, one token
+    logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[math.log(0.25)]], dtype=F64)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    loss, m = kl_loss(logp, ref, one, token_mean(one), 0.5, "k3")
+    assert loss.item() == pytest.approx(0.5 * (0.5 + math.log(2) - 1))
+    assert m["kl/ref"] == pytest.approx(0.5 + math.log(2) - 1)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(0.5 * (1 - 0.5))  # d k3 / d logp = 1 - e^-d
