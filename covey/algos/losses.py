@@ -146,13 +146,14 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     (1 - Var(R - V) / Var(R), 0 when Var(R) = 0), critic/value_mean.
     """
     mask = as_bool_mask(response_mask)
-    returns = returns.detach().to(values.dtype)
+    values = masked_fill_zero(values, mask)  # garbage (even NaN) at masked positions never reaches a gradient
+    returns = masked_fill_zero(returns.detach().to(values.dtype), mask)
     err = (values - returns) ** 2
     clip_active = torch.zeros_like(mask)
     if clip_range is not None:
         if not clip_range > 0:
             raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
-        old = old_values.detach().to(values.dtype)
+        old = masked_fill_zero(old_values.detach().to(values.dtype), mask)
         clipped = old + (values - old).clamp(min=-clip_range, max=clip_range)
         err_clipped = (clipped - returns) ** 2
         clip_active = mask & (err_clipped > err)
@@ -171,6 +172,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
 def entropy_loss(entropy: Tensor, response_mask: Tensor, norm: Normalizer, coef: float) -> tuple[Tensor, dict]:
     """Entropy bonus as a loss term: -coef * aggregate(H). Metric policy/entropy (mean H over valid tokens)."""
     mask = as_bool_mask(response_mask)
+    entropy = masked_fill_zero(entropy, mask)
     return -coef * aggregate(entropy, mask, norm), {"policy/entropy": _mean(entropy, mask)}
 
 
@@ -179,5 +181,5 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, norm: Normali
     """GRPO's KL term in the loss (ref. 000, 003): coef * aggregate(kl_penalty(logp, ref_logp, kind)).
     Metric kl/ref (mean estimate over valid tokens)."""
     mask = as_bool_mask(response_mask)
-    kl = kl_penalty(logp, ref_logp.detach(), kind)
+    kl = kl_penalty(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp.detach().to(logp.dtype), mask), kind)
     return coef * aggregate(kl, mask, norm), {"kl/ref": _mean(kl, mask)}
