@@ -108,3 +108,33 @@ def test_adaptive_controller_by_hand():
     assert (e.value, e.target, e.horizon) == (c.value, 6.0, 10000.0)
     with pytest.raises(ValueError):
         AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+def test_full_kl_by_hand():
+    # p = softmax([0, ln 3]) = [1/4, 3/4], q = softmax([0, 0]) = [1/2, 1/2]
+    # KL = 0.25 ln(0.5) + 0.75 ln(1.5) = -0.173287 + 0.304099 = 0.130812
+    z = torch.tensor([[[0.0, math.log(3)]]], dtype=F64)
+    assert full_kl(z, torch.zeros_like(z)).item() == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5))
+
+
+def expected_gradient(kind, theta, ref_logp):
+    """Exact E_{y ~ pi_theta}[grad_theta k(log pi_theta(y) - log pi_ref(y))] by enumerating y (pi weights detached)."""
+    logp = torch.log_softmax(theta, -1)
+    k = kl_penalty(logp, ref_logp, kind)
+    return torch.autograd.grad((logp.exp().detach() * k).sum(), theta)[0]
+
+
+def test_kl_loss_gradients_in_expectation():
+    # documented in docs/algorithms.md: as a loss on samples of pi_theta,
+    #   k2 (and the *_st variants) give grad KL(pi_theta || pi_ref),
+    #   k1 gives 0 in expectation, k3 gives grad KL(pi_ref || pi_theta)
+    theta = torch.tensor([0.3, -1.0, 0.8, 0.1], dtype=F64, requires_grad=True)
+    ref_logp = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.0], dtype=F64), -1)
+    logp = torch.log_softmax(theta, -1)
+    reverse = torch.autograd.grad((logp.exp() * (logp - ref_logp)).sum(), theta, retain_graph=True)[0]
+    forward = torch.autograd.grad((ref_logp.exp() * (ref_logp - logp)).sum(), theta)[0]
+    for kind in ("k2", "k1_st", "k3_st"):
+        assert torch.allclose(expected_gradient(kind, theta, ref_logp), reverse), kind
+    assert torch.allclose(expected_gradient("k1", theta, ref_logp), torch.zeros(4, dtype=F64), atol=1e-12)
+    assert torch.allclose(expected_gradient("k3", theta, ref_logp), forward)
+    assert not torch.allclose(forward, reverse, atol=1e-3)
