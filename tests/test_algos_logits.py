@@ -104,3 +104,22 @@ def test_bad_arguments():
         selective_log_softmax(logits, tokens[:, :2])
     with pytest.raises(ValueError, match="chunk_size"):
         entropy_from_logits(logits, chunk_size=0)
+
+
+@pytest.mark.parametrize("chunk", [2, 1000])
+def test_non_contiguous_view_is_walked_not_copied(chunk):
+    # logits[:, :-1] (as a causal LM's output is sliced) is not viewable as (rows, V): it is processed
+    # sequence by sequence; values and gradients must match the contiguous path
+    full, _ = case(shape=(3, 5, 11))
+    tokens = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(3))
+    view = full[:, :-1]
+    assert not view.is_contiguous()
+    w = torch.randn(3, 4, dtype=F64)
+    for fn in (lambda x: selective_log_softmax(x, tokens, 0.8, chunk), lambda x: entropy_from_logits(x, 0.8, chunk)):
+        out = fn(view)
+        g, = torch.autograd.grad((out * w).sum(), full)
+        copy = view.detach().contiguous().requires_grad_(True)
+        ref = fn(copy)
+        rg, = torch.autograd.grad((ref * w).sum(), copy)
+        assert torch.allclose(out, ref) and torch.allclose(g[:, :-1], rg) and (g[:, -1] == 0).all()
+        assert max(saved_numels(fn, view)) <= 12   # only (N, L) tensors are saved besides the view itself
