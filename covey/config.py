@@ -144,14 +144,12 @@ class AlgoConfig:
     """Epsilon added to the std."""
     token_credit: str = "shared"
     """Token credit for ref. 001's variant: shared | uniform | discounted."""
-    normalize: str = "group"
-    """Advantage normalisation: group | batch | global_token | none."""
+    normalize: str = "auto"
+    """Advantage normalisation: auto (the estimator's paper default) | group | batch | global_token | none."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
-    whiten_advantages: bool = False
-    """Whiten GAE advantages over the batch."""
     epochs: int = 1
     """mu: update epochs over each rollout."""
     minibatches: int = 1
@@ -356,7 +354,7 @@ CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3", "abs", "k1_st", "k3_st"),
     "algo.kl_in": ("loss", "reward", "none"),
     "algo.token_credit": ("shared", "uniform", "discounted"),
-    "algo.normalize": ("group", "batch", "global_token", "none"),
+    "algo.normalize": ("auto", "group", "batch", "global_token", "none"),
     "train.logger": ("jsonl", "tensorboard"),
 }
 

@@ -218,8 +218,7 @@ def add_logprobs(run: Run, rollout: Rollout) -> dict:
 def advantage_options(cfg: Config) -> algos.AdvantageOptions:
     a = cfg.algo
     return algos.AdvantageOptions(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
-                                  ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize,
-                                  whiten=a.whiten_advantages)
+                                  ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize)
 
 
 def add_advantages(run: Run, rollout: Rollout) -> dict:
