@@ -167,7 +167,8 @@ def _table(result: dict, digits: int) -> str:
     seqs = result["sequences"]
     width = max([s["length"] for s in seqs] + [1])
     cell = digits + 5
-    head = f"{'seq':>4} {'group':>6} {'reward':>{cell}} " + " ".join(f"{'t=' + str(t):>{cell}}" for t in range(1, width + 1))
+    tokens = " ".join(f"{'t=' + str(t):>{cell}}" for t in range(1, width + 1))
+    head = f"{'seq':>4} {'group':>6} {'reward':>{cell}} {tokens}"
     lines = [" ".join(f"{k}={v}" for k, v in result["options"].items()), ""]
     for key in ("advantages", "returns"):
         lines += [f"{key}:", head]

@@ -180,7 +180,8 @@ def test_grpo_process_rejects_bad_steps():
 
 
 def test_unknown_names_and_bad_options():
-    inp = AdvantageInput(scores=torch.ones(2), response_mask=torch.ones(2, 2), group_ids=torch.zeros(2, dtype=torch.long))
+    inp = AdvantageInput(scores=torch.ones(2), response_mask=torch.ones(2, 2),
+                         group_ids=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="valid: grpo, grpo_process, rloo"):
         compute_advantages("ppo", inp, AdvantageOptions())
     for bad in (dict(gamma=1.5), dict(gamma=-0.1), dict(lam=2.0), dict(ddof=-1), dict(token_credit="x"),

@@ -136,7 +136,8 @@ def _check_steps(inp: AdvantageInput, p: Prepared) -> tuple[Tensor, Tensor, Tens
 def steps_to_tokens(step_values: Tensor, ends: Tensor, valid: Tensor, mask: Tensor) -> Tensor:
     """(N, S) -> (N, L): value of token t = sum of step_values of the real steps with end >= t."""
     placed = torch.zeros(mask.shape, dtype=step_values.dtype, device=step_values.device)
-    placed = placed.scatter_add(1, ends.clamp(min=0, max=max(mask.shape[-1] - 1, 0)), masked_fill_zero(step_values, valid))
+    index = ends.clamp(min=0, max=max(mask.shape[-1] - 1, 0))
+    placed = placed.scatter_add(1, index, masked_fill_zero(step_values, valid))
     return masked_fill_zero(placed.flip(-1).cumsum(-1).flip(-1), mask)
 
 
