@@ -56,7 +56,7 @@ class TaskConfig:
     """Digits of the first operand."""
     digits_b: int = 1
     """Digits of the second operand."""
-    train_size: int = 2000
+    train_size: int = 600
     """Number of generated training problems."""
     eval_size: int = 200
     """Number of held-out problems (disjoint from training)."""

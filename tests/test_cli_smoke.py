@@ -1,0 +1,78 @@
+"""The real CLI, end to end, on a tiny random Llama (seconds per run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from covey.cli import main
+from tests.conftest import tiny_overrides
+
+PRESETS = sorted(p.stem for p in Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_trains_two_steps(preset, tiny_model_dir, tmp_path):
+    code = main(["train", f"configs/{preset}.yaml", *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward/mean", "reward/std", "accuracy", "groups/zero_std_frac", "policy/clipfrac",
+                "policy/approx_kl", "policy/entropy", "response/len_mean", "response/len_max",
+                "response/truncated_frac", "optim/grad_norm", "optim/lr", "time/generate", "time/score",
+                "time/logprobs", "time/update", "throughput/tokens_per_s", "memory/peak_rss_mb"):
+        assert key in steps[-1], key
+    if preset == "ppo":
+        assert "critic/loss" in steps[-1] and "critic/explained_var" in steps[-1]
+        assert "memory/params_mb/critic" in steps[-1]
+    assert (tmp_path / "t" / "final" / "config.json").is_file()
+    assert rows[-1]["final"] == 1 and "eval/accuracy" in rows[-1]
+
+
+def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
+    """`python -m covey.cli train` in a subprocess, then `covey eval --model runs/<name>/final`."""
+    cmd = [sys.executable, "-m", "covey.cli", "train", *tiny_overrides(tiny_model_dir, tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out accuracy" in done.stdout
+    final = tmp_path / "t" / "final"
+    cmd = [sys.executable, "-m", "covey.cli", "eval", "--model", str(final), "task.eval_size=4",
+           "task.train_size=16", "rollout.eval_max_new_tokens=4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["eval/n"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "stepz=3"], "unknown config key 'stepz' (did you mean 'steps'?)"),
+    (["train", "algo.beta=x"], "config key 'algo.beta' expects float"),
+    (["train", "model.path=./no/such/model"], "model path not found"),
+    (["train", "task.name=jsonl", "task.path=/no/such.jsonl"], "file not found"),
+])
+def test_bad_input_one_line_exit_2(args, message, capsys, tmp_path):
+    code = main(args + [f"train.output_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, capsys, tiny_model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"\n')
+    code = main(["train", "task.name=jsonl", f"task.path={data}", *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 2
+    assert f"{data}:2:" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_context(tmp_path, capsys, tiny_model_dir):
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "7 " * 3000, "answer": "1"}, {"prompt": "1+1?", "answer": "2"},
+            {"prompt": "2+2?", "answer": "4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["train", "task.name=jsonl", f"task.path={data}", "task.eval_size=1",
+                 *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 2
+    assert "prompt is" in capsys.readouterr().err
