@@ -6,7 +6,8 @@ everything exported here).
 
 Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
 losses (policy / value / entropy / KL loss terms), aggregation (global normaliser),
-kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL).
+kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
+dpo (DPO loss on best-vs-worst pairs).
 """
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten
@@ -14,6 +15,7 @@ from covey.algos.advantages import (
     ESTIMATORS, compute_advantages, grpo, grpo_process, remax, rloo, spread_over_tokens, steps_to_tokens,
 )
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, step_totals
+from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.logits import entropy_from_logits, full_kl, selective_log_softmax
 from covey.algos.losses import (
@@ -28,9 +30,11 @@ __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLossOptions",
-    "aggregate", "compute_advantages", "discounted_returns", "entropy_from_logits", "entropy_loss", "full_kl",
+    "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
+    "entropy_from_logits", "entropy_loss", "full_kl",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
     "masked_mean", "masked_std", "pg_loss", "policy_loss", "ppo_clip_loss", "reinforce_pp",
-    "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "spread_over_tokens", "step_totals",
+    "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
+    "step_totals",
     "steps_to_tokens", "token_rewards", "value_loss", "whiten",
 ]
