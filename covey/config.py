@@ -102,6 +102,66 @@ class RewardConfig:
     """Reward failure policy: raise | zero (score 0, counted) | drop (remove the sample from its group, counted)."""
     timeout_s: float = 30.0
     """Per-call timeout of a reward function."""
+    model_path: str = ""
+    """Learned outcome reward model folder (`covey train-rm` output); empty = none."""
+    model_weight: float = 1.0
+    """Weight of the learned outcome RM score."""
+    prm_path: str = ""
+    """Process reward model folder (`covey train-rm rm.objective=prm` output); empty = none."""
+    prm_weight: float = 0.0
+    """Weight of the PRM's outcome score (min over step probabilities) in the total reward."""
+    step_source: str = "prm"
+    """Step rewards of algo.estimator=grpo_process: prm (reward.prm_path) | exact (multistep verifier labels)."""
+    step_separator: str = "\n"
+    """Separator between reasoning steps (escapes like \\n are decoded)."""
+    remote_url: str = ""
+    """Remote reward service (`covey serve-reward`), e.g. http://127.0.0.1:8765; empty = none."""
+    remote_weight: float = 1.0
+    """Weight of the remote reward."""
+    remote_token_env: str = "COVEY_REWARD_TOKEN"
+    """Environment variable holding the remote service's bearer token."""
+    remote_timeout_s: float = 10.0
+    """Per-request timeout of the remote reward client."""
+    remote_retries: int = 3
+    """Retries (with exponential backoff) after a failed remote request."""
+    remote_batch_size: int = 64
+    """Items per remote request."""
+    iterative_every: int = 0
+    """Iterative GRPO: retrain the learned RM / PRM on fresh samples every K policy steps (0 = fixed)."""
+    replay_fraction: float = 0.1
+    """Share of historical (replayed) samples in each RM refresh's training mix."""
+
+
+@dataclass
+class RMConfig:
+    objective: str = "bt"
+    """`covey train-rm` model: bt (Bradley-Terry outcome RM) | prm (process RM, per-step BCE)."""
+    base_model: str = "default"
+    """Backbone the reward model starts from (model spec or a saved RM folder)."""
+    data: str = ""
+    """Training JSONL (bt: prompt/chosen/rejected; prm: prompt/completion/labels); empty = generate from the task."""
+    output: str = "runs/rm"
+    """Folder the trained reward model is written to."""
+    num_examples: int = 256
+    """Pairs (bt) or labelled completions (prm) to generate when rm.data is empty."""
+    samples_per_prompt: int = 8
+    """Policy samples per prompt when generating training data."""
+    eval_fraction: float = 0.2
+    """Held-out share of the data (split by prompt) for pair / step accuracy."""
+    train_epochs: int = 2
+    """Passes over the training data."""
+    learning_rate: float = 2e-5
+    """Reward model learning rate (AdamW), also used by iterative refreshes."""
+    batch_size: int = 8
+    """Pairs (bt) or completions (prm) per optimizer step."""
+    margin: float = 0.0
+    """Bradley-Terry margin m in -log sigmoid(r_chosen - r_rejected - m)."""
+    max_length: int = 384
+    """Longest reward-model input in tokens (longer inputs keep their end)."""
+    train_layers: int = 0
+    """Train only the top K transformer layers and the head (0 = all; speeds up CPU training)."""
+    replay_capacity: int = 2048
+    """Historical examples kept for replay by iterative refreshes."""
 
 
 @dataclass
@@ -224,6 +284,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -344,6 +405,8 @@ CHOICES = {
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "vllm"),
     "reward.on_error": ("raise", "zero", "drop"),
+    "reward.step_source": ("prm", "exact"),
+    "rm.objective": ("bt", "prm"),
     "algo.name": ("grpo", "dr_grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "remax"),
     "algo.estimator": ("grpo", "grpo_process", "rloo", "remax", "reinforce_pp",
                        "reinforce_pp_baseline", "gae"),
@@ -360,7 +423,9 @@ CHOICES = {
 
 POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
             "algo.epochs", "algo.minibatches", "algo.micro_batch_size", "train.steps",
-            "rollout.eval_batch_size", "rollout.eval_max_new_tokens")
+            "rollout.eval_batch_size", "rollout.eval_max_new_tokens", "reward.remote_batch_size",
+            "rm.num_examples", "rm.samples_per_prompt", "rm.train_epochs", "rm.batch_size", "rm.max_length",
+            "rm.replay_capacity")
 
 
 def _get(cfg: Config, key: str):
@@ -401,6 +466,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
+    validate_rewards(cfg)
+
+
+def validate_rewards(cfg: Config) -> None:
+    """Learned / remote reward sources and iterative GRPO (issue 7)."""
+    r = cfg.reward
+    if not 0.0 <= r.replay_fraction < 1.0:
+        raise ConfigError(f"reward.replay_fraction must lie in [0, 1), got {r.replay_fraction}")
+    if not 0.0 < cfg.rm.eval_fraction < 1.0:
+        raise ConfigError(f"rm.eval_fraction must lie in (0, 1), got {cfg.rm.eval_fraction}")
+    if r.iterative_every < 0 or r.remote_retries < 0 or r.remote_timeout_s <= 0:
+        raise ConfigError("reward.iterative_every and reward.remote_retries must be >= 0, remote_timeout_s > 0")
+    if r.iterative_every and not (r.model_path or r.prm_path):
+        raise ConfigError("reward.iterative_every needs a learned reward model (reward.model_path or reward.prm_path)")
+    if r.iterative_every and r.prm_path and cfg.task.name != "multistep":
+        raise ConfigError("refreshing a PRM needs exact step labels: use task.name=multistep")
+    if cfg.algo.estimator == "grpo_process":
+        if r.step_source == "prm" and not r.prm_path:
+            raise ConfigError("algo.estimator=grpo_process scores steps with a PRM: set reward.prm_path "
+                              "(or reward.step_source=exact on task.name=multistep)")
+        if r.step_source == "exact" and cfg.task.name != "multistep":
+            raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
 
 
 def uses_critic(cfg: Config) -> bool:
