@@ -167,7 +167,7 @@ class RMConfig:
 @dataclass
 class AlgoConfig:
     name: str = "grpo"
-    """Preset family: grpo | dr_grpo | ppo | reinforce_pp | reinforce_pp_baseline | rloo | remax."""
+    """Preset family: grpo | dr_grpo | ppo | reinforce_pp | reinforce_pp_baseline | rloo | remax | dpo_iterative."""
     estimator: str = "grpo"
     """Advantage estimator (covey.algos.ESTIMATORS)."""
     policy_loss: str = "ppo_clip"
@@ -228,6 +228,8 @@ class AlgoConfig:
     """Replace the reference by the policy every K steps (0 = never)."""
     ref_ema: float = 0.0
     """Mix the policy into the reference every step with this weight (0 = off)."""
+    dpo_beta: float = 0.1
+    """dpo_iterative: beta of the DPO loss -log sigmoid(beta * margin) (implicit KL strength)."""
 
 
 @dataclass
@@ -276,6 +278,12 @@ class TrainConfig:
     """Resume even if result-changing config keys differ from the checkpoint's."""
     progress: bool = True
     """Show a live progress bar."""
+    max_minutes: float = 0.0
+    """Stop after this many minutes spent in training steps, evaluation excluded (0 = no limit)."""
+    grad_var_every: int = 0
+    """Measure the policy-gradient variance on the rollout every N steps (0 = off; one extra backward pass)."""
+    grad_var_batches: int = 4
+    """Disjoint mini-batches of the rollout whose gradients the variance measurement compares (>= 2)."""
 
 
 @dataclass
@@ -407,7 +415,8 @@ CHOICES = {
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),
     "rm.objective": ("bt", "prm"),
-    "algo.name": ("grpo", "dr_grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "remax"),
+    "algo.name": ("grpo", "dr_grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "remax",
+                  "dpo_iterative"),
     "algo.estimator": ("grpo", "grpo_process", "rloo", "remax", "reinforce_pp",
                        "reinforce_pp_baseline", "gae"),
     "algo.policy_loss": ("ppo_clip", "pg"),
@@ -467,6 +476,7 @@ def validate(cfg: Config) -> None:
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
     validate_rewards(cfg)
+    validate_dpo_and_budget(cfg)
 
 
 def validate_rewards(cfg: Config) -> None:
@@ -488,6 +498,28 @@ def validate_rewards(cfg: Config) -> None:
                               "(or reward.step_source=exact on task.name=multistep)")
         if r.step_source == "exact" and cfg.task.name != "multistep":
             raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
+
+
+def validate_dpo_and_budget(cfg: Config) -> None:
+    """Iterative DPO, the wall-clock budget and the gradient-variance measurement (issue 8)."""
+    a, t = cfg.algo, cfg.train
+    if a.name == "dpo_iterative":
+        if cfg.rollout.group_size < 2:
+            raise ConfigError("algo.name=dpo_iterative pairs the best and worst sample of a prompt: "
+                              "rollout.group_size must be >= 2")
+        if a.dpo_beta <= 0:
+            raise ConfigError(f"algo.dpo_beta must be > 0, got {a.dpo_beta}")
+        if t.grad_var_every:
+            raise ConfigError("train.grad_var_every measures advantage-weighted policy gradients; "
+                              "it is not defined for algo.name=dpo_iterative")
+    if t.max_minutes < 0:
+        raise ConfigError(f"train.max_minutes must be >= 0 (0 = no limit), got {t.max_minutes}")
+    if t.grad_var_every < 0:
+        raise ConfigError(f"train.grad_var_every must be >= 0 (0 = off), got {t.grad_var_every}")
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if t.grad_var_every and not 2 <= t.grad_var_batches <= n_seq:
+        raise ConfigError(f"train.grad_var_batches must lie in [2, prompts_per_step*group_size={n_seq}], "
+                          f"got {t.grad_var_batches}")
 
 
 def uses_critic(cfg: Config) -> bool:
