@@ -24,11 +24,19 @@ def parse_functions(spec: str) -> list[tuple[str, float]]:
     return out
 
 
-def build_rewarder(cfg) -> Rewarder:
+def build_rewarder(cfg, learned=None) -> Rewarder:
+    """Rule terms, user callables, learned RM / PRM (`learned`, loaded from cfg if None) and a remote service.
+
+    With a learned or remote source the verifier still runs at weight 0, so the
+    logged accuracy and the RM/verifier agreement are measured, never rewarded.
+    """
+    from covey.rewards.model import load_learned_rewards
     from covey.rewards.rules import correctness_reward, format_reward, overlong_penalty
     r = cfg.reward
+    learned = learned if learned is not None else load_learned_rewards(cfg)
+    monitor = bool(learned.outcome or learned.process or r.remote_url)
     terms = []
-    if r.correctness:
+    if r.correctness or monitor:
         terms.append(RewardTerm("correctness", correctness_reward, r.correctness))
     if r.format:
         terms.append(RewardTerm("format", format_reward, r.format))
@@ -37,4 +45,11 @@ def build_rewarder(cfg) -> Rewarder:
         terms.append(RewardTerm("overlong", fn, r.overlong_weight))
     for spec, weight in parse_functions(r.functions):
         terms.append(RewardTerm(spec, load_callable(spec), weight))
+    if learned.outcome is not None:
+        terms.append(RewardTerm("rm", learned.outcome, r.model_weight))
+    if learned.process is not None and r.prm_weight:
+        terms.append(RewardTerm("prm", learned.process, r.prm_weight))
+    if r.remote_url:
+        from covey.rewards.remote import RemoteReward
+        terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
     return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)

@@ -1,0 +1,535 @@
+"""Reward model training: Bradley-Terry outcome RMs, process RMs, their data, iterative refresh.
+
+Data (JSONL, one object per line):
+- `bt`:  {"prompt", "chosen", "rejected"}: a preference pair;
+- `prm`: {"prompt", "completion", "labels"}: one 0/1 label per step of the completion.
+Both can be generated instead of hand-made: sample the policy on the task and
+label with the exact verifier (`correctness_reward` for pairs: every correct
+sample is paired with an incorrect one of the same prompt; `label_steps` for
+the multi-step task, plus the reference solution and copies with one injected
+error, so a PRM also sees correct steps the base policy rarely writes).
+
+Losses (ref. 002: reward models are trained with the Bradley-Terry loss):
+    bt:  -log sigmoid(r_chosen - r_rejected - margin)      mean over pairs
+    prm: BCE(logit at each step's last token, label)        mean over real steps
+
+Iterative GRPO (ref. 000): `RewardModelRefresher` collects the policy's latest
+samples with their verifier labels and every K policy steps continues training
+the RM / PRM on them mixed with a replay buffer (`replay_fraction` of the mix is
+historical data, 10% by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
+                                 encode, read_values)
+from covey.rewards.rules import correctness_reward
+from covey.tasks.multistep import label_steps, reference_steps, split_steps
+
+
+class RewardDataError(ValueError):
+    """Bad reward-model training data (one line naming file and line)."""
+
+
+@dataclass
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+@dataclass
+class StepExample:
+    prompt: str
+    completion: str
+    labels: list[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- data files
+
+
+def load_rm_data(path: str | Path, objective: str, separator: str = "\n") -> list:
+    """PreferencePairs (bt) or StepExamples (prm) from JSONL; errors name file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"reward-model data file not found: {path}")
+    keys = ("prompt", "chosen", "rejected") if objective == "bt" else ("prompt", "completion", "labels")
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RewardDataError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+        missing = [k for k in keys if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise RewardDataError(f"{path}:{number}: missing key(s) {', '.join(missing)} for objective {objective}")
+        out.append(_row_to_example(row, objective, f"{path}:{number}", separator))
+    if not out:
+        raise RewardDataError(f"{path}: no examples")
+    return out
+
+
+def _row_to_example(row: dict, objective: str, where: str, separator: str):
+    if objective == "bt":
+        return PreferencePair(str(row["prompt"]), str(row["chosen"]), str(row["rejected"]))
+    labels = row["labels"]
+    if not isinstance(labels, list) or any(v not in (0, 1) for v in labels):
+        raise RewardDataError(f"{where}: labels must be a list of 0/1")
+    steps = split_steps(str(row["completion"]), separator)
+    if len(labels) != len(steps):
+        raise RewardDataError(f"{where}: {len(labels)} labels for {len(steps)} steps")
+    return StepExample(str(row["prompt"]), str(row["completion"]), [int(v) for v in labels])
+
+
+def save_rm_data(path: Path, examples: list) -> None:
+    with open(path, "w") as handle:
+        for ex in examples:
+            handle.write(json.dumps(asdict(ex)) + "\n")
+
+
+def split_by_prompt(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, held-out) with no prompt on both sides."""
+    prompts = sorted({ex.prompt for ex in examples})
+    random.Random(seed).shuffle(prompts)
+    held_prompts = set(prompts[:max(1, round(len(prompts) * eval_fraction))])
+    train = [ex for ex in examples if ex.prompt not in held_prompts]
+    held = [ex for ex in examples if ex.prompt in held_prompts]
+    if not train or not held:
+        raise RewardDataError(f"need examples from at least 2 prompts to hold some out, got {len(prompts)}")
+    return train, held
+
+
+# --------------------------------------------------------------------------- labelled samples
+
+
+def pairs_from_group(prompt: str, completions: list[str], correct: list[float], limit: int) -> list[PreferencePair]:
+    """Pair distinct correct completions with distinct incorrect ones of the same prompt (at most `limit`)."""
+    good = list(dict.fromkeys(c for c, ok in zip(completions, correct) if ok > 0.5 and c.strip()))
+    bad = list(dict.fromkeys(c for c, ok in zip(completions, correct) if ok <= 0.5 and c.strip()))
+    return [PreferencePair(prompt, g, b) for g, b in zip(good, bad)][:limit]
+
+
+def corrupted_solutions(example, rng: random.Random) -> list[str]:
+    """The reference solution and one copy with a wrong result at a random step (later steps follow it)."""
+    lines = reference_steps(example.meta["start"], example.meta["ops"])
+    right = "\n".join(lines + [f"Answer: {example.answer}"])
+    k = rng.randrange(len(lines))
+    wrong_value = int(lines[k].rsplit("=", 1)[1]) + rng.choice([-1, 1]) * rng.randint(1, 12)
+    value, out = wrong_value, lines[:k] + [f"{lines[k].rsplit('=', 1)[0]}= {wrong_value}"]
+    for op, y in example.meta["ops"][k + 1:]:
+        new = {"+": value + y, "-": value - y, "*": value * y}[op]
+        out.append(f"{value} {op} {y} = {new}")
+        value = new
+    return [right, "\n".join(out + [f"Answer: {value}"])]
+
+
+def step_examples_from_group(example, completions: list[str], rng: random.Random | None = None,
+                             separator: str = "\n") -> list[StepExample]:
+    """Exactly labelled steps of every non-empty completion (plus reference/corrupted ones if rng)."""
+    texts = list(completions)
+    if rng is not None:
+        texts += [sol.replace("\n", separator) for sol in corrupted_solutions(example, rng)]
+    out = []
+    for text in dict.fromkeys(texts):
+        steps, labels = label_steps(example, text, separator)
+        if steps:
+            out.append(StepExample(example.prompt, text, labels))
+    return out
+
+
+def generate_rm_data(cfg, objective: str, log=print) -> list:
+    """Sample the policy (`model.path`) on the task's training prompts and label the samples exactly."""
+    from covey.data import format_prompts, load_task_data
+    from covey.models import load_policy
+    from covey.rollout.hf import HFEngine
+
+    examples = load_task_data(cfg).train
+    if objective == "prm" and "ops" not in (examples[0].meta if examples else {}):
+        raise RewardDataError("generating PRM data needs exact step labels: use task.name=multistep")
+    policy, tokenizer = load_policy(cfg.model.path)
+    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    rng, out, t0 = random.Random(cfg.train.seed), [], time.perf_counter()
+    per_call = max(1, cfg.rollout.prompts_per_step)
+    for start in range(0, len(examples), per_call):
+        batch = examples[start:start + per_call]
+        rollout = engine.generate(format_prompts(tokenizer, batch, cfg.task.system_prompt), cfg.rm.samples_per_prompt)
+        for j, ex in enumerate(batch):
+            texts = [c for c, i in zip(rollout.completions, rollout.example_index) if i == j]
+            if objective == "bt":
+                correct = correctness_reward(None, texts, answer=ex.answer)
+                out += pairs_from_group(ex.prompt, texts, correct, limit=2)
+            else:
+                out += step_examples_from_group(ex, texts, rng, decode_separator(cfg.reward.step_separator))
+        log(f"covey train-rm: sampled {start + len(batch)} prompts -> {len(out)} examples "
+            f"({time.perf_counter() - t0:.0f}s)")
+        if len(out) >= cfg.rm.num_examples:
+            break
+    return out[:cfg.rm.num_examples]
+
+
+# --------------------------------------------------------------------------- losses and training
+
+
+def bt_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+    """Bradley-Terry: mean of -log sigmoid(r_c - r_r - m) (logsigmoid is stable for large gaps)."""
+    return -F.logsigmoid(r_chosen - r_rejected - margin).mean()
+
+
+def prm_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy over the real steps only (mean)."""
+    per_step = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
+    return (per_step * mask).sum() / mask.sum().clamp(min=1)
+
+
+def freeze_lower_layers(model, train_layers: int) -> None:
+    """Train only the top `train_layers` decoder layers, the final norm and the head (0 = everything)."""
+    if train_layers <= 0:
+        return
+    layers = getattr(model.backbone, "layers", None)
+    if layers is None:
+        raise RewardDataError("rm.train_layers needs a backbone with a `layers` list (Llama-like)")
+    model.backbone.requires_grad_(False)
+    for layer in list(layers)[-train_layers:]:
+        layer.requires_grad_(True)
+    if getattr(model.backbone, "norm", None) is not None:
+        model.backbone.norm.requires_grad_(True)
+
+
+class RMTrainer:
+    """Optimises one reward model; also measures pair / step accuracy."""
+
+    def __init__(self, model, tokenizer, objective: str, *, lr: float, batch_size: int, max_length: int,
+                 margin: float = 0.0, separator: str = "\n", seed: int = 0):
+        self.model, self.tokenizer, self.objective = model, tokenizer, objective
+        self.batch_size, self.max_length, self.margin = batch_size, max_length, margin
+        self.separator = decode_separator(separator)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _outputs(self, batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """bt: (r_chosen, r_rejected, -); prm: (logits (n, S), labels (n, S), mask (n, S))."""
+        if self.objective == "bt":
+            prompts = [p.prompt for p in batch] * 2
+            texts = [p.chosen for p in batch] + [p.rejected for p in batch]
+            scores = read_values(self.model, encode(self.tokenizer, prompts, texts, self.max_length))[:, 0]
+            return scores[:len(batch)], scores[len(batch):], torch.ones(len(batch), dtype=torch.bool)
+        enc = encode(self.tokenizer, [e.prompt for e in batch], [e.completion for e in batch], self.max_length,
+                     self.separator)
+        labels = torch.zeros(enc.positions.shape)
+        for i, ex in enumerate(batch):
+            labels[i, :len(ex.labels)] = torch.tensor(ex.labels, dtype=torch.float)
+        return read_values(self.model, enc), labels, enc.position_mask
+
+    def loss(self, batch: list) -> torch.Tensor:
+        a, b, mask = self._outputs(batch)
+        return bt_loss(a, b, self.margin) if self.objective == "bt" else prm_loss(a, b, mask.float())
+
+    def fit(self, examples: list, epochs: int, log=None) -> dict:
+        """`epochs` shuffled passes; returns the mean loss of the last epoch."""
+        self.model.train()
+        mean = float("nan")
+        for epoch in range(epochs):
+            order = torch.randperm(len(examples), generator=self.generator).tolist()
+            losses = []
+            for start in range(0, len(order), self.batch_size):
+                loss = self.loss([examples[i] for i in order[start:start + self.batch_size]])
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], 1.0)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+            mean = sum(losses) / max(len(losses), 1)
+            if log:
+                log(epoch + 1, mean)
+        return {"rm/loss": mean}
+
+    @torch.no_grad()
+    def evaluate(self, examples: list) -> dict:
+        """bt: rm/pair_accuracy (ties count half); prm: rm/step_accuracy and rm/step_balanced_accuracy."""
+        self.model.eval()
+        hits, pos, neg = [], [], []
+        for start in range(0, len(examples), self.batch_size):
+            a, b, mask = self._outputs(examples[start:start + self.batch_size])
+            if self.objective == "bt":
+                hits += ((a > b).float() + 0.5 * (a == b).float()).tolist()
+            else:
+                ok = ((a > 0).float() == b)[mask]
+                hits += ok.float().tolist()
+                pos += ok[b[mask] == 1].float().tolist()
+                neg += ok[b[mask] == 0].float().tolist()
+        self.model.train()
+        if self.objective == "bt":
+            return {"rm/pair_accuracy": sum(hits) / max(len(hits), 1), "rm/eval_n": len(hits)}
+        rates = [sum(x) / len(x) for x in (pos, neg) if x]
+        return {"rm/step_accuracy": sum(hits) / max(len(hits), 1), "rm/eval_n": len(hits),
+                "rm/step_balanced_accuracy": sum(rates) / max(len(rates), 1),
+                "rm/positive_step_frac": len(pos) / max(len(hits), 1)}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+
+
+# --------------------------------------------------------------------------- covey train-rm
+
+
+def _load_start_model(spec: str):
+    """A saved RM folder continues training; anything else is a policy backbone with a fresh head."""
+    from covey.models import ValueModel, load_tokenizer, resolve_model_path
+    if (Path(spec) / RM_META_FILE).is_file():
+        return ValueModel.from_pretrained(spec), load_tokenizer(spec)
+    path = resolve_model_path(spec)
+    return ValueModel.from_policy_path(path), load_tokenizer(path)
+
+
+def save_reward_model(out: Path, model, tokenizer, meta: dict, train: list, held: list) -> Path:
+    """Write weights, tokenizer, meta and the data atomically (a temporary sibling renamed)."""
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, tokenizer)
+    save_rm_data(tmp / "train_data.jsonl", train)
+    save_rm_data(tmp / "eval_data.jsonl", held)
+    (tmp / RM_META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def train_reward_model(cfg, log=print) -> dict:
+    """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder."""
+    rm = cfg.rm
+    torch.manual_seed(cfg.train.seed)
+    if rm.data:
+        examples = load_rm_data(rm.data, rm.objective, decode_separator(cfg.reward.step_separator))
+    else:
+        examples = generate_rm_data(cfg, rm.objective, log)
+    train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
+    log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
+    model, tokenizer = _load_start_model(rm.base_model)
+    freeze_lower_layers(model, rm.train_layers)
+    trainer = RMTrainer(model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
+                        max_length=rm.max_length, margin=rm.margin, separator=cfg.reward.step_separator,
+                        seed=cfg.train.seed)
+    before = trainer.evaluate(held)
+    t0 = time.perf_counter()
+    fit = trainer.fit(train, rm.train_epochs, log=lambda e, loss: log(
+        f"covey train-rm: epoch {e}: loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)"))
+    after = trainer.evaluate(held)
+    key = "rm/pair_accuracy" if rm.objective == "bt" else "rm/step_accuracy"
+    meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
+            "base_model": rm.base_model, "n_train": len(train), "n_eval": len(held),
+            "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
+    save_reward_model(Path(rm.output), model, tokenizer, meta, train, held)
+    log(f"covey train-rm: held-out {key.split('/')[1]} {before[key]:.1%} -> {after[key]:.1%}; saved to {rm.output}")
+    return meta
+
+
+# --------------------------------------------------------------------------- iterative GRPO
+
+
+class ReplayBuffer:
+    """Historical RM training examples; uniform eviction keeps a uniform sample of the past (reservoir)."""
+
+    def __init__(self, capacity: int, seed: int = 0):
+        self.capacity, self.items, self.seen = capacity, [], 0
+        self.rng = random.Random(seed)
+
+    def add(self, examples: list) -> None:
+        for ex in examples:
+            self.seen += 1
+            if len(self.items) < self.capacity:
+                self.items.append(ex)
+            else:
+                j = self.rng.randrange(self.seen)
+                if j < self.capacity:
+                    self.items[j] = ex
+
+    def sample(self, k: int) -> list:
+        return self.rng.sample(self.items, min(k, len(self.items)))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def state_dict(self) -> dict:
+        return {"items": [asdict(x) for x in self.items], "seen": self.seen, "rng": self.rng.getstate(),
+                "kind": type(self.items[0]).__name__ if self.items else ""}
+
+    def load_state_dict(self, state: dict) -> None:
+        cls = StepExample if state.get("kind") == "StepExample" else PreferencePair
+        self.items = [cls(**x) for x in state["items"]]
+        self.seen = state["seen"]
+        self.rng.setstate(state["rng"])
+
+
+def replay_count(fresh: int, fraction: float) -> int:
+    """Historical examples to add to `fresh` ones so that they make up `fraction` of the mix."""
+    return round(fresh * fraction / (1.0 - fraction)) if fraction > 0 else 0
+
+
+def pairwise_agreement(scores: torch.Tensor, labels: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Share of same-group pairs with labels_i > labels_j that the scores also rank i above j (ties 1/2)."""
+    same = group_ids[:, None] == group_ids[None, :]
+    better = same & (labels[:, None] > labels[None, :])
+    if not bool(better.any()):
+        return None
+    diff = scores[:, None] - scores[None, :]
+    credit = (diff > 0).float() + 0.5 * (diff == 0).float()
+    return float(credit[better].mean())
+
+
+class RewardModelRefresher:
+    """Iterative GRPO for one learned reward model (ref. 000).
+
+    After every policy step: record the batch's samples with their verifier
+    labels and measure how well the model agrees with the verifier. Every
+    `every` steps (0 = never: a fixed RM, agreement only): train on the fresh
+    samples plus replayed history, report accuracy on the fresh samples before
+    and after, then move the fresh samples into the replay buffer.
+    """
+
+    def __init__(self, name: str, scorer, trainer: RMTrainer, *, every: int, replay_fraction: float,
+                 replay: ReplayBuffer, epochs: int = 1):
+        self.name, self.scorer, self.trainer = name, scorer, trainer
+        self.every, self.replay_fraction, self.replay, self.epochs = every, replay_fraction, replay, epochs
+        self.pending: list = []
+
+    def observe(self, rollout, examples, prompts) -> None:
+        """Turn the batch into fresh training data: pairs (bt) or exactly labelled steps (prm)."""
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(rollout.group_ids.tolist()):
+            groups.setdefault(g, []).append(i)
+        for rows in groups.values():
+            index = rollout.example_index[rows[0]]
+            texts = [rollout.completions[i] for i in rows]
+            if self.trainer.objective == "bt":
+                correct = rollout.reward_parts["correctness"][rows].tolist()
+                self.pending += pairs_from_group(prompts[index], texts, correct, limit=len(rows))
+            else:
+                self.pending += [StepExample(prompts[index], e.completion, e.labels) for e in
+                                 step_examples_from_group(examples[index], texts, separator=self.trainer.separator)]
+
+    def agreement(self, rollout) -> dict:
+        parts = rollout.reward_parts
+        key = "rm" if self.trainer.objective == "bt" else "prm"
+        if key not in parts or "correctness" not in parts:
+            return {}
+        value = pairwise_agreement(parts[key], parts["correctness"], rollout.group_ids)
+        return {} if value is None else {f"{key}/agreement": value}
+
+    def refresh(self) -> dict:
+        """Train on fresh + replayed examples; accuracy on the fresh ones before and after."""
+        key, fresh, self.pending = self.name, self.pending, []
+        if not fresh:
+            return {f"{key}/refresh_skipped": 1}
+        t0 = time.perf_counter()
+        acc = "rm/pair_accuracy" if self.trainer.objective == "bt" else "rm/step_accuracy"
+        with self.scorer.lock:
+            before = self.trainer.evaluate(fresh)[acc]
+            mix = fresh + self.replay.sample(replay_count(len(fresh), self.replay_fraction))
+            fit = self.trainer.fit(mix, self.epochs)
+            after = self.trainer.evaluate(fresh)[acc]
+            self.scorer.model.eval()
+        self.replay.add(fresh)
+        return {f"{key}/acc_before_refresh": before, f"{key}/acc_after_refresh": after,
+                f"{key}/refresh_loss": fit["rm/loss"], f"{key}/refresh_fresh": len(fresh),
+                f"{key}/refresh_replayed": len(mix) - len(fresh), f"{key}/replay_size": len(self.replay),
+                "time/rm_refresh": time.perf_counter() - t0}
+
+    def after_step(self, step: int, rollout, examples, prompts) -> dict:
+        metrics = self.agreement(rollout)
+        if self.every:
+            self.observe(rollout, examples, prompts)
+            if step % self.every == 0:
+                metrics.update(self.refresh())
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"model": self.scorer.model.state_dict(), "trainer": self.trainer.state_dict(),
+                "replay": self.replay.state_dict(), "pending": [asdict(x) for x in self.pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scorer.model.load_state_dict(state["model"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.replay.load_state_dict(state["replay"])
+        cls = PreferencePair if self.trainer.objective == "bt" else StepExample
+        self.pending = [cls(**x) for x in state["pending"]]
+
+
+def make_refreshers(cfg, learned) -> list[RewardModelRefresher]:
+    """One refresher per learned model; replay seeded with the data the model was trained on."""
+    out = []
+    for name, scorer in (("rm", learned.outcome), ("prm", learned.process)):
+        if scorer is None:
+            continue
+        objective = "bt" if name == "rm" else "prm"
+        if cfg.reward.iterative_every:
+            freeze_lower_layers(scorer.model, cfg.rm.train_layers)
+        trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=cfg.rm.learning_rate,
+                            batch_size=cfg.rm.batch_size, max_length=scorer.max_length, margin=cfg.rm.margin,
+                            separator=scorer.separator, seed=cfg.train.seed)
+        replay = ReplayBuffer(cfg.rm.replay_capacity, seed=cfg.train.seed)
+        seed_file = Path(getattr(scorer, "path", "")) / "train_data.jsonl"
+        if cfg.reward.iterative_every and seed_file.is_file():
+            replay.add(load_rm_data(seed_file, objective, scorer.separator))
+        out.append(RewardModelRefresher(name, scorer, trainer, every=cfg.reward.iterative_every,
+                                        replay_fraction=cfg.reward.replay_fraction, replay=replay,
+                                        epochs=cfg.rm.train_epochs))
+    return out
+
+
+def process_step_inputs(rollout, tokenizer, prompts, examples, prm, source: str, separator: str) -> tuple[dict, dict]:
+    """Step rewards for `grpo_process`: AdvantageInput fields (step_scores/ends/mask) and metrics.
+
+    Steps are cut from each response's decoded text; each step's end is mapped to
+    the policy token where it ends. source=prm: P(step correct) from the PRM;
+    source=exact: the multi-step verifier's 0/1 labels. When exact labels exist
+    the PRM's step accuracy on the batch is reported too (prm/step_accuracy).
+    """
+    from covey.rewards.model import step_token_ends
+    sep = decode_separator(separator)
+    texts, ends = [], []
+    for ids, mask in zip(rollout.response_ids, rollout.response_mask):
+        text, e = step_token_ends(tokenizer, ids[mask.bool()].tolist(), sep)
+        texts.append(text)
+        ends.append(e)
+    picked = [examples[i] for i in rollout.example_index]
+    exact = [label_steps(ex, t, sep)[1] for ex, t in zip(picked, texts)] if "ops" in picked[0].meta else None
+    if source == "prm":
+        scores = prm.step_probabilities([prompts[i] for i in rollout.example_index], texts)
+    else:
+        scores = [[float(v) for v in labels] for labels in exact]
+    width = max([len(e) for e in ends] + [1])
+    step_scores, step_ends = torch.zeros(len(texts), width), torch.zeros(len(texts), width, dtype=torch.long)
+    step_mask = torch.zeros(len(texts), width, dtype=torch.bool)
+    for i, (s, e) in enumerate(zip(scores, ends)):
+        n = len(e)
+        step_scores[i, :n] = torch.tensor(s[:n])
+        step_ends[i, :n] = torch.tensor(e, dtype=torch.long)
+        step_mask[i, :n] = True
+    metrics = {"steps/per_sample": float(step_mask.sum(1).float().mean()),
+               "steps/score_mean": float(step_scores[step_mask].mean()) if step_mask.any() else 0.0}
+    if exact is not None and source == "prm":
+        hits = [(p > 0.5) == bool(y) for s, labels in zip(scores, exact) for p, y in zip(s, labels)]
+        metrics["prm/step_accuracy"] = sum(hits) / max(len(hits), 1)
+    inputs = {"step_scores": step_scores.to(rollout.scores.dtype), "step_ends": step_ends, "step_mask": step_mask}
+    return inputs, metrics

@@ -1,0 +1,280 @@
+"""`covey serve-reward`: any configured reward source over HTTP (standard library only).
+
+    POST /score    Authorization: Bearer <token>
+      {"items": [{"prompt": str | messages, "completion": str | messages, "columns": {"answer": "42", ...}}, ...]}
+      -> 200 {"results": [{"reward": 1.0, "parts": {"correctness": 1.0}} | {"error": "..."}, ...], "errors": 1}
+    GET /health    -> 200 {"status": "ok", "terms": ["correctness", ...]}   (no token: it reveals nothing else)
+
+The reward is the same weighted sum `covey train` computes from the `reward.*`
+config keys (rules, user callables, learned RM / PRM, even another remote).
+
+Status codes: 401 missing or wrong token; 400 malformed JSON or not the schema
+above; 411 no Content-Length; 413 body over --max-body-mb or more than
+--max-batch items; 408 a client that stalls mid-body (the per-request socket
+timeout); 404 / 405 other paths and methods. A batch mixing good and bad items
+is answered 200 with one result per item: a bad item (wrong types, or a reward
+function fault on it) gets `{"error": ...}`, the others are scored. Items
+whose faults come from a whole-batch exception are re-scored one by one so a
+single bad item cannot fail its neighbours.
+
+Security: binds to 127.0.0.1 unless --host says otherwise; the token comes
+from an environment variable (never from the command line, where `ps` shows
+it) and is compared in constant time. Plain HTTP: put TLS in front of it
+(a reverse proxy) before exposing it beyond one machine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MiB = 2**20
+
+
+class ServeError(ValueError):
+    """The reward server cannot start as configured (one line)."""
+
+
+@dataclass
+class ServerLimits:
+    max_body_bytes: int = 8 * MiB
+    """Largest request body accepted (413 beyond)."""
+    max_batch: int = 256
+    """Most items per request (413 beyond)."""
+    request_timeout_s: float = 30.0
+    """Socket timeout while reading a request: a stalled client is dropped with 408."""
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def _is_text(value) -> bool:
+    """A string, or chat messages: a list of {"role", "content"} dicts."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                           for m in value)
+
+
+def item_error(item) -> str | None:
+    """Why an item cannot be scored, or None."""
+    if not isinstance(item, dict):
+        return f"an item must be an object, got {type(item).__name__}"
+    for key in ("prompt", "completion"):
+        if key not in item:
+            return f"missing '{key}'"
+        if not _is_text(item[key]):
+            return f"'{key}' must be a string or a list of chat messages"
+    columns = item.get("columns", {})
+    if not isinstance(columns, dict):
+        return "'columns' must be an object"
+    if {"prompts", "completions"} & set(columns):
+        return "'columns' must not be named prompts or completions"
+    return None
+
+
+class RewardService:
+    """Scores items with a Rewarder's terms and reports faults per item."""
+
+    def __init__(self, rewarder):
+        self.rewarder = rewarder
+        self.term_names = [t.name for t in rewarder.terms]
+
+    def _score_group(self, items: list[dict]) -> list[dict]:
+        """Items sharing one set of column names, scored as one batch per term."""
+        prompts = [it["prompt"] for it in items]
+        completions = [it["completion"] for it in items]
+        keys = sorted(items[0].get("columns", {}))
+        columns = {k: [it["columns"][k] for it in items] for k in keys}
+        totals, parts = [0.0] * len(items), [{} for _ in items]
+        errors: list[str | None] = [None] * len(items)
+        for term in self.rewarder.terms:
+            # The same checks as training (count, None, NaN, exceptions, timeout), per sample.
+            values, faults = self.rewarder._run_term(term, prompts, completions, columns)
+            whole_batch = len(items) > 1 and all(f is not None for f in faults) and len(set(faults)) == 1
+            if whole_batch and not faults[0].startswith("timed out"):  # one exception for all: find the culprits
+                return [r for it in items for r in self._score_group([it])]
+            for i, (value, fault) in enumerate(zip(values, faults)):
+                if fault is not None and errors[i] is None:
+                    errors[i] = f"reward '{term.name}' {fault}"
+                parts[i][term.name] = value
+                totals[i] += term.weight * value
+        return [{"error": e} if e else {"reward": t, "parts": p} for t, p, e in zip(totals, parts, errors)]
+
+    def score(self, items: list) -> list[dict]:
+        results: list[dict | None] = [None] * len(items)
+        groups: dict[tuple, list[int]] = {}
+        for i, item in enumerate(items):
+            problem = item_error(item)
+            if problem:
+                results[i] = {"error": problem}
+            else:
+                groups.setdefault(tuple(sorted(item.get("columns", {}))), []).append(i)
+        for index in groups.values():
+            for i, result in zip(index, self._score_group([items[i] for i in index])):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class RewardHandler(BaseHTTPRequestHandler):
+    """One request; the server carries `service`, `token`, `limits` and `verbose`."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, so clients can pool connections
+    server_version = "covey-reward/1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.request_timeout_s
+        super().setup()
+
+    def log_message(self, fmt: str, *args) -> None:
+        if self.server.verbose:
+            super().log_message(fmt, *args)
+
+    def _send(self, code: int, payload: dict, close: bool = False) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if code == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="covey-reward"')
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.rstrip("/") == "/health":
+            self._send(200, {"status": "ok", "terms": self.server.service.term_names})
+        else:
+            self._send(404, {"error": f"no such path {self.path}; use POST /score or GET /health"})
+
+    def _authorised(self) -> bool:
+        given = self.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode())
+
+    def _read_json(self):
+        """The parsed body, or None after an error response was sent."""
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self._send(411, {"error": "Content-Length required"}, close=True)
+            return None
+        if int(length) > self.server.limits.max_body_bytes:  # refuse before reading a byte of it
+            self._send(413, {"error": f"body of {length} bytes exceeds the limit of "
+                                      f"{self.server.limits.max_body_bytes}"}, close=True)
+            return None
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            self._send(408, {"error": "request body not received in time"}, close=True)
+            return None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self._send(400, {"error": f"malformed JSON: {e}"})
+            return None
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.rstrip("/") != "/score":
+            self._send(404, {"error": f"no such path {self.path}; use POST /score"}, close=True)
+            return
+        if not self._authorised():
+            self._send(401, {"error": "missing or wrong bearer token"}, close=True)
+            return
+        body = self._read_json()
+        if body is None:
+            return
+        items = body.get("items") if isinstance(body, dict) else None
+        if not isinstance(items, list):
+            self._send(400, {"error": "body must be an object with a list 'items'"})
+            return
+        if len(items) > self.server.limits.max_batch:
+            self._send(413, {"error": f"{len(items)} items exceed the batch limit of {self.server.limits.max_batch}"})
+            return
+        results = self.server.service.score(items)
+        self._send(200, {"results": results, "errors": sum("error" in r for r in results)})
+
+    def _reject(self) -> None:
+        self._send(405, {"error": f"method {self.command} not allowed"}, close=True)
+
+    do_PUT = do_DELETE = do_PATCH = _reject  # noqa: N815
+
+
+class RewardServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, service: RewardService, token: str, limits: ServerLimits, verbose: bool = False):
+        if not token:
+            raise ServeError("the reward server needs a non-empty bearer token")
+        self.service, self.token, self.limits, self.verbose = service, token, limits, verbose
+        super().__init__(address, RewardHandler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+def start_in_thread(server: RewardServer) -> threading.Thread:
+    """serve_forever in a daemon thread (tests, notebooks); stop with server.shutdown()."""
+    thread = threading.Thread(target=server.serve_forever, name="covey-reward-server", daemon=True)
+    thread.start()
+    return thread
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve-reward", help="serve the configured reward over HTTP: covey serve-reward "
+                       "[CONFIG.yaml] [key=value ...] [--port 8765]")
+    p.add_argument("args", nargs="*", help="optional YAML preset, then key=value overrides (reward.*)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
+    p.add_argument("--token-env", default="COVEY_REWARD_TOKEN", help="environment variable holding the token")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (413 beyond)")
+    p.add_argument("--max-batch", type=int, default=256, help="most items per request (413 beyond)")
+    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds to receive a request (408 after)")
+    p.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    p.set_defaults(func=serve_command)
+
+
+def serve_command(args) -> int:
+    from covey.cli import _split_config
+    from covey.config import load_config
+    from covey.rewards.build import build_rewarder
+
+    token = os.environ.get(args.token_env, "")
+    if not token:
+        raise ServeError(f"set {args.token_env} to the bearer token clients must send")
+    if args.max_batch < 1 or args.max_body_mb <= 0 or args.request_timeout <= 0:
+        raise ServeError("--max-batch, --max-body-mb and --request-timeout must be > 0")
+    config_path, overrides = _split_config(args.args)
+    cfg = load_config(config_path, overrides)
+    limits = ServerLimits(int(args.max_body_mb * MiB), args.max_batch, args.request_timeout)
+    try:
+        server = RewardServer((args.host, args.port), RewardService(build_rewarder(cfg)), token, limits, args.verbose)
+    except OSError as e:
+        raise ServeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"covey serve-reward: warning: listening on {args.host} (plain HTTP; use TLS in front)", file=sys.stderr)
+    print(f"covey serve-reward: listening on {server.url} (terms: {', '.join(server.service.term_names)})",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0

@@ -1,0 +1,269 @@
+"""`covey serve-reward` and the RemoteReward client: status codes, per-item faults, load, stalls, deaths."""
+
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from covey.rewards.combine import Rewarder, RewardTerm
+from covey.rewards.remote import RemoteReward, RemoteRewardError
+from covey.rewards.rules import correctness_reward
+from covey.rewards.server import RewardServer, RewardService, ServerLimits, start_in_thread
+
+TOKEN = "s3cret-token"
+
+
+def picky_reward(prompts, completions, **columns):
+    """Raises for the whole batch if any completion is 'BOOM'; None for 'NONE'; else 0.5."""
+    if "BOOM" in completions:
+        raise ValueError("cannot score BOOM")
+    return [None if c == "NONE" else 0.5 for c in completions]
+
+
+@pytest.fixture
+def server():
+    rewarder = Rewarder([RewardTerm("correctness", correctness_reward, 1.0),
+                         RewardTerm("picky", picky_reward, 2.0)], on_error="zero", timeout_s=5)
+    srv = RewardServer(("127.0.0.1", 0), RewardService(rewarder), TOKEN,
+                       ServerLimits(max_body_bytes=4096, max_batch=16, request_timeout_s=0.5))
+    start_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def raw(srv, method, path, body=b"", headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=5)
+    conn.request(method, path, body=body, headers=headers or {})
+    resp = conn.getresponse()
+    data = json.loads(resp.read() or b"{}")
+    conn.close()
+    return resp.status, data
+
+
+def auth(extra=None):
+    return {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **(extra or {})}
+
+
+def item(completion, answer="12"):
+    return {"prompt": "What is 3*4?", "completion": completion, "columns": {"answer": answer}}
+
+
+def test_health_needs_no_token(server):
+    assert raw(server, "GET", "/health") == (200, {"status": "ok", "terms": ["correctness", "picky"]})
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+def test_missing_or_wrong_token_is_401(server, headers):
+    status, data = raw(server, "POST", "/score", json.dumps({"items": [item("12")]}).encode(), headers)
+    assert status == 401 and "token" in data["error"]
+
+
+@pytest.mark.parametrize("body, message", [(b"{not json", "malformed JSON"), (b'{"items": 3}', "list 'items'"),
+                                           (b"[1, 2]", "list 'items'")])
+def test_malformed_json_is_400(server, body, message):
+    status, data = raw(server, "POST", "/score", body, auth())
+    assert status == 400 and message in data["error"]
+
+
+def test_oversized_body_and_batch_are_413(server):
+    big = json.dumps({"items": [item("x" * 5000)]}).encode()
+    status, data = raw(server, "POST", "/score", big, auth())
+    assert status == 413 and "exceeds the limit of 4096" in data["error"]
+    many = json.dumps({"items": [item("1")] * 17}).encode()
+    status, data = raw(server, "POST", "/score", many, auth())
+    assert status == 413 and "17 items exceed the batch limit of 16" in data["error"]
+
+
+def test_unknown_path_and_method(server):
+    assert raw(server, "GET", "/nope")[0] == 404
+    assert raw(server, "PUT", "/score", b"{}", auth())[0] == 405
+
+
+def test_mixed_batch_is_scored_per_item(server):
+    items = [item("The answer is 12"), item("13"), {"prompt": "p"}, item(7), item("BOOM"), item("NONE"),
+             {"prompt": "p", "completion": "12", "columns": {}}, "not an object"]
+    status, data = raw(server, "POST", "/score", json.dumps({"items": items}).encode(), auth())
+    assert status == 200
+    res = data["results"]
+    assert res[0] == {"reward": 1.0 + 2 * 0.5, "parts": {"correctness": 1.0, "picky": 0.5}}
+    assert res[1] == {"reward": 0.0 + 2 * 0.5, "parts": {"correctness": 0.0, "picky": 0.5}}
+    assert res[2] == {"error": "missing 'completion'"}
+    assert "must be a string" in res[3]["error"]
+    assert res[4] == {"error": "reward 'picky' raised ValueError: cannot score BOOM"}  # isolated, not the batch
+    assert res[5] == {"error": "reward 'picky' returned None"}
+    assert "correctness' raised TypeError" in res[6]["error"]  # no answer column for this item
+    assert "must be an object" in res[7]["error"]
+    assert data["errors"] == 6
+
+
+def test_client_scores_and_reports_bad_items_as_none(server):
+    client = RemoteReward(server.url, TOKEN, batch_size=2)
+    out = client(["q"] * 3, ["12", "5", "NONE"], answer=["12", "12", "12"], completion_lengths=[1, 1, 1])
+    assert out == [2.0, 1.0, None]
+    assert client.last_item_errors == ["reward 'picky' returned None"]
+    rewarder = Rewarder([RewardTerm("remote", client, 1.0)], on_error="zero")
+    scores = rewarder(["q"] * 3, ["12", "5", "NONE"], {"answer": ["12", "12", "12"]})
+    assert scores.total.tolist() == [2.0, 1.0, 0.0] and scores.errors == 1
+
+
+def test_client_wrong_token_fails_at_once(server):
+    client = RemoteReward(server.url, "bad", retries=3, backoff_s=5)
+    t0 = time.perf_counter()
+    with pytest.raises(RemoteRewardError, match="HTTP 401: missing or wrong bearer token .check the bearer"):
+        client(["q"], ["12"], answer=["12"])
+    assert time.perf_counter() - t0 < 2  # 401 is not retried (backoff would take >= 2.5 s)
+
+
+def test_load_1000_requests_concurrency_8(server):
+    """1000 requests from 8 threads through one pooled client: every answer right, none lost."""
+    client = RemoteReward(server.url, TOKEN, timeout_s=5, retries=0, pool_size=8)
+
+    def one(i):
+        answer = str(i % 50)
+        return client(["q", "q"], [answer, "nope"], answer=[answer, answer])
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(1000)))
+    elapsed = time.perf_counter() - t0
+    assert results == [[2.0, 1.0]] * 1000
+    print(f"1000 requests, concurrency 8: {elapsed:.2f}s ({1000 / elapsed:.0f} req/s)")
+
+
+def test_server_drops_a_client_that_stalls_mid_body(server):
+    sock = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5)
+    sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                 + b"\r\nContent-Length: 100\r\n\r\n{\"items\"")
+    reply = sock.recv(4096).decode()
+    sock.close()
+    assert reply.startswith("HTTP/1.1 408") and "not received in time" in reply
+
+
+# --------------------------------------------------------------------------- servers that stall or die
+
+
+@pytest.fixture
+def stalling_port():
+    """Accepts connections, reads, never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_client_times_out_retries_with_backoff_then_fails(stalling_port):
+    client = RemoteReward(f"http://127.0.0.1:{stalling_port}", TOKEN, timeout_s=0.2, retries=2, backoff_s=0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(RemoteRewardError, match=r"no answer after 3 attempts \(last: timed out after 0.2s\)"):
+        client(["q"], ["1"], answer=["1"])
+    assert time.perf_counter() - t0 >= 3 * 0.2 + 0.05 * 0.5 * (1 + 2)  # 3 timeouts + 2 backoffs
+
+
+def test_client_against_a_dead_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    client = RemoteReward(f"http://127.0.0.1:{port}", TOKEN, retries=1, backoff_s=0.01)
+    with pytest.raises(RemoteRewardError, match="no answer after 2 attempts .last: ConnectionRefusedError"):
+        client(["q"], ["1"], answer=["1"])
+
+
+def test_client_when_the_server_dies_between_calls(server):
+    client = RemoteReward(server.url, TOKEN, retries=1, backoff_s=0.01)
+    assert client(["q"], ["12"], answer=["12"]) == [2.0]  # leaves a pooled keep-alive connection
+    server.shutdown()
+    server.server_close()
+    with pytest.raises(RemoteRewardError, match="no answer after 2 attempts"):
+        client(["q"], ["12"], answer=["12"])
+
+
+class FlakyHandler(BaseHTTPRequestHandler):
+    """503 for the first two requests, then a valid answer."""
+    protocol_version = "HTTP/1.1"
+    calls = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        n = int(self.headers["Content-Length"])
+        items = json.loads(self.rfile.read(n))["items"]
+        type(self).calls += 1
+        status, payload = (503, {"error": "busy"}) if type(self).calls <= 2 else \
+            (200, {"results": [{"reward": 0.25}] * len(items)})
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_client_retries_503_then_succeeds():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = RemoteReward(f"http://127.0.0.1:{srv.server_address[1]}", TOKEN, retries=3, backoff_s=0.01)
+        assert client(["q", "q"], ["a", "b"]) == [0.25, 0.25]
+        assert FlakyHandler.calls == 3
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_bad_url_is_a_one_line_error():
+    with pytest.raises(RemoteRewardError, match="must look like http://host:port"):
+        RemoteReward("127.0.0.1:8765", TOKEN)
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_serve_reward_cli_serves_and_stops_on_sigterm(tmp_path):
+    env = {**os.environ, "COVEY_REWARD_TOKEN": TOKEN}
+    proc = subprocess.Popen([sys.executable, "-m", "covey.cli", "serve-reward", "--port", "0", "reward.format=0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, proc.stderr.read()
+        url = line.split("listening on ")[1].split()[0]
+        client = RemoteReward(url, TOKEN)
+        assert client(["q", "q"], ["Answer: 12", "11"], answer=["12", "12"]) == [1.5, 0.0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+def test_serve_reward_cli_without_token_is_one_line_exit_2():
+    env = {k: v for k, v in os.environ.items() if k != "COVEY_REWARD_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "covey.cli", "serve-reward", "--port", "0"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "covey serve-reward: error: set COVEY_REWARD_TOKEN to the bearer token clients must send"
