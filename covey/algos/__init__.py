@@ -7,7 +7,7 @@ everything exported here).
 Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
 losses (policy / value / entropy / KL loss terms), aggregation (global normaliser),
 kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
-dpo (DPO loss on best-vs-worst pairs).
+dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer).
 """
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten
@@ -25,6 +25,7 @@ from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOpti
 from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
+from covey.algos.tis import truncated_is_weights
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
@@ -36,5 +37,5 @@ __all__ = [
     "masked_mean", "masked_std", "pg_loss", "policy_loss", "ppo_clip_loss", "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
     "step_totals",
-    "steps_to_tokens", "token_rewards", "value_loss", "whiten",
+    "steps_to_tokens", "token_rewards", "truncated_is_weights", "value_loss", "whiten",
 ]
