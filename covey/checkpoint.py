@@ -2,13 +2,21 @@
 
 Layout: runs/<name>/checkpoints/step-000010/ holding
   policy/              Hugging Face folder (loads with from_pretrained)
-  trainer_state.pt     optimizers, scheduler, KL controller, RNG states, data position, counters
+  trainer_state.pt     optimizers, scheduler, KL controller, RNG states, data position,
+                       counters, pre-training eval, log-file lengths
   critic.pt, reference.pt   when those models exist and can differ from their start
   config.yaml          the resolved config of the run
 
 A checkpoint is written into a hidden temporary folder, every file fsynced,
 then renamed into place: a folder named step-* is always complete, whatever
-kill or full disk interrupts the write. The newest K are kept.
+kill or full disk interrupts the write. The newest K are kept. Nothing
+non-finite is ever written: a NaN in a model or optimizer state stops the run
+with the previous checkpoint as the newest.
+
+Resuming restores every random state (Python, NumPy, torch CPU and CUDA
+generators, which HF `generate` samples from; the mini-batch shuffle
+generator) and cuts metrics.jsonl / samples.jsonl back to their length at save
+time, so a resumed run writes exactly the lines an uninterrupted run writes.
 """
 
 from __future__ import annotations
@@ -16,13 +24,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 
-from covey.config import as_dict, from_dict
+from covey.config import Config, as_dict
+from covey.signals import fault_point
 
 # Keys that change only logging, speed or length of the run, never its numbers.
 RESULT_NEUTRAL = {
@@ -30,10 +40,19 @@ RESULT_NEUTRAL = {
     "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size",
 }
+STATE_FILE = "trainer_state.pt"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or resumed from."""
+
+
+@dataclass
+class Resumed:
+    """What the loop needs back from a checkpoint besides the restored objects."""
+    path: Path
+    eval_before: dict
+    log_positions: dict
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -41,10 +60,27 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and (p / STATE_FILE).is_file())
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name.split("-")[1])
+
+
+# --------------------------------------------------------------------------- atomic write
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -53,50 +89,90 @@ def _fsync_tree(path: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(d)
 
 
-def _atomic_dir_write(final: Path, write) -> Path:
-    """Call write(tmp_dir), fsync, rename to `final`. A failure leaves `final` untouched."""
+def _atomic_dir_write(final: Path, write, step: int = -1) -> Path:
+    """Call write(tmp_dir), fsync, rename to `final`. A failure leaves `final` untouched.
+
+    An existing `final` is renamed aside first and removed only after the new one is
+    in place, so at every instant one complete copy exists under a step-* name or aside.
+    """
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    aside = final.parent / f".old-{final.name}-{os.getpid()}"
+    for leftover in (tmp, aside):
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write(tmp)
         _fsync_tree(tmp)
+        fault_point("checkpoint-rename", step)
         if final.exists():
-            shutil.rmtree(final)
+            os.replace(final, aside)
         os.replace(tmp, final)
-        fd = os.open(final.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        _fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
-def _assert_finite(model: torch.nn.Module, what: str) -> None:
-    for name, p in model.state_dict().items():
-        if p.is_floating_point() and not torch.isfinite(p).all():
-            raise CheckpointError(f"refusing to save a checkpoint: {what} parameter {name} is not finite")
+# --------------------------------------------------------------------------- state
+
+
+def _first_nonfinite(named_tensors) -> str | None:
+    for name, t in named_tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            return name
+    return None
+
+
+def _optimizer_tensors(optimizer):
+    names = {id(p): f"param{i}" for i, p in enumerate(
+        p for group in optimizer.param_groups for p in group["params"])}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            yield f"{names.get(id(param), '?')}.{key}", value
+
+
+def assert_finite_state(run) -> None:
+    """Refuse to save NaN/inf: models and optimizer moments are checked."""
+    checks = [("policy parameter", run.policy.state_dict().items()),
+              ("policy optimizer state", _optimizer_tensors(run.optimizer))]
+    if run.critic is not None:
+        checks += [("critic parameter", run.critic.state_dict().items()),
+                   ("critic optimizer state", _optimizer_tensors(run.critic_optimizer))]
+    if _saves_reference(run):
+        checks.append(("reference parameter", run.reference.state_dict().items()))
+    for what, tensors in checks:
+        bad = _first_nonfinite(tensors)
+        if bad is not None:
+            raise CheckpointError(f"refusing to save a checkpoint at step {run.step}: {what} {bad} "
+                                  "is not finite (the previous checkpoint is kept)")
+
+
+def _saves_reference(run) -> bool:
+    a = run.cfg.algo
+    return run.reference is not None and bool(a.ref_refresh_every or a.ref_ema)
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainer_state(run, eval_before: dict) -> dict:
+def trainer_state(run, eval_before: dict, log_positions: dict) -> dict:
     return {
         "step": run.step,
         "optimizer": run.optimizer.state_dict(),
@@ -108,83 +184,143 @@ def trainer_state(run, eval_before: dict) -> dict:
         "shuffle_generator": run.shuffle_generator.get_state(),
         "rng": rng_state(),
         "eval_before": eval_before,
+        "logs": log_positions,
         "extra": {k: v.state_dict() for k, v in getattr(run, "extra_state", {}).items()},
     }
 
 
+# --------------------------------------------------------------------------- save
+
+
 def save_checkpoint(run, eval_before: dict) -> Path:
     """Write the whole training state atomically; prune to the newest K."""
-    _assert_finite(run.policy, "policy")
-    if run.critic is not None:
-        _assert_finite(run.critic, "critic")
+    assert_finite_state(run)
     final = checkpoint_root(run.run_dir) / f"step-{run.step:06d}"
+    positions = run.logger.positions() if run.logger is not None else {}
 
     def write(tmp: Path) -> None:
         run.policy.save_pretrained(tmp / "policy", safe_serialization=True)
         run.tokenizer.save_pretrained(tmp / "policy")
-        torch.save(trainer_state(run, eval_before), tmp / "trainer_state.pt")
+        fault_point("checkpoint-write", run.step)
         if run.critic is not None:
             torch.save(run.critic.state_dict(), tmp / "critic.pt")
-        if run.reference is not None and (run.cfg.algo.ref_refresh_every or run.cfg.algo.ref_ema):
+        if _saves_reference(run):
             torch.save(run.reference.state_dict(), tmp / "reference.pt")
         (tmp / "config.yaml").write_text(yaml.safe_dump(as_dict(run.cfg), sort_keys=False))
+        torch.save(trainer_state(run, eval_before, positions), tmp / STATE_FILE)
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_dir_write(final, write)
-    for old in list_checkpoints(run.run_dir)[:-max(run.cfg.train.keep_checkpoints, 1)]:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        _atomic_dir_write(final, write, run.step)
+    except OSError as err:
+        previous = list_checkpoints(run.run_dir)
+        raise CheckpointError(f"writing checkpoint {final} failed: {err}; newest complete checkpoint: "
+                              f"{previous[-1] if previous else 'none'}") from None
+    fault_point("checkpoint-prune", run.step)
+    prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints, run.step)
     return final
 
 
+def prune_checkpoints(run_dir: Path, keep: int, current_step: int) -> None:
+    """Keep the newest `keep`; drop leftovers of killed writes and of an abandoned
+    future (steps after `current_step`, left when an older checkpoint was resumed)."""
+    root = checkpoint_root(run_dir)
+    for leftover in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    found = [p for p in root.glob("step-*") if p.is_dir()]
+    stale = [p for p in found if checkpoint_step(p) > current_step]
+    current = sorted(p for p in found if p not in stale)
+    for old in stale + current[:-max(keep, 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _flat(data: dict) -> dict:
+    return {f"{section}.{key}": value for section, fields in data.items() for key, value in fields.items()}
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """Dotted keys whose values differ and would change results."""
-    a, b = as_dict(from_dict(saved)), as_dict(from_dict(current))
+    """Dotted keys whose values differ and would change results.
+
+    A key missing from the saved config (added to covey since) counts as its default.
+    """
+    old = {**_flat(as_dict(Config())), **_flat(saved)}
+    new = _flat(current)
     diffs = []
-    for section, fields in a.items():
-        for key, value in fields.items():
-            dotted = f"{section}.{key}"
-            if dotted not in RESULT_NEUTRAL and b[section][key] != value:
-                diffs.append(f"{dotted} ({value!r} -> {b[section][key]!r})")
+    for key in sorted(old.keys() | new.keys()):
+        if key in RESULT_NEUTRAL or old.get(key) == new.get(key):
+            continue
+        before = repr(old[key]) if key in old else "absent"
+        after = repr(new[key]) if key in new else "absent"
+        diffs.append(f"{key} ({before} -> {after})")
     return diffs
 
 
-def resolve_resume(cfg, run_dir: Path) -> Path | None:
-    """'' -> None; 'auto' -> newest complete checkpoint of this run (or None); else the given path."""
+def check_resume_request(cfg: Config) -> None:
+    """resume=auto needs a fixed run folder: the default name holds the start time."""
+    if cfg.train.resume == "auto" and not cfg.train.run_name:
+        raise CheckpointError("train.resume=auto needs train.run_name (the run folder to continue)")
+
+
+def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
+    """'' -> None; 'auto' -> newest complete checkpoint of this run (or None);
+    a checkpoint folder -> it; a run folder -> its newest checkpoint."""
     spec = cfg.train.resume
     if not spec:
+        found = list_checkpoints(run_dir)
+        if found:
+            raise CheckpointError(f"{run_dir} already holds checkpoints (newest {found[-1].name}): "
+                                  "set train.resume=auto to continue it, or another train.run_name")
         return None
     if spec == "auto":
         found = list_checkpoints(run_dir)
         return found[-1] if found else None
     path = Path(spec)
-    if not (path / "trainer_state.pt").is_file():
-        raise CheckpointError(f"resume={spec}: not a complete covey checkpoint (no trainer_state.pt)")
-    return path
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    raise CheckpointError(f"train.resume={spec}: not a complete covey checkpoint or run folder "
+                          f"(no {STATE_FILE})")
 
 
-def load_checkpoint(run, path: Path) -> dict:
-    """Restore everything `save_checkpoint` wrote into `run`; returns the pre-training eval."""
+def _load_policy_weights(run, path: Path) -> None:
+    from safetensors.torch import load_file
+    state = {}
+    for shard in sorted((path / "policy").glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    missing, unexpected = run.policy.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise CheckpointError(f"{path}: policy weights do not match the model "
+                              f"({len(missing)} missing, {len(unexpected)} unexpected)")
+    if getattr(run.policy.config, "tie_word_embeddings", False):
+        run.policy.tie_weights()
+
+
+def _load_models(run, path: Path, st: dict) -> None:
+    _load_policy_weights(run, path)
+    if run.critic is not None:
+        if not (path / "critic.pt").is_file():
+            raise CheckpointError(f"{path}: no critic.pt, but this run trains a critic")
+        run.critic.load_state_dict(torch.load(path / "critic.pt"))
+        run.critic_optimizer.load_state_dict(st["critic_optimizer"])
+    if run.reference is not None and (path / "reference.pt").is_file():
+        run.reference.load_state_dict(torch.load(path / "reference.pt"))
+
+
+def load_checkpoint(run, path: Path) -> Resumed:
+    """Restore everything `save_checkpoint` wrote into `run`."""
+    path = Path(path)
     saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
     diffs = config_differences(saved_cfg, as_dict(run.cfg))
     if diffs and not run.cfg.train.resume_force:
         raise CheckpointError(f"resume from {path}: config changed in keys that change results: "
                               f"{', '.join(diffs)} (set train.resume_force=true to override)")
-    from safetensors.torch import load_file
-    shards = sorted((path / "policy").glob("*.safetensors"))
-    state = {}
-    for shard in shards:
-        state.update(load_file(str(shard)))
-    missing, unexpected = run.policy.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise CheckpointError(f"{path}: policy weights do not match the model ({len(missing)} missing)")
-    if getattr(run.policy.config, "tie_word_embeddings", False):
-        run.policy.tie_weights()
-    st = torch.load(path / "trainer_state.pt", weights_only=False)
-    if run.critic is not None:
-        run.critic.load_state_dict(torch.load(path / "critic.pt"))
-        run.critic_optimizer.load_state_dict(st["critic_optimizer"])
-    if (path / "reference.pt").is_file() and run.reference is not None:
-        run.reference.load_state_dict(torch.load(path / "reference.pt"))
+    st = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
+    _load_models(run, path, st)
     run.optimizer.load_state_dict(st["optimizer"])
     run.scheduler.load_state_dict(st["scheduler"])
     run.kl_controller.load_state_dict(st["kl_controller"])
@@ -192,16 +328,21 @@ def load_checkpoint(run, path: Path) -> dict:
     for k, v in st["update_state"].items():
         setattr(run.update_state, k, v)
     run.shuffle_generator.set_state(st["shuffle_generator"])
+    extra = getattr(run, "extra_state", {})
     for k, v in st.get("extra", {}).items():
-        getattr(run, "extra_state", {})[k].load_state_dict(v)
+        if k not in extra:
+            raise CheckpointError(f"{path}: holds state '{k}' that this run does not have")
+        extra[k].load_state_dict(v)
     set_rng_state(st["rng"])
     run.step = st["step"]
-    return st["eval_before"]
+    return Resumed(path=path, eval_before=st["eval_before"], log_positions=st.get("logs", {}))
 
 
 def save_final(run) -> Path:
     """The trained policy as a Hugging Face folder: runs/<name>/final."""
-    _assert_finite(run.policy, "policy")
+    bad = _first_nonfinite(run.policy.state_dict().items())
+    if bad is not None:
+        raise CheckpointError(f"refusing to save the final model: policy parameter {bad} is not finite")
     final = Path(run.run_dir) / "final"
 
     def write(tmp: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from covey.signals import TrainingStopped
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
 
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except TrainingStopped as stop:  # SIGINT/SIGTERM: checkpoint written, exit 130/143
+        print(f"covey {args.command}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except USER_ERRORS as err:
         return _fail(args.command, err)
     except RuntimeError as err:

@@ -101,7 +101,7 @@ class RewardConfig:
     on_error: str = "raise"
     """Reward failure policy: raise | zero (score 0, counted) | drop (remove the sample from its group, counted)."""
     timeout_s: float = 30.0
-    """Per-call timeout of a reward function."""
+    """Per-call timeout of a reward function in seconds (0 = none); a timeout is a reward fault."""
     model_path: str = ""
     """Learned outcome reward model folder (`covey train-rm` output); empty = none."""
     model_weight: float = 1.0

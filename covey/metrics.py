@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
 
 # Fields that legitimately differ between two runs of the same seed.
 NONDETERMINISTIC_PREFIXES = ("time/", "memory/", "throughput/")
+
+
+class LogMismatchError(RuntimeError):
+    """The run's log files no longer match the checkpoint being resumed."""
 
 
 def peak_rss_mb() -> float:
@@ -51,6 +56,35 @@ class MetricsLogger:
             except ImportError as e:
                 raise RuntimeError("logger=tensorboard needs `pip install covey[tensorboard]`") from e
             self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def positions(self) -> dict:
+        """Byte length of each log file, flushed to disk (a checkpoint stores it)."""
+        out = {}
+        for path in (self.metrics_path, self.samples_path):
+            if path.exists():
+                with path.open("rb") as f:
+                    os.fsync(f.fileno())
+            out[path.name] = path.stat().st_size if path.exists() else 0
+        return out
+
+    def truncate_to(self, positions: dict) -> None:
+        """On resume, cut each log back to the length it had when the checkpoint was written.
+
+        This drops every line (even a half-written one) of the steps redone after the checkpoint.
+        """
+        for path in (self.metrics_path, self.samples_path):
+            keep = int(positions.get(path.name, 0))
+            size = path.stat().st_size if path.exists() else 0
+            if size < keep:
+                raise LogMismatchError(f"{path} is shorter ({size} bytes) than when the checkpoint was "
+                                   f"written ({keep} bytes): the log was edited or lost")
+            if size > keep:
+                os.truncate(path, keep)
+
+    def reset(self) -> None:
+        """A fresh run owns its log files: start them empty."""
+        for path in (self.metrics_path, self.samples_path):
+            path.unlink(missing_ok=True)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines written after the checkpoint's step."""

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from covey import algos
-from covey.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from covey.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
+                              save_final)
 from covey.config import Config, as_dict, derived_sizes, uses_critic
 from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_task_data
 from covey.evaluation import evaluate
@@ -35,7 +36,8 @@ from covey.models import ValueModel, load_policy, load_reference, param_memory_m
 from covey.rewards.build import build_rewarder
 from covey.rollout.base import Rollout, concat_rollouts
 from covey.rollout.hf import HFEngine
-from covey.update import UpdateState, update_critic, update_policy
+from covey.signals import TrainingStopped, fault_point, graceful_stop
+from covey.update import UpdateState, record_skip, update_critic, update_policy
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Run:
     step: int = 0
     shuffle_generator: torch.Generator = field(default_factory=torch.Generator)
     logger: MetricsLogger | None = None
+    extra_state: dict = field(default_factory=dict)  # name -> object with state_dict(); checkpointed
 
 
 def seed_everything(seed: int) -> None:
@@ -321,6 +324,8 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     """One step: sample -> score -> log-probs -> advantages -> update."""
     t0 = time.perf_counter()
     rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
+    if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
+        return skip_empty_step(run, metrics, t0)
     metrics.update(add_logprobs(run, rollout))
     metrics.update(add_advantages(run, rollout))
     metrics.update(update(run, rollout))
@@ -335,6 +340,27 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     if run.cfg.train.samples_every and run.step % run.cfg.train.samples_every == 0:
         run.logger.log_samples(run.step, sample_rows(rollout, data.train))
     return metrics
+
+
+def skip_empty_step(run: Run, metrics: dict, t0: float) -> dict:
+    """A step whose samples were all dropped: no update, counted like a non-finite one."""
+    record_skip(run.update_state, run.cfg.optim.max_skipped_steps, "policy",
+                "every sample dropped by reward faults")
+    run.step += 1
+    metrics.update({"reward/mean": float("nan"), "optim/skipped_steps": run.update_state.skipped_steps,
+                    "kl/beta": run.kl_controller.value, "time/step": time.perf_counter() - t0})
+    return metrics
+
+
+def make_engine(run: Run):
+    """hf: generates with the policy module itself (whole parameters under FSDP); vllm: its own copy."""
+    r = run.cfg.rollout
+    if r.engine == "vllm":
+        from covey.rollout.vllm import VLLMEngine
+        return VLLMEngine.from_config(run.cfg, run.policy, run.tokenizer)
+    engine = HFEngine(run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                      top_p=r.top_p, top_k=r.top_k)
+    return GatheredGeneration(engine, run.policy)
 
 
 def prepare_run_dir(cfg: Config) -> Path:
@@ -354,15 +380,59 @@ def print_header(cfg: Config, run_dir: Path, data) -> None:
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
 
 
+def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, data) -> dict:
+    """Restore a checkpoint, or evaluate the untrained policy; returns the pre-training eval."""
+    if resume_from is not None:
+        resumed = load_checkpoint(run, resume_from)
+        if resume_from.resolve().parent.parent == run.run_dir.resolve():
+            run.logger.truncate_to(resumed.log_positions)  # drop lines of the steps to be redone
+        else:
+            run.logger.reset()  # another run's checkpoint: this run's logs start here
+        print(f"covey: resumed from {resume_from} at step {run.step}")
+        return resumed.eval_before
+    run.logger.reset()
+    before = run_eval(run, engine, eval_prompts, data.eval)
+    run.logger.log(0, {**before, "data/skipped_rows": data.skipped_rows})
+    print(f"covey: held-out accuracy before training: {before['eval/accuracy']:.1%} "
+          f"({before['eval/n']} problems, greedy)")
+    return before
+
+
+def run_loop(run: Run, engine, rewarder, data, prompts, eval_prompts, before: dict, stop,
+             last_saved: int | None) -> None:
+    """Steps until train.steps or a stop signal; a checkpoint every save_every steps and at the end."""
+    from tqdm import tqdm
+    cfg = run.cfg
+    bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
+    while run.step < cfg.train.steps and not stop.requested:
+        metrics = train_step(run, engine, rewarder, data, prompts)
+        if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
+            metrics.update(run_eval(run, engine, eval_prompts, data.eval))
+        run.logger.log(run.step, metrics)
+        fault_point("step-logged", run.step)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+                        kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
+        bar.update(1)
+        if cfg.train.save_every and run.step % cfg.train.save_every == 0:
+            save_checkpoint(run, before)
+            last_saved = run.step
+    bar.close()
+    if last_saved != run.step:  # the end of the run, or a stop between two checkpoints
+        save_checkpoint(run, before)
+    if stop.requested:
+        raise TrainingStopped(stop.signum, run.step, run.run_dir / "checkpoints" / f"step-{run.step:06d}")
+
+
 def train(cfg: Config) -> dict:
     """Run training; returns a summary with held-out accuracy before and after."""
     import yaml
-    from tqdm import tqdm
 
+    check_resume_request(cfg)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     data = load_task_data(cfg)  # bad data fails before a model is loaded
     run_dir = prepare_run_dir(cfg)
+    resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     print_header(cfg, run_dir, data)
     seed_everything(cfg.train.seed)
     rewarder = build_rewarder(cfg)
@@ -377,29 +447,10 @@ def train(cfg: Config) -> dict:
     engine = HFEngine(run.policy, run.tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
 
-    resume_from = resolve_resume(cfg, run_dir)
-    if resume_from is not None:
-        before = load_checkpoint(run, resume_from)
-        run.logger.truncate_after(run.step)
-        print(f"covey: resumed from {resume_from} at step {run.step}")
-    else:
-        before = run_eval(run, engine, eval_prompts, data.eval)
-        run.logger.log(0, before)
-        print(f"covey: held-out accuracy before training: {before['eval/accuracy']:.1%} "
-              f"({before['eval/n']} problems, greedy)")
-
-    bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
-    while run.step < cfg.train.steps:
-        metrics = train_step(run, engine, rewarder, data, prompts)
-        if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
-            metrics.update(run_eval(run, engine, eval_prompts, data.eval))
-        run.logger.log(run.step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
-                        kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
-        bar.update(1)
-        if cfg.train.save_every and run.step % cfg.train.save_every == 0:
-            save_checkpoint(run, before)
-    bar.close()
+    with graceful_stop() as stop:
+        before = start_or_resume(run, resume_from, engine, eval_prompts, data)
+        run_loop(run, engine, rewarder, data, prompts, eval_prompts, before, stop,
+                 last_saved=run.step if resume_from is not None else None)
 
     after = run_eval(run, engine, eval_prompts, data.eval)
     run.logger.log(run.step, {**after, "final": 1})

@@ -27,7 +27,11 @@ class NonFiniteError(RuntimeError):
 class UpdateState:
     """Counters that outlive one step (saved in checkpoints)."""
     consecutive_skips: int = 0
+    """Policy updates skipped in a row (reset by an applied update)."""
+    critic_consecutive_skips: int = 0
+    """Critic updates skipped in a row (a healthy critic must not hide a broken policy)."""
     skipped_steps: int = 0
+    """All skipped updates so far (reported as optim/skipped_steps)."""
 
 
 def minibatch_schedule(n: int, epochs: int, minibatches: int, generator: torch.Generator):
@@ -90,20 +94,34 @@ def micro_policy_loss(policy, part: Rollout, norm, cfg: Config, kl_coef: float) 
     return loss, metrics
 
 
+def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> None:
+    """Count an update of `what` (policy | critic) that was not applied; abort after `max_skips` in a row."""
+    streak = _streak_name(what)
+    setattr(state, streak, getattr(state, streak) + 1)
+    state.skipped_steps += 1
+    if getattr(state, streak) >= max_skips:
+        raise NonFiniteError(f"{what}: {getattr(state, streak)} consecutive updates skipped ({reason}); "
+                             "aborting (optim.max_skipped_steps); lower optim.lr or check the rewards")
+
+
+def _streak_name(what: str) -> str:
+    return "consecutive_skips" if what == "policy" else f"{what}_consecutive_skips"
+
+
 def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: UpdateState,
-                    max_skips: int, what: str) -> dict:
-    """Clip, check finiteness, step. A non-finite gradient skips the update and is counted."""
+                    max_skips: int, what: str, loss_finite: bool = True) -> dict:
+    """Clip, check finiteness, step. A non-finite loss or gradient skips the update and is counted."""
+    if not loss_finite:
+        optimizer.zero_grad(set_to_none=True)
+        record_skip(state, max_skips, what, "non-finite loss")
+        return {"optim/grad_norm": float("nan")}
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
-        state.consecutive_skips += 1
-        state.skipped_steps += 1
-        if state.consecutive_skips >= max_skips:
-            raise NonFiniteError(f"{what}: {state.consecutive_skips} consecutive non-finite gradients; "
-                                 "aborting (lower optim.lr or check the reward scale)")
+        record_skip(state, max_skips, what, "non-finite gradient")
         return {"optim/grad_norm": float("nan")}
-    state.consecutive_skips = 0
+    setattr(state, _streak_name(what), 0)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -118,14 +136,18 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, k
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
+        finite = True
         for micro in batch.split(a.micro_batch_size):
             part = rollout.select(micro)
             loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef)
+            if not torch.isfinite(loss):  # checked before backward: no NaN reaches a gradient
+                finite = False
+                break
             loss.backward()
             metrics["policy/loss"] = float(loss.detach())
             avg.add(metrics, float(part.response_mask.sum()))
         step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
-                                       state, cfg.optim.max_skipped_steps, "policy")
+                                       state, cfg.optim.max_skipped_steps, "policy", finite)
         avg.add(step_metrics, 1.0)
     out = avg.result()
     out["optim/skipped_steps"] = state.skipped_steps
@@ -139,16 +161,20 @@ def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: Updat
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
+        finite = True
         for micro in batch.split(a.micro_batch_size):
             part = rollout.select(micro)
             values, width = critic_values(critic, part, cfg.model.autocast)
             mask = part.response_mask[:, :width]
             loss, metrics = algos.value_loss(values, part.values[:, :width], part.returns[:, :width], mask,
                                              norm, a.value_clip or None)
+            if not torch.isfinite(loss):
+                finite = False
+                break
             (a.value_coef * loss).backward()
             avg.add(metrics, float(mask.sum()))
         avg.add({f"critic/{k.split('/')[-1]}": v for k, v in _optimizer_step(
             critic.parameters(), optimizer, None, cfg.optim.max_grad_norm, state,
-            cfg.optim.max_skipped_steps, "critic").items()}, 1.0)
+            cfg.optim.max_skipped_steps, "critic", finite).items()}, 1.0)
     return avg.result()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,13 +58,41 @@ def load_callable(spec: str) -> Callable:
 
 
 def _call_with_timeout(fn: Callable, timeout_s: float, *args, **kwargs):
-    # A hung Python function cannot be killed from a thread; we stop waiting,
-    # report the fault, and leave the daemon thread behind.
-    pool = cf.ThreadPoolExecutor(max_workers=1)
-    try:
-        return pool.submit(fn, *args, **kwargs).result(timeout=timeout_s)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    """fn(*args, **kwargs), or cf.TimeoutError after `timeout_s` seconds.
+
+    A hung Python function cannot be killed from a thread: we stop waiting and
+    leave it running in a daemon thread, which does not keep the process alive
+    at exit (a ThreadPoolExecutor worker would: its threads are joined at exit).
+    """
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=target, name="covey-reward", daemon=True)
+    worker.start()
+    worker.join(timeout_s if timeout_s > 0 else None)
+    if worker.is_alive():
+        raise cf.TimeoutError
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:200]
+
+
+def _as_list(out):
+    """Lists and tuples as they are; 1-D tensors and arrays become lists; anything else None."""
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    if hasattr(out, "tolist") and getattr(out, "ndim", None) == 1:
+        return out.tolist()
+    return None
 
 
 def _bad_value(v) -> str | None:
@@ -72,7 +101,7 @@ def _bad_value(v) -> str | None:
     try:
         f = float(v)
     except (TypeError, ValueError):
-        return f"returned non-number {v!r}"
+        return f"returned non-number {repr(v)[:60]}"
     return None if math.isfinite(f) else f"returned {f}"
 
 
@@ -94,12 +123,14 @@ class Rewarder:
         except cf.TimeoutError:
             return [0.0] * n, [f"timed out after {self.timeout_s:g}s"] * n
         except Exception as e:  # noqa: BLE001 - any user failure is a reward fault
-            return [0.0] * n, [f"raised {type(e).__name__}: {e}"] * n
-        if not isinstance(out, (list, tuple)) or len(out) != n:
-            got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
-            return [0.0] * n, [f"returned {got} values for {n} samples"] * n
-        faults = [_bad_value(v) for v in out]
-        values = [0.0 if f else float(v) for v, f in zip(out, faults)]
+            return [0.0] * n, [f"raised {type(e).__name__}: {_one_line(e)}"] * n
+        raw = _as_list(out)
+        if raw is None:
+            return [0.0] * n, [f"returned {type(out).__name__}, not a list of {n} values"] * n
+        if len(raw) != n:
+            return [0.0] * n, [f"returned {len(raw)} values for {n} samples"] * n
+        faults = [_bad_value(v) for v in raw]
+        values = [0.0 if f else float(v) for v, f in zip(raw, faults)]
         return values, faults
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict) -> Scores:
