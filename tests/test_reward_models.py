@@ -1,0 +1,273 @@
+"""Reward models: losses by hand, step alignment, data generation, training, saving, the loop."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from covey import algos
+from covey.cli import main
+from covey.config import load_config
+from covey.models import tiny_tokenizer
+from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
+                                 corrupted_solutions, load_rm_data, pairs_from_group, pairwise_agreement,
+                                 process_step_inputs, prm_loss, replay_count, save_rm_data, split_by_prompt,
+                                 train_reward_model)
+from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
+                                 encode, step_spans, step_token_ends)
+from covey.rollout.base import Rollout
+from covey.tasks.multistep import generate_multistep, label_steps, split_steps
+from tests.conftest import tiny_overrides
+
+# --------------------------------------------------------------------------- losses by hand
+
+
+def test_bt_loss_by_hand():
+    # -log sigmoid(2) = log(1 + e^-2) = 0.126928; -log sigmoid(0) = log 2 = 0.693147; mean 0.410038
+    assert bt_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])).item() == pytest.approx(0.410038, abs=1e-6)
+    # margin 1: -log sigmoid(1) = 0.313262, -log sigmoid(-1) = 1.313262; mean 0.813262
+    assert bt_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]), 1.0).item() == pytest.approx(0.813262, abs=1e-6)
+    # a huge gap stays finite (logsigmoid, not log(sigmoid))
+    assert bt_loss(torch.tensor([-200.0]), torch.tensor([200.0])).item() == pytest.approx(400.0)
+
+
+def test_prm_loss_by_hand_ignores_masked_steps():
+    logits = torch.tensor([[0.0, 2.0], [-1.0, 99.0]])
+    labels = torch.tensor([[1, 0], [0, 1]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    # BCE: label 1 at logit 0 -> log 2 = 0.693147; label 0 at 2 -> log(1+e^2) = 2.126928;
+    # label 0 at -1 -> log(1+e^-1) = 0.313262; the 4th is masked. Mean of 3 = 1.044446
+    assert prm_loss(logits, labels, mask).item() == pytest.approx(1.044446, abs=1e-6)
+
+
+def test_pairwise_agreement_by_hand():
+    scores = torch.tensor([3.0, 1.0, 2.0, 0.0, 0.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    # group 0: (0>1) yes, (0>2) yes; group 1: (3 vs 4) tie -> 1/2. Mean = 2.5 / 3
+    assert pairwise_agreement(scores, labels, groups) == pytest.approx(2.5 / 3)
+    assert pairwise_agreement(scores, torch.zeros(5), groups) is None
+
+
+# --------------------------------------------------------------------------- steps and tokens
+
+
+def test_step_spans_are_the_pieces_of_split_steps():
+    text = "  12 + 7 = 19 \n\n19 * 3 = 57\n  \nAnswer: 57\n"
+    assert [text[a:b] for a, b in step_spans(text)] == split_steps(text)
+    assert [text[a:b] for a, b in step_spans(text, "\n\n")] == split_steps(text, "\n\n")
+    assert decode_separator("\\n") == "\n" and decode_separator(" || ") == " || "
+
+
+def test_read_out_positions_are_each_steps_last_token():
+    tok = tiny_tokenizer()
+    text = "12 + 7 = 19\n19 * 3 = 57\nAnswer: 57"
+    enc = encode(tok, ["What?"], [text], max_length=384, separator="\n")
+    prefix = [tok.decode(enc.input_ids[0, :p + 1]) for p in enc.positions[0].tolist()]
+    assert [p.endswith(end) for p, end in zip(prefix, ["= 19", "= 57", "Answer: 57"])] == [True] * 3
+    assert not any(tok.decode(enc.input_ids[0, :p]).endswith(end)  # one token earlier is not enough
+                   for p, end in zip(enc.positions[0].tolist(), ["= 19", "= 57", "Answer: 57"]))
+    short = encode(tok, ["What?"], [text], max_length=10, separator="\n")  # the first step is cut off
+    assert short.position_mask[0].tolist() == [False, True, True] and short.counts == [3]
+
+
+def test_step_token_ends_map_steps_to_policy_tokens():
+    tok = tiny_tokenizer()
+    ids = tok("12 + 7 = 19\n19 * 3 = 57\nAnswer: 57", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    text, ends = step_token_ends(tok, ids)
+    assert text == "12 + 7 = 19\n19 * 3 = 57\nAnswer: 57"
+    assert tok.decode(ids[:ends[0] + 1]).endswith("= 19") and tok.decode(ids[:ends[1] + 1]).endswith("= 57")
+    assert ends[-1] == len(ids) - 1  # the last step carries the EOS token too
+    assert step_token_ends(tok, [tok.eos_token_id]) == ("", [])
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_pairs_from_group_pairs_distinct_correct_with_incorrect():
+    pairs = pairs_from_group("q", ["12", "12", "13", "x", "The answer is 12", ""], [1, 1, 0, 0, 1, 0], limit=5)
+    assert pairs == [PreferencePair("q", "12", "13"), PreferencePair("q", "The answer is 12", "x")]
+    assert len(pairs_from_group("q", ["1", "2"], [1, 1], limit=5)) == 0
+
+
+def test_corrupted_solutions_have_exact_labels():
+    for ex in generate_multistep(20, seed=3):
+        right, wrong = corrupted_solutions(ex, random.Random(0))
+        assert label_steps(ex, right)[1] == [1] * (len(ex.meta["ops"]) + 1)
+        labels = label_steps(ex, wrong)[1]
+        k = labels.index(0)
+        assert labels == [1] * k + [0] * (len(labels) - k)  # right until the injected error, wrong after
+
+
+def test_rm_data_files_roundtrip_and_errors(tmp_path):
+    pairs = [PreferencePair("q", "a", "b"), PreferencePair("r", "c", "d")]
+    save_rm_data(tmp_path / "p.jsonl", pairs)
+    assert load_rm_data(tmp_path / "p.jsonl", "bt") == pairs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n{"prompt": "q"\n')
+    with pytest.raises(RewardDataError, match=f"{bad}:2: invalid JSON"):
+        load_rm_data(bad, "bt")
+    bad.write_text('{"prompt": "q", "completion": "1 + 1 = 2\\nAnswer: 2", "labels": [1]}\n')
+    with pytest.raises(RewardDataError, match=":1: 1 labels for 2 steps"):
+        load_rm_data(bad, "prm")
+    bad.write_text('{"prompt": "q"}\n')
+    with pytest.raises(RewardDataError, match=r":1: missing key\(s\) chosen, rejected for objective bt"):
+        load_rm_data(bad, "bt")
+
+
+def test_split_by_prompt_keeps_prompts_on_one_side():
+    pairs = [PreferencePair(f"q{i % 10}", "a", str(i)) for i in range(50)]
+    train, held = split_by_prompt(pairs, 0.2, seed=0)
+    assert {p.prompt for p in train}.isdisjoint({p.prompt for p in held})
+    assert len({p.prompt for p in held}) == 2 and len(train) + len(held) == 50
+
+
+def test_replay_buffer_fraction_capacity_and_state():
+    assert replay_count(90, 0.1) == 10 and replay_count(9, 0.5) == 9 and replay_count(10, 0.0) == 0
+    buf = ReplayBuffer(capacity=5, seed=1)
+    buf.add([StepExample("q", str(i), [1]) for i in range(20)])
+    assert len(buf) == 5 and buf.seen == 20
+    copy = ReplayBuffer(capacity=5, seed=9)
+    copy.load_state_dict(buf.state_dict())
+    assert copy.items == buf.items and copy.sample(3) == buf.sample(3)
+
+
+# --------------------------------------------------------------------------- training on the tiny model
+
+
+def _separable_pairs(n):
+    """Chosen answers end with the real product, rejected ones with a '?': learnable by a tiny model."""
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(2, 9)
+        out.append(PreferencePair(f"What is {a} * {b}?", f"The answer is {a * b}.", f"I think ?? {a}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    save_rm_data(root / "pairs.jsonl", _separable_pairs(60))
+    cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={root / 'pairs.jsonl'}",
+                             f"rm.output={root / 'rm'}", "rm.train_epochs=3", "rm.learning_rate=3e-3",
+                             "rm.batch_size=8"])
+    meta = train_reward_model(cfg, log=lambda *a: None)
+    return root / "rm", meta
+
+
+def test_bt_training_separates_held_out_pairs_and_saves(tiny_rm):
+    folder, meta = tiny_rm
+    assert meta["before"]["rm/pair_accuracy"] == 0.5  # zero head: every pair is a tie
+    assert meta["after"]["rm/pair_accuracy"] >= 0.9 and meta["n_train"] + meta["n_eval"] == 60
+    rm = OutcomeRewardModel.load(folder)
+    held = load_rm_data(folder / "eval_data.jsonl", "bt")
+    chosen = rm([p.prompt for p in held], [p.chosen for p in held])
+    rejected = rm([p.prompt for p in held], [p.rejected for p in held])
+    accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(held)
+    assert accuracy == pytest.approx(meta["after"]["rm/pair_accuracy"])  # the saved model is the trained one
+    with pytest.raises(RewardModelError, match="holds a 'bt' reward model, expected 'prm'"):
+        ProcessRewardModel.load(folder)
+
+
+def test_train_rm_cli_errors_are_one_line(tmp_path, capsys, tiny_model_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    assert main(["train-rm", f"rm.data={bad}", f"rm.base_model={tiny_model_dir}"]) == 2
+    assert capsys.readouterr().err.strip() == f"covey train-rm: error: {bad}:1: invalid JSON (Expecting property name enclosed in double quotes)"
+    assert main(["train-rm", "rm.objective=orm"]) == 2
+    assert "rm.objective='orm' is not one of: bt, prm" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_prm(tiny_model_dir, tmp_path_factory):
+    """A PRM trained on generated multistep data (tiny policy samples + reference + corrupted)."""
+    root = tmp_path_factory.mktemp("prm")
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"rm.base_model={tiny_model_dir}", "rm.objective=prm",
+                             "task.name=multistep", "task.train_size=16", "rm.num_examples=40",
+                             "rm.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.prompts_per_step=8",
+                             f"rm.output={root / 'prm'}", "rm.train_epochs=1", "rm.learning_rate=1e-3"])
+    return root / "prm", train_reward_model(cfg, log=lambda *a: None)
+
+
+def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
+    folder, meta = tiny_prm
+    rows = load_rm_data(folder / "train_data.jsonl", "prm") + load_rm_data(folder / "eval_data.jsonl", "prm")
+    assert len(rows) == 40 and any(1 in r.labels for r in rows) and any(0 in r.labels for r in rows)
+    for key in ("rm/step_accuracy", "rm/step_balanced_accuracy", "rm/positive_step_frac"):
+        assert 0.0 <= meta["after"][key] <= 1.0
+    prm = ProcessRewardModel.load(folder)
+    probs = prm.step_probabilities(["q", "q"], ["1 + 1 = 2\nAnswer: 2", ""])
+    assert len(probs[0]) == 2 and probs[1] == [] and all(0 < p < 1 for p in probs[0])
+    assert prm(["q", "q"], ["1 + 1 = 2\nAnswer: 2", ""]) == [min(probs[0]), 0.0]
+
+
+def test_process_step_inputs_exact_labels_feed_grpo_process():
+    tok = tiny_tokenizer()
+    ex = generate_multistep(1, seed=5, min_ops=2, max_ops=2)[0]
+    right, wrong = corrupted_solutions(ex, random.Random(1))
+    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (right, wrong)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows])
+    rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+                      response_ids=ids, response_mask=mask, group_ids=torch.tensor([0, 0]),
+                      truncated=torch.tensor([False, False]), completions=[right, wrong], example_index=[0, 0],
+                      scores=torch.zeros(2))
+    steps, metrics = process_step_inputs(rollout, tok, ["p"], [ex], None, "exact", "\\n")
+    labels = [label_steps(ex, t)[1] for t in (right, wrong)]
+    assert steps["step_scores"][steps["step_mask"]].tolist() == [float(v) for lab in labels for v in lab]
+    assert steps["step_ends"][0, 2].item() == len(rows[0]) - 1 and metrics["steps/per_sample"] == 3.0
+    adv, _, _ = algos.compute_advantages("grpo_process", algos.AdvantageInput(
+        scores=rollout.scores, response_mask=mask, group_ids=rollout.group_ids, **steps))
+    assert adv[0, 0] > 0 > adv[1, -1 if mask[1, -1] else int(mask[1].sum()) - 1]  # right > wrong where they differ
+
+
+# --------------------------------------------------------------------------- the training loop
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_rewarded_only_by_the_learned_rm(tiny_rm, tiny_model_dir, tmp_path):
+    folder, _ = tiny_rm
+    code = main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{
+        "reward.correctness": 0, "reward.model_path": str(folder), "reward.iterative_every": 1})])
+    assert code == 0
+    steps = [r for r in _metrics(tmp_path / "t") if "reward/mean" in r]
+    for row in steps:
+        assert row["reward/mean"] == pytest.approx(row["reward/rm"], abs=1e-5)  # only the RM pays
+        assert "reward/correctness" in row and "accuracy" in row  # the verifier is only watched
+        assert row.get("rm/refresh_skipped") == 1 or "rm/acc_before_refresh" in row
+
+
+def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_dir, tmp_path):
+    folder, _ = tiny_prm
+    extra = {"task.name": "multistep", "algo.estimator": "grpo_process", "reward.prm_path": str(folder),
+             "reward.iterative_every": 1, "train.save_every": 1, "rollout.max_new_tokens": 12}
+    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **extra)]) == 0
+    rows = [r for r in _metrics(tmp_path / "t") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("steps/per_sample", "prm/step_accuracy", "prm/acc_before_refresh", "prm/acc_after_refresh",
+                "prm/replay_size", "time/score_steps"):
+        assert key in rows[-1], key
+    assert rows[-1]["prm/refresh_replayed"] == replay_count(rows[-1]["prm/refresh_fresh"], 0.1)
+    state = torch.load(tmp_path / "t" / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
+    saved = state["extra"]["reward_model/prm"]
+    assert set(saved) == {"model", "trainer", "replay", "pending"} and saved["pending"] == []
+    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **extra, **{
+        "train.steps": 3, "train.resume": "auto"})]) == 0  # the PRM, its optimizer and replay come back
+    assert [r["step"] for r in _metrics(tmp_path / "t") if "reward/mean" in r][-1] == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.estimator=grpo_process"], "scores steps with a PRM: set reward.prm_path"),
+    (["algo.estimator=grpo_process", "reward.step_source=exact"], "needs task.name=multistep"),
+    (["reward.iterative_every=2"], "needs a learned reward model"),
+    (["reward.replay_fraction=1.0", "reward.model_path=x"], "replay_fraction must lie in [0, 1)"),
+])
+def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
+    assert main(["train", *overrides]) == 2
+    assert message in capsys.readouterr().err
