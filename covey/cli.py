@@ -43,6 +43,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_train_rm(args) -> int:
+    from covey.config import load_config
+    from covey.reward_models import train_reward_model
+    config_path, overrides = _split_config(args.args)
+    cfg = load_config(config_path, overrides)
+    if cfg.model.threads:
+        import torch
+        torch.set_num_threads(cfg.model.threads)
+    train_reward_model(cfg)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from covey.plot import plot_run
     for path in plot_run(args.run_dir):
@@ -61,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-k", type=int, default=0, help="also report pass@k")
     p.add_argument("args", nargs="*")
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("train-rm", help="train a Bradley-Terry RM or a process RM: covey train-rm "
+                       "[CONFIG.yaml] [rm.objective=bt|prm] [key=value ...]")
+    p.add_argument("args", nargs="*", help="optional YAML preset, then key=value overrides (rm.*, task.*, model.path)")
+    p.set_defaults(func=cmd_train_rm)
+    from covey.rewards import server
+    server.add_parser(sub)
     p = sub.add_parser("plot", help="PNG curves of a run's metrics")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
