@@ -33,7 +33,9 @@ from covey.evaluation import evaluate
 from covey.forward import batched_logprobs, batched_values
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
 from covey.models import ValueModel, load_policy, load_reference, param_memory_mb
+from covey.reward_models import make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
+from covey.rewards.model import load_learned_rewards
 from covey.rollout.base import Rollout, concat_rollouts
 from covey.rollout.hf import HFEngine
 from covey.signals import TrainingStopped, fault_point, graceful_stop
@@ -59,6 +61,8 @@ class Run:
     shuffle_generator: torch.Generator = field(default_factory=torch.Generator)
     logger: MetricsLogger | None = None
     extra_state: dict = field(default_factory=dict)  # name -> object with state_dict(); checkpointed
+    learned_rewards: object = None  # covey.rewards.model.LearnedRewards: learned RM / PRM
+    reward_refreshers: list = field(default_factory=list)  # covey.reward_models.RewardModelRefresher
 
 
 def seed_everything(seed: int) -> None:
@@ -106,6 +110,15 @@ def build_run(cfg: Config, run_dir: Path, train_size: int) -> Run:
               stream=PromptStream(train_size, cfg.train.seed))
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
     return run
+
+
+def attach_reward_models(run: Run, learned) -> None:
+    """The learned RM / PRM; with iterative refresh their weights change, so they are checkpointed."""
+    run.learned_rewards = learned
+    run.reward_refreshers = make_refreshers(run.cfg, learned)
+    if run.cfg.reward.iterative_every:
+        for refresher in run.reward_refreshers:
+            run.extra_state[f"reward_model/{refresher.name}"] = refresher
 
 
 # --------------------------------------------------------------------------- rollout
@@ -224,7 +237,19 @@ def advantage_options(cfg: Config) -> algos.AdvantageOptions:
                                   ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize)
 
 
-def add_advantages(run: Run, rollout: Rollout) -> dict:
+def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | None, dict]:
+    """Process supervision (ref. 000): one reward per reasoning step, placed on the token where it ends."""
+    cfg = run.cfg
+    if cfg.algo.estimator != "grpo_process":
+        return None, {}
+    t0 = time.perf_counter()
+    steps, metrics = process_step_inputs(rollout, run.tokenizer, prompts, examples, run.learned_rewards.process,
+                                         cfg.reward.step_source, cfg.reward.step_separator)
+    metrics["time/score_steps"] = time.perf_counter() - t0
+    return steps, metrics
+
+
+def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dict:
     """Advantages and returns from the configured estimator; KL-in-reward when asked."""
     cfg = run.cfg
     token_kl, metrics = None, {}
@@ -236,7 +261,7 @@ def add_advantages(run: Run, rollout: Rollout) -> dict:
     inp = algos.AdvantageInput(scores=rollout.scores, response_mask=rollout.response_mask,
                                group_ids=rollout.group_ids, values=rollout.values, token_kl=token_kl,
                                kl_coef=run.kl_controller.value if token_kl is not None else 0.0,
-                               baseline_scores=rollout.baseline_scores)
+                               baseline_scores=rollout.baseline_scores, **(steps or {}))
     adv, ret, adv_metrics = algos.compute_advantages(cfg.algo.estimator, inp, advantage_options(cfg))
     rollout.advantages, rollout.returns = adv, ret
     metrics.update(adv_metrics)
@@ -270,6 +295,14 @@ def refresh_reference(run: Run) -> None:
     elif a.ref_ema:
         for r, p in zip(run.reference.parameters(), run.policy.parameters()):
             r.lerp_(p, a.ref_ema)
+
+
+def refresh_reward_models(run: Run, rollout: Rollout, examples, prompts) -> dict:
+    """Iterative GRPO (ref. 000): RM/verifier agreement each step; the RM retrained every K steps."""
+    metrics = {}
+    for refresher in run.reward_refreshers:
+        metrics.update(refresher.after_step(run.step, rollout, examples, prompts))
+    return metrics
 
 
 # --------------------------------------------------------------------------- metrics
@@ -326,12 +359,15 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
     if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
         return skip_empty_step(run, metrics, t0)
+    steps, step_metrics = score_steps(run, rollout, data.train, prompts)
+    metrics.update(step_metrics)
     metrics.update(add_logprobs(run, rollout))
-    metrics.update(add_advantages(run, rollout))
+    metrics.update(add_advantages(run, rollout, steps))
     metrics.update(update(run, rollout))
     run.step += 1
     run.kl_controller.update(metrics.get("kl/ref", 0.0), 1)
     refresh_reference(run)
+    metrics.update(refresh_reward_models(run, rollout, data.train, prompts))
     metrics.update(rollout_metrics(rollout))
     metrics["kl/beta"] = run.kl_controller.value
     metrics["time/step"] = time.perf_counter() - t0
@@ -435,8 +471,10 @@ def train(cfg: Config) -> dict:
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     print_header(cfg, run_dir, data)
     seed_everything(cfg.train.seed)
-    rewarder = build_rewarder(cfg)
+    learned = load_learned_rewards(cfg)
+    rewarder = build_rewarder(cfg, learned)
     run = build_run(cfg, run_dir, len(data.train))
+    attach_reward_models(run, learned)
     run.logger = MetricsLogger(run_dir, tensorboard=cfg.train.logger == "tensorboard")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
     prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
