@@ -27,12 +27,19 @@ import torch
 from covey import algos
 from covey.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                               save_final)
-from covey.config import Config, as_dict, derived_sizes, uses_critic
+from covey.config import Config, as_dict, derived_sizes, uses_critic, validate_world
 from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_task_data
+from covey.distributed import (GatheredGeneration, SilentLogger, World, barrier, broadcast_object,
+                               close_distributed, decorrelate_ranks, draw_share, global_advantages, global_batch_view,
+                               init_distributed, prompt_seed, quiet_unless_main, reduce_eval, reduce_metrics,
+                               sample_groups, shard_model, uneven_share, whole_tensors)
+from covey.dpo import dpo_update
 from covey.evaluation import evaluate
 from covey.forward import batched_logprobs, batched_values
+from covey.gradvar import measure_grad_variance
+from covey.lora import add_adapters, frozen_reference
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
-from covey.models import ValueModel, load_policy, load_reference, param_memory_mb
+from covey.models import ValueModel, load_policy, param_memory_mb
 from covey.reward_models import make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
 from covey.rewards.model import load_learned_rewards
@@ -61,8 +68,32 @@ class Run:
     shuffle_generator: torch.Generator = field(default_factory=torch.Generator)
     logger: MetricsLogger | None = None
     extra_state: dict = field(default_factory=dict)  # name -> object with state_dict(); checkpointed
+    world: World = field(default_factory=World)  # rank, process count, device (torchrun)
     learned_rewards: object = None  # covey.rewards.model.LearnedRewards: learned RM / PRM
     reward_refreshers: list = field(default_factory=list)  # covey.reward_models.RewardModelRefresher
+
+
+class StepClock:
+    """Seconds spent in training steps (evaluation excluded); checkpointed, so train.max_minutes
+    is a budget for the whole run, resumes included."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> float:
+        self.seconds += seconds
+        return self.seconds
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seconds = float(state["seconds"])
+
+
+def out_of_time(run) -> bool:
+    limit = run.cfg.train.max_minutes
+    return limit > 0 and run.extra_state["clock"].seconds >= 60 * limit
 
 
 def seed_everything(seed: int) -> None:
@@ -73,7 +104,7 @@ def seed_everything(seed: int) -> None:
 
 def needs_reference(cfg: Config) -> bool:
     a = cfg.algo
-    return (a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref"
+    return (a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref" or a.name == "dpo_iterative"
 
 
 def make_optimizer(params, lr: float, cfg: Config) -> torch.optim.Optimizer:
@@ -95,20 +126,25 @@ def make_kl_controller(cfg: Config):
     return algos.FixedKLController(a.beta)
 
 
-def build_run(cfg: Config, run_dir: Path, train_size: int) -> Run:
+def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None = None) -> Run:
     """Models, optimizers and controllers, in the order they are needed."""
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype, world = getattr(torch, cfg.model.dtype), world or World()
     policy, tokenizer = load_policy(cfg.model.path, dtype=dtype)
-    reference = load_reference(policy) if needs_reference(cfg) else None
+    if cfg.model.lora_rank:  # train adapters only; the reference is then the base with adapters off
+        policy = add_adapters(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+    reference = frozen_reference(policy) if needs_reference(cfg) else None
     critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
               if uses_critic(cfg) else None)
+    # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
+    policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
     optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
     critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
     run = Run(cfg=cfg, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
               critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, cfg.optim.warmup_steps),
               critic_optimizer=critic_opt, kl_controller=make_kl_controller(cfg),
-              stream=PromptStream(train_size, cfg.train.seed))
+              stream=PromptStream(train_size, cfg.train.seed), world=world)
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
+    run.extra_state["clock"] = StepClock()
     return run
 
 
@@ -145,17 +181,19 @@ def drop_invalid(rollout: Rollout) -> Rollout:
 
 def informative_groups(rollout: Rollout) -> torch.Tensor:
     """Group ids whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
-    gids = rollout.group_ids.unique()
-    keep = [g for g in gids.tolist() if rollout.scores[rollout.group_ids == g].std(unbiased=False) > 0]
-    return torch.tensor(keep, dtype=torch.long)
+    gids, inverse = rollout.group_ids.unique(return_inverse=True)
+    lo = torch.full((len(gids),), float("inf")).scatter_reduce(0, inverse, rollout.scores, "amin")
+    hi = torch.full((len(gids),), float("-inf")).scatter_reduce(0, inverse, rollout.scores, "amax")
+    return gids[hi > lo]
 
 
 def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dict) -> tuple[Rollout, dict]:
-    """Draw B prompts, sample G completions each, score them."""
+    """Draw B prompts (this rank's share of them), sample G completions each, score them."""
     cfg = run.cfg
-    ids = run.stream.next(cfg.rollout.prompts_per_step)
+    ids, draws = draw_share(run.stream, cfg.rollout.prompts_per_step, run.world)
+    seeds = [prompt_seed(cfg.train.seed, d) for d in draws] if cfg.rollout.seeding == "per_prompt" else None
     t0 = time.perf_counter()
-    rollout = engine.generate([prompts[i] for i in ids], cfg.rollout.group_size)
+    rollout = sample_groups(engine, [prompts[i] for i in ids], cfg.rollout.group_size, seeds)
     rollout.example_index = [ids[i] for i in rollout.example_index]
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -176,7 +214,7 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
     cfg = run.cfg
     timings = {"time/generate": 0.0, "time/score": 0.0}
     rollout, metrics = sample_and_score(run, engine, rewarder, examples, prompts, timings)
-    metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / cfg.rollout.prompts_per_step
+    metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / len(rollout.group_ids.unique())
     metrics["accuracy"] = float(rollout.reward_parts.get("correctness", rollout.scores).mean())
     if cfg.algo.dynamic_sampling:
         rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
@@ -220,8 +258,10 @@ def refill_groups(run: Run, rollout: Rollout, engine, rewarder, examples, prompt
 def add_logprobs(run: Run, rollout: Rollout) -> dict:
     """pi_old and pi_ref log-probs and critic values, each only where something uses it."""
     cfg, t0 = run.cfg, time.perf_counter()
+    if cfg.algo.name == "dpo_iterative":  # needs reference log-probs of its pairs only (covey/dpo.py)
+        return {}
     mb, temp, prec = cfg.algo.micro_batch_size, cfg.rollout.temperature, cfg.model.autocast
-    old_needed = derived_sizes(cfg)["reuses_old_logprobs"] or cfg.algo.kl_in == "reward"
+    old_needed = derived_sizes(cfg)["reuses_old_logprobs"] or cfg.algo.kl_in == "reward" or cfg.algo.tis_cap > 0
     if old_needed:
         rollout.old_logp = batched_logprobs(run.policy, rollout, temp, mb, prec)
     if run.reference is not None:
@@ -252,6 +292,8 @@ def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | N
 def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dict:
     """Advantages and returns from the configured estimator; KL-in-reward when asked."""
     cfg = run.cfg
+    if cfg.algo.name == "dpo_iterative":  # preference pairs instead of advantages (covey/dpo.py)
+        return {}
     token_kl, metrics = None, {}
     if cfg.algo.kl_in == "reward" and rollout.ref_logp is not None:
         token_kl = algos.kl_penalty(rollout.old_logp, rollout.ref_logp, cfg.algo.kl_estimator) * rollout.response_mask
@@ -262,10 +304,25 @@ def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dic
                                group_ids=rollout.group_ids, values=rollout.values, token_kl=token_kl,
                                kl_coef=run.kl_controller.value if token_kl is not None else 0.0,
                                baseline_scores=rollout.baseline_scores, **(steps or {}))
-    adv, ret, adv_metrics = algos.compute_advantages(cfg.algo.estimator, inp, advantage_options(cfg))
+    adv, ret, adv_metrics = global_advantages(cfg.algo.estimator, inp, advantage_options(cfg))  # all ranks' batch
     rollout.advantages, rollout.returns = adv, ret
     metrics.update(adv_metrics)
     metrics["returns/mean"] = float((ret * rollout.response_mask).sum() / rollout.response_mask.sum().clamp(min=1))
+    return metrics
+
+
+def correct_sampler_mismatch(run: Run, rollout: Rollout) -> dict:
+    """Truncated IS (algo.tis_cap): vLLM sampled with its own kernels and weight copy, so each token's
+    policy-loss term is weighted by min(pi_old/pi_sampler, cap). The weight (>= 0, no gradient) is folded
+    into the advantage, which for ppo_clip and pg is the same as multiplying the token's loss term."""
+    if not run.cfg.algo.tis_cap:
+        return {}
+    sampler_logp = getattr(rollout, "sample_logp", None)
+    if sampler_logp is None:
+        raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs")
+    weights, metrics = algos.truncated_is_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
+                                                  run.cfg.algo.tis_cap)
+    rollout.advantages = rollout.advantages * weights
     return metrics
 
 
@@ -273,9 +330,17 @@ def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dic
 
 
 def update(run: Run, rollout: Rollout) -> dict:
+    if run.cfg.algo.name == "dpo_iterative":
+        metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.cfg,
+                             run.update_state, run.shuffle_generator)
+        return {**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}
+    metrics = {}
+    if run.cfg.train.grad_var_every and (run.step + 1) % run.cfg.train.grad_var_every == 0:
+        metrics = measure_grad_variance(run.policy, rollout, run.cfg, run.kl_controller.value,
+                                        seed=run.cfg.train.seed * 100003 + run.step)
     cfg, t0 = run.cfg, time.perf_counter()
-    metrics = update_policy(run.policy, run.optimizer, run.scheduler, rollout, cfg, run.kl_controller.value,
-                            run.update_state, run.shuffle_generator)
+    metrics.update(update_policy(run.policy, run.optimizer, run.scheduler, rollout, cfg, run.kl_controller.value,
+                                 run.update_state, run.shuffle_generator))
     if run.critic is not None:
         metrics.update(update_critic(run.critic, run.critic_optimizer, rollout, cfg, run.update_state,
                                      run.shuffle_generator))
@@ -346,11 +411,22 @@ def sample_rows(rollout: Rollout, examples, limit: int = 8) -> list[dict]:
 
 
 def run_eval(run: Run, engine, prompts, examples) -> dict:
+    """Held-out accuracy; under torchrun each rank evaluates every W-th problem and the counts are pooled."""
     cfg, t0 = run.cfg, time.perf_counter()
-    out = evaluate(engine, prompts, examples, batch_size=cfg.rollout.eval_batch_size,
-                   max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=cfg.train.eval_pass_k)
+    mine = uneven_share(list(range(len(prompts))), run.world)
+    out = evaluate(engine, [prompts[i] for i in mine], [examples[i] for i in mine],
+                   batch_size=cfg.rollout.eval_batch_size, max_new_tokens=cfg.rollout.eval_max_new_tokens,
+                   pass_k=cfg.train.eval_pass_k)
+    out = reduce_eval(out)
     out["time/eval"] = time.perf_counter() - t0
     return out
+
+
+def sync_engine(run: Run, engine) -> dict:
+    """Push the updated weights to an engine that holds its own copy (vLLM); the HF engine shares the module."""
+    t0 = time.perf_counter()
+    engine.sync_weights(run.policy)
+    return {"time/sync_weights": time.perf_counter() - t0}
 
 
 def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
@@ -363,19 +439,22 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     metrics.update(step_metrics)
     metrics.update(add_logprobs(run, rollout))
     metrics.update(add_advantages(run, rollout, steps))
+    metrics.update(correct_sampler_mismatch(run, rollout))
     metrics.update(update(run, rollout))
+    metrics.update(sync_engine(run, engine))
     run.step += 1
     run.kl_controller.update(metrics.get("kl/ref", 0.0), 1)
     refresh_reference(run)
     metrics.update(refresh_reward_models(run, rollout, data.train, prompts))
-    metrics.update(rollout_metrics(rollout))
+    metrics.update(rollout_metrics(global_batch_view(rollout)))  # over every rank's samples
     metrics["kl/beta"] = run.kl_controller.value
-    metrics["time/step"] = time.perf_counter() - t0
+    metrics["time/step"] = time.perf_counter() - t0 - metrics.get("time/grad_var", 0.0)  # measurement excluded
+    metrics["time/elapsed"] = run.extra_state["clock"].add(metrics["time/step"])
     metrics["throughput/tokens_per_s"] = float(rollout.response_mask.sum()) / max(metrics["time/generate"], 1e-9)
     metrics.update(memory_metrics(run))
     if run.cfg.train.samples_every and run.step % run.cfg.train.samples_every == 0:
         run.logger.log_samples(run.step, sample_rows(rollout, data.train))
-    return metrics
+    return reduce_metrics(metrics)  # under torchrun: pooled over ranks (docs/scale.md, Metrics)
 
 
 def skip_empty_step(run: Run, metrics: dict, t0: float) -> dict:
@@ -400,7 +479,7 @@ def make_engine(run: Run):
 
 
 def prepare_run_dir(cfg: Config) -> Path:
-    name = cfg.train.run_name or f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.train.run_name or broadcast_object(f"{cfg.algo.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = Path(cfg.train.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
@@ -416,10 +495,19 @@ def print_header(cfg: Config, run_dir: Path, data) -> None:
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
 
 
+def save_on_main(run: Run, write) -> Path | None:
+    """`write(run)` on rank 0 from whole tensors; under torchrun every rank first joins the gathers."""
+    with whole_tensors(run, gather=True):
+        path = write(run) if run.world.is_main else None
+    barrier()
+    return path
+
+
 def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, data) -> dict:
     """Restore a checkpoint, or evaluate the untrained policy; returns the pre-training eval."""
     if resume_from is not None:
-        resumed = load_checkpoint(run, resume_from)
+        with whole_tensors(run, gather=False):  # under FSDP: full states from disk into each rank's shards
+            resumed = load_checkpoint(run, resume_from)
         if resume_from.resolve().parent.parent == run.run_dir.resolve():
             run.logger.truncate_to(resumed.log_positions)  # drop lines of the steps to be redone
         else:
@@ -440,7 +528,7 @@ def run_loop(run: Run, engine, rewarder, data, prompts, eval_prompts, before: di
     from tqdm import tqdm
     cfg = run.cfg
     bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
-    while run.step < cfg.train.steps and not stop.requested:
+    while run.step < cfg.train.steps and not out_of_time(run) and not stop.requested:
         metrics = train_step(run, engine, rewarder, data, prompts)
         if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
             metrics.update(run_eval(run, engine, eval_prompts, data.eval))
@@ -450,11 +538,11 @@ def run_loop(run: Run, engine, rewarder, data, prompts, eval_prompts, before: di
                         kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
         bar.update(1)
         if cfg.train.save_every and run.step % cfg.train.save_every == 0:
-            save_checkpoint(run, before)
+            save_on_main(run, lambda r: save_checkpoint(r, before))
             last_saved = run.step
     bar.close()
     if last_saved != run.step:  # the end of the run, or a stop between two checkpoints
-        save_checkpoint(run, before)
+        save_on_main(run, lambda r: save_checkpoint(r, before))
     if stop.requested:
         raise TrainingStopped(stop.signum, run.step, run.run_dir / "checkpoints" / f"step-{run.step:06d}")
 
@@ -464,6 +552,9 @@ def train(cfg: Config) -> dict:
     import yaml
 
     check_resume_request(cfg)
+    world = init_distributed(use_cuda=cfg.rollout.engine == "vllm", timeout_s=cfg.train.dist_timeout_s)
+    validate_world(cfg, world.size)
+    quiet_unless_main(world)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     data = load_task_data(cfg)  # bad data fails before a model is loaded
@@ -473,28 +564,31 @@ def train(cfg: Config) -> dict:
     seed_everything(cfg.train.seed)
     learned = load_learned_rewards(cfg)
     rewarder = build_rewarder(cfg, learned)
-    run = build_run(cfg, run_dir, len(data.train))
+    run = build_run(cfg, run_dir, len(data.train), world)
     attach_reward_models(run, learned)
-    run.logger = MetricsLogger(run_dir, tensorboard=cfg.train.logger == "tensorboard")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
+    run.logger = (MetricsLogger(run_dir, tensorboard=cfg.train.logger == "tensorboard") if world.is_main
+                  else SilentLogger())  # rank 0 alone writes files
+    if world.is_main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
     prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
     eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
     context = getattr(run.policy.config, "max_position_embeddings", 2048)
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
-    engine = HFEngine(run.policy, run.tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    engine = make_engine(run)
 
     with graceful_stop() as stop:
         before = start_or_resume(run, resume_from, engine, eval_prompts, data)
+        decorrelate_ranks(world, cfg.train.seed, run.step)
         run_loop(run, engine, rewarder, data, prompts, eval_prompts, before, stop,
                  last_saved=run.step if resume_from is not None else None)
 
     after = run_eval(run, engine, eval_prompts, data.eval)
     run.logger.log(run.step, {**after, "final": 1})
-    final_dir = save_final(run)
+    final_dir = save_on_main(run, save_final)
     summary = {"accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
                "steps": run.step, "run_dir": str(run_dir), "final_model": str(final_dir)}
     print(f"covey: held-out accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
           f"after {run.step} steps; model saved to {final_dir}")
+    close_distributed()
     return summary

@@ -51,3 +51,15 @@ def test_concat_keeps_groups_distinct(tiny_model_dir):
     assert merged.group_ids.tolist() == [0, 0, 1, 1]
     assert merged.scores.tolist() == [1.0, 0.0, 0.5, 0.5]
     assert merged.prompt_ids.shape[1] == max(a.prompt_ids.shape[1], b.prompt_ids.shape[1])
+
+
+def test_informative_groups_keeps_only_groups_with_reward_spread():
+    from covey.train import informative_groups
+    from covey.rollout.base import Rollout
+    r = Rollout(prompt_ids=torch.zeros(6, 1, dtype=torch.long), prompt_mask=torch.ones(6, 1, dtype=torch.long),
+                response_ids=torch.zeros(6, 1, dtype=torch.long), response_mask=torch.ones(6, 1),
+                group_ids=torch.tensor([7, 7, 3, 3, 9, 9]), truncated=torch.zeros(6, dtype=torch.bool),
+                completions=[""] * 6, example_index=[0] * 6,
+                scores=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]))
+    # group 7 all 1.0 and group 9 all 0.5 carry no signal; group 3 has 0 and 1
+    assert informative_groups(r).tolist() == [3]
