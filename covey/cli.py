@@ -1,4 +1,4 @@
-"""covey command line: train | eval | advantages | plot (| more as they land)."""
+"""covey command line: train | eval | advantages | plot | compare (| more as they land)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG curves of a run's metrics")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
+    from covey import compare
+    compare.add_parser(sub)
     try:
         from covey import advantages_cmd
         advantages_cmd.add_parser(sub)
