@@ -32,6 +32,12 @@ class ModelConfig:
     """torch intra-op threads; 0 keeps torch's default (all cores)."""
     critic_path: str = ""
     """Critic backbone for PPO; empty = initialise from the policy."""
+    lora_rank: int = 0
+    """LoRA adapter rank (PEFT); 0 = train every weight. With LoRA the reference is the base (adapters off)."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator: adapters are scaled by lora_alpha / lora_rank."""
+    lora_targets: str = "all-linear"
+    """Modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)."""
 
 
 @dataclass
@@ -84,6 +90,18 @@ class RolloutConfig:
     """Longest response during held-out evaluation."""
     eval_batch_size: int = 64
     """Prompts per generate call during evaluation."""
+    seeding: str = "global"
+    """Sampling seeds: global (one RNG stream) | per_prompt (run seed + draw index: any process count, same samples)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of GPU memory vLLM may take (weights + KV cache); the rest stays for training."""
+    vllm_sleep: bool = True
+    """Release vLLM's weights and KV cache while the trainer computes (sleep mode)."""
+    vllm_max_model_len: int = 0
+    """vLLM context length (0 = the model's)."""
+    vllm_sync_bucket_mb: int = 256
+    """Weights pushed to vLLM after each update in buckets of about this many MiB."""
+    vllm_sync_timeout_s: float = 600.0
+    """Raise instead of hanging if pushing the weights to vLLM takes longer than this."""
 
 
 @dataclass
@@ -228,6 +246,8 @@ class AlgoConfig:
     """Replace the reference by the policy every K steps (0 = never)."""
     ref_ema: float = 0.0
     """Mix the policy into the reference every step with this weight (0 = off)."""
+    tis_cap: float = 0.0
+    """Truncated IS: policy loss per token times min(pi_train/pi_sampler, cap); 0 = off (needs engine=vllm)."""
     dpo_beta: float = 0.1
     """dpo_iterative: beta of the DPO loss -log sigmoid(beta * margin) (implicit KL strength)."""
 
@@ -278,6 +298,8 @@ class TrainConfig:
     """Resume even if result-changing config keys differ from the checkpoint's."""
     progress: bool = True
     """Show a live progress bar."""
+    dist_timeout_s: float = 1800.0
+    """Under torchrun: seconds a collective waits for the other processes before raising."""
     max_minutes: float = 0.0
     """Stop after this many minutes spent in training steps, evaluation excluded (0 = no limit)."""
     grad_var_every: int = 0
@@ -412,6 +434,7 @@ CHOICES = {
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "vllm"),
+    "rollout.seeding": ("global", "per_prompt"),
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),
     "rm.objective": ("bt", "prm"),
@@ -473,6 +496,7 @@ def validate(cfg: Config) -> None:
         pass  # allowed: the reference model is still loaded for the ratio
     if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
+    validate_scale(cfg)
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
     validate_rewards(cfg)
@@ -520,6 +544,43 @@ def validate_dpo_and_budget(cfg: Config) -> None:
     if t.grad_var_every and not 2 <= t.grad_var_batches <= n_seq:
         raise ConfigError(f"train.grad_var_batches must lie in [2, prompts_per_step*group_size={n_seq}], "
                           f"got {t.grad_var_batches}")
+
+
+def validate_scale(cfg: Config) -> None:
+    """LoRA, vLLM and truncated importance sampling (issue 9)."""
+    m, r, a = cfg.model, cfg.rollout, cfg.algo
+    if m.lora_rank < 0 or m.lora_alpha <= 0:
+        raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, "
+                          f"got {m.lora_rank} and {m.lora_alpha}")
+    if m.lora_rank and (a.ref_refresh_every or a.ref_ema):
+        raise ConfigError("with model.lora_rank > 0 the reference is the base model (adapters off): "
+                          "algo.ref_refresh_every / algo.ref_ema cannot move it")
+    if a.tis_cap and a.tis_cap < 1:
+        raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
+    if a.tis_cap and r.engine != "vllm":
+        raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
+                          "(the hf engine samples from the trained weights themselves)")
+    if not 0 < r.vllm_gpu_memory_utilization < 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory_utilization must lie in (0, 1), "
+                          f"got {r.vllm_gpu_memory_utilization}")
+    if r.vllm_sync_bucket_mb <= 0 or r.vllm_sync_timeout_s <= 0 or cfg.train.dist_timeout_s <= 0:
+        raise ConfigError("rollout.vllm_sync_bucket_mb, rollout.vllm_sync_timeout_s and "
+                          "train.dist_timeout_s must be > 0")
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """What must hold to run on `world_size` processes (torchrun); nothing to check for one."""
+    if world_size == 1:
+        return
+    if cfg.rollout.prompts_per_step % world_size:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
+                          f"{world_size} processes (each takes whole groups)")
+    # These change the number of sequences per rank, hence the number of FSDP collectives: ranks would deadlock.
+    if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
+        raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
+                          "(ranks would hold different numbers of sequences)")
+    if cfg.algo.name == "dpo_iterative" or cfg.train.grad_var_every:
+        raise ConfigError("under torchrun, algo.name=dpo_iterative and train.grad_var_every are not supported yet")
 
 
 def uses_critic(cfg: Config) -> bool:

@@ -259,23 +259,102 @@ def unsharded(model: nn.Module):
     differs between ranks; sharded layers would all-gather in each and deadlock.
     """
     modules = _fsdp_modules(model)
-    for module in modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
+    with torch.inference_mode(False):  # FSDP's buffers must not become inference tensors
+        for module in modules:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
     try:
         yield model
     finally:
-        for module in modules:  # fully_shard's default: blocks reshard after forward, the root not
-            module.set_reshard_after_forward(module is not model, recurse=False)
-            module.reshard()
+        with torch.inference_mode(False):
+            for module in modules:  # fully_shard's default: blocks reshard after forward, the root not
+                module.set_reshard_after_forward(module is not model, recurse=False)
+                module.reshard()
+
+
+def _full_options(strict: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """Complete CPU state dict on rank 0 (empty on the others); a collective under FSDP."""
     if not _fsdp_modules(model):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=_full_options())
+
+
+class FullStateModel:
+    """A sharded model seen through whole tensors, for checkpoint code written for one process.
+
+    state_dict / save_pretrained use the full state gathered on rank 0; load_state_dict
+    takes a full state (read by every rank) and keeps each rank's shard of it.
+    """
+
+    def __init__(self, model: nn.Module, full: dict | None):
+        self.model, self.full = model, full
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def state_dict(self) -> dict:
+        return self.full
+
+    def save_pretrained(self, folder, **kwargs):
+        """HF folder; a tied weight (lm_head = embeddings) is stored once, as save_pretrained does."""
+        own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+        state = {k: v for k, v in self.full.items() if k in own}
+        return self.model.save_pretrained(folder, state_dict=state, **kwargs)
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        return set_model_state_dict(self.model, state, options=_full_options(strict))
+
+
+class FullStateOptimizer:
+    """An optimizer over sharded parameters seen through full, name-keyed states (see FullStateModel)."""
+
+    def __init__(self, model: nn.Module, optimizer, full: dict | None):
+        self.model, self.optimizer, self.full = model, optimizer, full
+        self.state = (full or {}).get("state", {})
+        self.param_groups = (full or {}).get("param_groups", [])
+
+    def state_dict(self) -> dict:
+        return self.full
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=_full_options())
+
+
+@contextlib.contextmanager
+def whole_tensors(run, gather: bool):
+    """Within the block, `run`'s models and optimizers show whole tensors (a no-op without FSDP).
+
+    gather=True (saving): every rank joins the all-gathers, rank 0 holds the full CPU states.
+    gather=False (resuming): full states read from disk are loaded into each rank's shards.
+    """
+    names = [n for n in ("policy", "critic", "reference")
+             if getattr(run, n) is not None and _fsdp_modules(getattr(run, n))]
+    if not names:
+        yield run
+        return
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    saved = {n: getattr(run, n) for n in (*names, "optimizer", "critic_optimizer")}
+    for name in names:
+        setattr(run, name, FullStateModel(saved[name], full_state_dict(saved[name]) if gather else None))
+    for opt_name, model_name in (("optimizer", "policy"), ("critic_optimizer", "critic")):
+        if saved.get(opt_name) is not None and model_name in names:
+            model, opt = saved[model_name], saved[opt_name]
+            full = get_optimizer_state_dict(model, opt, options=_full_options()) if gather else None
+            setattr(run, opt_name, FullStateOptimizer(model, opt, full))
+    try:
+        yield run
+    finally:
+        for name, value in saved.items():
+            setattr(run, name, value)
 
 
 class SilentLogger:
@@ -405,3 +484,13 @@ def global_batch_view(rollout) -> SimpleNamespace:
     parts = {k.removeprefix("part/"): v for k, v in every.items() if k.startswith("part/")}
     return SimpleNamespace(scores=every["scores"], response_mask=every["response_mask"],
                            truncated=every["truncated"], reward_parts=parts)
+
+
+def decorrelate_ranks(world: World, seed: int, step: int) -> None:
+    """seeding=global under torchrun: each rank continues its own torch stream (seed, step, rank).
+
+    Every rank starts from the same seed (the models must initialise identically); left
+    so, all ranks would drive their different prompts with the same random numbers.
+    """
+    if world.distributed:
+        torch.manual_seed(prompt_seed(seed, (step + 1) * 1_000_003 + world.rank))

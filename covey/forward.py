@@ -9,6 +9,7 @@ Each micro-batch is trimmed to its own longest prompt and response first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -30,6 +31,24 @@ def trim(part: Rollout) -> tuple[Tensor, Tensor, int]:
     return ids, mask, resp_len
 
 
+def model_device(model) -> torch.device:
+    """Where the model computes (a DTensor parameter of FSDP2 reports its device too).
+
+    A module without parameters of its own (the LoRA reference view) names its device.
+    """
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device(getattr(model, "device", "cpu"))
+
+
+def on_device(part: Rollout, device: torch.device) -> Rollout:
+    """The micro-batch's tensors on the training device; the Rollout itself when that is the CPU."""
+    if torch.device(device).type == "cpu":
+        return part
+    moved = {f.name: getattr(part, f.name).to(device) for f in dataclasses.fields(part)
+             if isinstance(getattr(part, f.name), Tensor)}
+    return dataclasses.replace(part, **moved)
+
+
 def autocast_context(precision: str):
     if precision == "bfloat16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -44,6 +63,8 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
                     precision: str = "none") -> tuple[Tensor, Tensor | None, int]:
     """Log-probs (n, L') of the sampled response tokens, optional entropy (n, L'), and L'."""
     ids, mask, resp_len = trim(part)
+    device = model_device(model)
+    ids, mask = ids.to(device), mask.to(device)
     with autocast_context(precision):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=resp_len + 1, use_cache=False)
@@ -57,6 +78,8 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
 def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tensor, int]:
     """Critic values aligned with response tokens: V for token t is read at the position before it."""
     ids, mask, resp_len = trim(part)
+    device = model_device(critic)
+    ids, mask = ids.to(device), mask.to(device)
     with autocast_context(precision):
         values = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
     return response_values(values, ids.shape[1] - resp_len, resp_len).float(), resp_len
@@ -69,7 +92,7 @@ def pad_to(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
 def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
                      precision: str = "none") -> Tensor:
     """No-grad log-probs for the whole rollout (old policy or reference), (N, L)."""
@@ -77,15 +100,15 @@ def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
     chunks = []
     for index in torch.arange(len(rollout)).split(micro_batch_size):
         logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision)
-        chunks.append(pad_to(logp, width))
+        chunks.append(pad_to(logp.cpu(), width))  # the Rollout lives on the CPU
     return torch.cat(chunks) * rollout.response_mask
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def batched_values(critic, rollout: Rollout, micro_batch_size: int, precision: str = "none") -> Tensor:
     width = rollout.response_ids.shape[1]
     chunks = []
     for index in torch.arange(len(rollout)).split(micro_batch_size):
         values, _ = critic_values(critic, rollout.select(index), precision)
-        chunks.append(pad_to(values, width))
+        chunks.append(pad_to(values.cpu(), width))
     return torch.cat(chunks) * rollout.response_mask

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from covey import algos
+from covey import algos, distributed
 from covey.config import Config
-from covey.forward import critic_values, policy_logprobs
+from covey.forward import critic_values, model_device, on_device, policy_logprobs
 from covey.rollout.base import Rollout
 
 
@@ -117,6 +117,7 @@ def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: U
         return {"optim/grad_norm": float("nan")}
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    norm = distributed.plain_norm(norm)
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         record_skip(state, max_skips, what, "non-finite gradient")
@@ -135,20 +136,20 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, k
     a = cfg.algo
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
-        norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
-        finite = True
+        norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
+        finite, step_loss = True, 0.0
         for micro in batch.split(a.micro_batch_size):
-            part = rollout.select(micro)
+            part = on_device(rollout.select(micro), model_device(policy))
             loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef)
-            if not torch.isfinite(loss):  # checked before backward: no NaN reaches a gradient
+            if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient
                 finite = False
                 break
             loss.backward()
-            metrics["policy/loss"] = float(loss.detach())
+            step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
             avg.add(metrics, float(part.response_mask.sum()))
         step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
                                        state, cfg.optim.max_skipped_steps, "policy", finite)
-        avg.add(step_metrics, 1.0)
+        avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)
     out = avg.result()
     out["optim/skipped_steps"] = state.skipped_steps
     return out
@@ -160,15 +161,15 @@ def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: Updat
     a = cfg.algo
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
-        norm = algos.make_normalizer(a.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
+        norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
         finite = True
         for micro in batch.split(a.micro_batch_size):
-            part = rollout.select(micro)
+            part = on_device(rollout.select(micro), model_device(critic))
             values, width = critic_values(critic, part, cfg.model.autocast)
             mask = part.response_mask[:, :width]
             loss, metrics = algos.value_loss(values, part.values[:, :width], part.returns[:, :width], mask,
                                              norm, a.value_clip or None)
-            if not torch.isfinite(loss):
+            if not distributed.all_finite(loss):  # every rank skips, or none (FSDP collectives)
                 finite = False
                 break
             (a.value_coef * loss).backward()
