@@ -196,7 +196,7 @@ def save_checkpoint(run, eval_before: dict) -> Path:
     """Write the whole training state atomically; prune to the newest K."""
     assert_finite_state(run)
     final = checkpoint_root(run.run_dir) / f"step-{run.step:06d}"
-    positions = run.logger.positions() if run.logger is not None else {}
+    positions = (run.logger.positions() if run.logger is not None else None) or {}
 
     def write(tmp: Path) -> None:
         run.policy.save_pretrained(tmp / "policy", safe_serialization=True)
