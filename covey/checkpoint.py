@@ -289,6 +289,10 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
 
 def _load_policy_weights(run, path: Path) -> None:
     from safetensors.torch import load_file
+    if (path / "policy" / "adapter_config.json").is_file():  # a LoRA run saves its adapters only
+        from covey.lora import load_adapter_weights
+        load_adapter_weights(run.policy, path / "policy")
+        return
     state = {}
     for shard in sorted((path / "policy").glob("*.safetensors")):
         state.update(load_file(str(shard)))
