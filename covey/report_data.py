@@ -69,6 +69,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def load_runs(root: Path, algos: list[str] | None = None) -> list[RunData]:
     """Every `<algo>-s<seed>` folder with a metrics file, in the order of `algos` then seed."""
     runs = []
+    if not Path(root).is_dir():
+        return runs
     for path in sorted(Path(root).iterdir()):
         match = RUN_FOLDER.match(path.name)
         if not (path.is_dir() and match and (path / "metrics.jsonl").is_file()):
