@@ -557,6 +557,9 @@ def validate_scale(cfg: Config) -> None:
                           "algo.ref_refresh_every / algo.ref_ema cannot move it")
     if a.tis_cap and a.tis_cap < 1:
         raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
+    if a.tis_cap and a.dynamic_sampling:
+        raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
+                          "lose their sampling log-probs)")
     if a.tis_cap and r.engine != "vllm":
         raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
                           "(the hf engine samples from the trained weights themselves)")

@@ -272,17 +272,18 @@ def unsharded(model: nn.Module):
                 module.reshard()
 
 
-def _full_options(strict: bool = True):
+def _full_options(strict: bool = True, cpu_offload: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, strict=strict)
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, strict=strict)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Complete CPU state dict on rank 0 (empty on the others); a collective under FSDP."""
+def full_state_dict(model: nn.Module, on_every_rank: bool = False) -> dict[str, Tensor]:
+    """Complete CPU state dict on rank 0 (empty on the others, unless `on_every_rank`); a collective under FSDP."""
     if not _fsdp_modules(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return get_model_state_dict(model, options=_full_options())
+    state = get_model_state_dict(model, options=_full_options(cpu_offload=not on_every_rank))
+    return {k: v.cpu() for k, v in state.items()} if on_every_rank else state
 
 
 class FullStateModel:
