@@ -38,7 +38,9 @@ from covey.signals import fault_point
 RESULT_NEUTRAL = {
     "train.steps", "train.resume", "train.progress", "train.save_every", "train.keep_checkpoints",
     "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
-    "train.samples_every", "rollout.eval_batch_size",
+    "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",
+    "rollout.vllm_gpu_memory_utilization", "rollout.vllm_sleep", "rollout.vllm_sync_bucket_mb",
+    "rollout.vllm_sync_timeout_s",
 }
 STATE_FILE = "trainer_state.pt"
 
@@ -129,11 +131,10 @@ def _first_nonfinite(named_tensors) -> str | None:
 
 
 def _optimizer_tensors(optimizer):
-    names = {id(p): f"param{i}" for i, p in enumerate(
-        p for group in optimizer.param_groups for p in group["params"])}
-    for param, state in optimizer.state.items():
+    """(name, tensor) of the optimizer state, from state_dict() (also under FSDP's full-state view)."""
+    for index, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
-            yield f"{names.get(id(param), '?')}.{key}", value
+            yield f"param{index}.{key}", value
 
 
 def assert_finite_state(run) -> None:

@@ -86,15 +86,6 @@ class MetricsLogger:
         for path in (self.metrics_path, self.samples_path):
             path.unlink(missing_ok=True)
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop lines written after the checkpoint's step."""
-        for path in (self.metrics_path, self.samples_path):
-            if not path.exists():
-                continue
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= step]
-            path.write_text("".join(line + "\n" for line in kept))
-
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
         with self.metrics_path.open("a") as f:

@@ -43,6 +43,20 @@ class StopFlag:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def agreed(self) -> bool:
+        """Whether any process got a stop signal: under torchrun every rank stops after the same
+        step (one rank leaving the loop alone would leave the others hanging in a collective)."""
+        import torch
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.requested
+        on_gpu = dist.get_backend() == "nccl"
+        flag = torch.tensor([float(self.requested)], device=torch.cuda.current_device() if on_gpu else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and self.signum is None:
+            self.signum = signal.SIGTERM  # another rank was signalled
+        return flag.item() > 0
+
 
 @contextlib.contextmanager
 def graceful_stop():

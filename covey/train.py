@@ -528,7 +528,7 @@ def run_loop(run: Run, engine, rewarder, data, prompts, eval_prompts, before: di
     from tqdm import tqdm
     cfg = run.cfg
     bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
-    while run.step < cfg.train.steps and not out_of_time(run) and not stop.requested:
+    while run.step < cfg.train.steps and not out_of_time(run) and not stop.agreed():
         metrics = train_step(run, engine, rewarder, data, prompts)
         if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
             metrics.update(run_eval(run, engine, eval_prompts, data.eval))

@@ -102,7 +102,8 @@ def test_tensor_and_array_results_are_accepted():
 def test_hung_reward_function_does_not_block_process_exit():
     """A thread-pool worker would be joined at exit; the daemon thread is not."""
     code = ("from covey.rewards.combine import Rewarder, RewardTerm; import time\n"
-            "r = Rewarder([RewardTerm('hang', lambda p, c, **_: time.sleep(600), 1.0)], on_error='zero', timeout_s=0.1)\n"
+            "hang = RewardTerm('hang', lambda p, c, **_: time.sleep(600), 1.0)\n"
+            "r = Rewarder([hang], on_error='zero', timeout_s=0.1)\n"
             "print(r(['p'], ['c'], {}).errors)")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

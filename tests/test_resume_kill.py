@@ -169,3 +169,32 @@ def test_kill_at_every_point_and_at_random_times(reference_run, tiny_model_dir, 
                 break
         run_to_end(cmd)
         assert_same_run(comparable(out / "t"), reference_run)
+
+
+def measure(trials: int, model_dir: str, out: Path) -> str:
+    """`python -m tests.test_resume_kill [TRIALS]`: random kills in bulk, with how many hit a write."""
+    t0 = time.perf_counter()
+    run_to_end(command(model_dir, out / "reference"))
+    seconds, want = time.perf_counter() - t0, comparable(out / "reference" / "t")
+    rng, kills, mid_write = random.Random(7), 0, 0
+    for trial in range(trials):
+        cmd = command(model_dir, out / f"trial{trial}")
+        ckpts = out / f"trial{trial}" / "t" / "checkpoints"
+        for _ in range(2):
+            if not killed_after(cmd, rng.uniform(0.4, 1.3) * seconds):
+                break
+            kills += 1
+            mid_write += any(ckpts.glob(".tmp-*"))  # a temporary folder only exists during a write
+        run_to_end(cmd)
+        assert_same_run(comparable(out / f"trial{trial}" / "t"), want)
+    return (f"{trials} trials, {kills} SIGKILLs at random times, {mid_write} of them inside a checkpoint "
+            f"write: every resumed run identical to the uninterrupted one")
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from covey.models import build_tiny_model
+    with tempfile.TemporaryDirectory() as tmp:
+        print(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 8, str(build_tiny_model(Path(tmp) / "tiny")),
+                      Path(tmp)))

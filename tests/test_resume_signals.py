@@ -74,3 +74,34 @@ def test_second_signal_abandons_the_step(tiny_model_dir, tmp_path):
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert train(tiny_model_dir, tmp_path, **{"train.save_every": 1}) == 0
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4, 4]
+
+
+def _agree_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from covey.signals import StopFlag
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    flag = StopFlag()
+    first = flag.agreed()  # nobody signalled
+    if rank == 1:
+        flag.signum = signal.SIGINT  # as if rank 1 alone received Ctrl-C
+    results.put((rank, first, flag.agreed(), flag.signum))
+    dist.destroy_process_group()
+
+
+def test_under_torchrun_every_rank_stops_when_one_is_signalled():
+    import multiprocessing as mp
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_agree_worker, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGINT)]
