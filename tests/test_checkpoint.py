@@ -53,13 +53,22 @@ def test_save_every_zero_still_checkpoints_the_end(tiny_model_dir, tmp_path):
     assert names(tmp_path / "t") == ["step-000003"]
 
 
-def test_extending_a_finished_run_equals_a_longer_run(tiny_model_dir, tmp_path):
-    """resume=auto with more steps: the final eval line of the short run is cut, nothing doubles."""
-    assert train(tiny_model_dir, tmp_path / "long", **{"train.steps": 4}) == 0
-    assert train(tiny_model_dir, tmp_path / "short", **{"train.steps": 2}) == 0
-    assert train(tiny_model_dir, tmp_path / "short", **{"train.steps": 4, "train.resume": "auto"}) == 0
-    assert deterministic(tmp_path / "short" / "t") == deterministic(tmp_path / "long" / "t")
-    assert [r["step"] for r in read_metrics(tmp_path / "short" / "t")] == [0, 1, 2, 3, 4, 4]
+@pytest.mark.parametrize("variant", [
+    {},  # GRPO
+    {"algo.name": "ppo", "algo.estimator": "gae", "algo.kl_in": "reward", "algo.kl_estimator": "k1",
+     "algo.loss_agg": "token_mean", "algo.normalize": "global_token", "algo.epochs": 2, "algo.minibatches": 2},
+    {"algo.dynamic_sampling": "true", "algo.ref_refresh_every": 2, "algo.kl_target": 0.05},
+], ids=["grpo", "ppo-critic", "dynamic-sampling-ref-refresh"])
+def test_extending_a_finished_run_equals_a_longer_run(tiny_model_dir, tmp_path, variant):
+    """resume=auto with more steps: the same numbers as one longer run, the short run's final line cut."""
+    extra = {"optim.lr": 1e-3, "reward.functions": "tests.test_resume_kill:varied_reward", **variant}
+    assert train(tiny_model_dir, tmp_path / "long", **{"train.steps": 4, **extra}) == 0
+    assert train(tiny_model_dir, tmp_path / "short", **{"train.steps": 2, **extra}) == 0
+    assert train(tiny_model_dir, tmp_path / "short", **{"train.steps": 4, "train.resume": "auto", **extra}) == 0
+    long = deterministic(tmp_path / "long" / "t")
+    assert deterministic(tmp_path / "short" / "t") == long
+    assert [r["step"] for r in long] == [0, 1, 2, 3, 4, 4]
+    assert long[1]["policy/entropy"] != long[4]["policy/entropy"], "the policy moved: the test can fail"
 
 
 def test_disk_full_mid_write_keeps_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch, capsys):
