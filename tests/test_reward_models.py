@@ -149,7 +149,7 @@ def _separable_pairs(n):
 @pytest.fixture(scope="module")
 def tiny_rm(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
-    save_rm_data(root / "pairs.jsonl", _separable_pairs(60))
+    save_rm_data(root / "pairs.jsonl", _separable_pairs(40))
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={root / 'pairs.jsonl'}",
                              f"rm.output={root / 'rm'}", "rm.train_epochs=3", "rm.learning_rate=3e-3",
                              "rm.batch_size=8"])
@@ -160,7 +160,7 @@ def tiny_rm(tiny_model_dir, tmp_path_factory):
 def test_bt_training_separates_held_out_pairs_and_saves(tiny_rm):
     folder, meta = tiny_rm
     assert meta["before"]["rm/pair_accuracy"] == 0.5  # zero head: every pair is a tie
-    assert meta["after"]["rm/pair_accuracy"] >= 0.9 and meta["n_train"] + meta["n_eval"] == 60
+    assert meta["after"]["rm/pair_accuracy"] >= 0.9 and meta["n_train"] + meta["n_eval"] == 40
     rm = OutcomeRewardModel.load(folder)
     held = load_rm_data(folder / "eval_data.jsonl", "bt")
     chosen = rm([p.prompt for p in held], [p.chosen for p in held])
@@ -246,7 +246,7 @@ def test_grpo_rewarded_only_by_the_learned_rm(tiny_rm, tiny_model_dir, tmp_path)
 def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_dir, tmp_path):
     folder, _ = tiny_prm
     extra = {"task.name": "multistep", "algo.estimator": "grpo_process", "reward.prm_path": str(folder),
-             "reward.iterative_every": 1, "train.save_every": 1, "rollout.max_new_tokens": 12}
+             "reward.iterative_every": 1, "train.save_every": 1, "rollout.group_size": 2, "task.eval_size": 2}
     assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **extra)]) == 0
     rows = [r for r in _metrics(tmp_path / "t") if "reward/mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
