@@ -148,6 +148,10 @@ class RewardConfig:
     """Iterative GRPO: retrain the learned RM / PRM on fresh samples every K policy steps (0 = fixed)."""
     replay_fraction: float = 0.1
     """Share of historical (replayed) samples in each RM refresh's training mix."""
+    language: float = 0.0
+    """Weight of the language-consistency reward (ref. 003: share of words in the target language)."""
+    language_target: str = "en"
+    """Target language of the language reward: en | fr | de | es | it | pt | latin | zh | ja | ko | cjk."""
 
 
 @dataclass
@@ -437,6 +441,7 @@ CHOICES = {
     "rollout.seeding": ("global", "per_prompt"),
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),
+    "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
     "rm.objective": ("bt", "prm"),
     "algo.name": ("grpo", "dr_grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "remax",
                   "dpo_iterative"),

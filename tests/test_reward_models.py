@@ -271,3 +271,16 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
 def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
     assert main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_rewarder_composes_language_rm_and_monitors_the_verifier(tiny_rm):
+    from covey.rewards.build import build_rewarder
+    folder, _ = tiny_rm
+    cfg = load_config(None, ["reward.correctness=0", f"reward.model_path={folder}", "reward.language=0.5",
+                             "reward.language_target=zh"])
+    rewarder = build_rewarder(cfg)
+    assert [(t.name, t.weight) for t in rewarder.terms] == [("correctness", 0.0), ("language", 0.5), ("rm", 1.0)]
+    scores = rewarder(["What is 3 * 4?"] * 2, ["答案是 12", "The answer is 12."], {"answer": ["12", "12"]})
+    assert scores.parts["correctness"].tolist() == [1.0, 1.0] and scores.parts["language"].tolist() == [1.0, 0.0]
+    expected = 0.5 * scores.parts["language"] + scores.parts["rm"]  # the verifier is watched, not paid
+    assert torch.allclose(scores.total, expected)

@@ -31,7 +31,7 @@ def build_rewarder(cfg, learned=None) -> Rewarder:
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
     """
     from covey.rewards.model import load_learned_rewards
-    from covey.rewards.rules import correctness_reward, format_reward, overlong_penalty
+    from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
     r = cfg.reward
     learned = learned if learned is not None else load_learned_rewards(cfg)
     monitor = bool(learned.outcome or learned.process or r.remote_url)
@@ -43,6 +43,9 @@ def build_rewarder(cfg, learned=None) -> Rewarder:
     if r.overlong_buffer:
         fn = functools.partial(overlong_penalty, max_len=cfg.rollout.max_new_tokens, buffer=r.overlong_buffer)
         terms.append(RewardTerm("overlong", fn, r.overlong_weight))
+    if r.language:
+        fn = functools.partial(language_consistency, language=r.language_target)
+        terms.append(RewardTerm("language", fn, r.language))
     for spec, weight in parse_functions(r.functions):
         terms.append(RewardTerm(spec, load_callable(spec), weight))
     if learned.outcome is not None:
