@@ -284,3 +284,19 @@ def test_rewarder_composes_language_rm_and_monitors_the_verifier(tiny_rm):
     assert scores.parts["correctness"].tolist() == [1.0, 1.0] and scores.parts["language"].tolist() == [1.0, 0.0]
     expected = 0.5 * scores.parts["language"] + scores.parts["rm"]  # the verifier is watched, not paid
     assert torch.allclose(scores.total, expected)
+
+
+@pytest.mark.slow
+def test_real_backbone_bt_training_step_and_reload(tmp_path):
+    """SmolLM2 backbone: a short Bradley-Terry run lowers the training loss and the folder reloads."""
+    pairs = [PreferencePair(f"What is {a} * 7?", f"{a} * 7 = {a * 7}", f"{a} * 7 = {a * 7 + 3}") for a in range(12, 20)]
+    save_rm_data(tmp_path / "pairs.jsonl", pairs)
+    cfg = load_config(None, ["rm.base_model=default", f"rm.data={tmp_path / 'pairs.jsonl'}", "rm.train_layers=2",
+                             "rm.train_epochs=2", "rm.batch_size=4", "rm.learning_rate=1e-4", "rm.eval_fraction=0.25",
+                             f"rm.output={tmp_path / 'rm'}"])
+    losses = []
+    meta = train_reward_model(cfg, log=lambda *a: losses.append(a[0]) if isinstance(a[0], str) and "loss" in a[0] else None)
+    first, last = (float(line.split("loss ")[1].split()[0]) for line in (losses[0], losses[-1]))
+    assert last < first and meta["n_train"] == 6
+    rm = OutcomeRewardModel.load(tmp_path / "rm")
+    assert len(rm(["What is 12 * 7?"], ["84"])) == 1
