@@ -300,3 +300,11 @@ def test_real_backbone_bt_training_step_and_reload(tmp_path):
     assert last < first and meta["n_train"] == 6
     rm = OutcomeRewardModel.load(tmp_path / "rm")
     assert len(rm(["What is 12 * 7?"], ["84"])) == 1
+
+
+def test_iterative_refresh_is_refused_under_torchrun():
+    from covey.config import ConfigError, validate_world
+    cfg = load_config(None, ["reward.iterative_every=2", "reward.model_path=x", "rollout.prompts_per_step=4"])
+    validate_world(cfg, 1)
+    with pytest.raises(ConfigError, match="reward.iterative_every is not supported yet"):
+        validate_world(cfg, 2)
