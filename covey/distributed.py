@@ -242,8 +242,13 @@ def shard_model(model: nn.Module | None, device: str) -> nn.Module | None:
     for module in list(model.modules()):
         if type(module).__name__ in blocks:
             fully_shard(module)
-    fully_shard(model)
+    fully_shard(fsdp_root(model))
     return model
+
+
+def fsdp_root(model: nn.Module) -> nn.Module:
+    """The module every forward enters: a PEFT wrapper's base model (its `generate` calls that, not the wrapper)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _fsdp_modules(model: nn.Module) -> list:
@@ -258,7 +263,7 @@ def unsharded(model: nn.Module):
     HF generation runs as many forward passes as its longest sample needs, which
     differs between ranks; sharded layers would all-gather in each and deadlock.
     """
-    modules = _fsdp_modules(model)
+    modules, root = _fsdp_modules(model), fsdp_root(model)
     with torch.inference_mode(False):  # FSDP's buffers must not become inference tensors
         for module in modules:
             module.unshard()
@@ -268,7 +273,7 @@ def unsharded(model: nn.Module):
     finally:
         with torch.inference_mode(False):
             for module in modules:  # fully_shard's default: blocks reshard after forward, the root not
-                module.set_reshard_after_forward(module is not model, recurse=False)
+                module.set_reshard_after_forward(module is not root, recurse=False)
                 module.reshard()
 
 
@@ -326,7 +331,16 @@ class FullStateOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=_full_options())
+        set_optimizer_state_dict(self.model, self.optimizer, self.keyed_by_name(state), options=_full_options())
+
+    def keyed_by_name(self, state: dict) -> dict:
+        """A one-process checkpoint keys parameters by position: rename them by parameter name."""
+        if all(isinstance(k, str) for k in state["state"]):
+            return state
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        groups = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
+        return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
 @contextlib.contextmanager

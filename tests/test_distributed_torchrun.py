@@ -56,14 +56,19 @@ def step_rows(run_dir):
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found next to the Python executable")
 @pytest.mark.parametrize("preset", [
-    {},  # GRPO: group advantages, KL to an FSDP-sharded reference in the loss
-    {"config": "configs/ppo.yaml"},  # PPO: sharded critic, KL in the reward, batch-whitened GAE, 2 epochs
-], ids=["grpo", "ppo"])
+    {},  # GRPO: group advantages, KL to an FSDP-sharded reference in the loss; 2 steps under torchrun
+    # PPO: sharded critic, KL in the reward, batch-whitened GAE, 2 epochs. Step 1 runs in one process,
+    # step 2 under torchrun resuming its checkpoint (full states loaded into the shards).
+    {"config": "configs/ppo.yaml", "resume": True},
+], ids=["grpo", "ppo-resumed"])
 def test_two_processes_match_one(preset, tiny_model_dir, tmp_path):
-    keys = {k: v for k, v in preset.items() if k != "config"}
     config = [preset["config"]] if "config" in preset else []
-    assert main(["train", *config, *overrides(tiny_model_dir, tmp_path, "single", keys)]) == 0  # this process
-    run_torchrun(config + overrides(tiny_model_dir, tmp_path, "dist", keys))
+    assert main(["train", *config, *overrides(tiny_model_dir, tmp_path, "single", {})]) == 0  # this process
+    if preset.get("resume"):
+        assert main(["train", *config, *overrides(tiny_model_dir, tmp_path, "dist", {"train.steps": 1})]) == 0
+        run_torchrun(config + overrides(tiny_model_dir, tmp_path, "dist", {"train.resume": "auto"}))
+    else:
+        run_torchrun(config + overrides(tiny_model_dir, tmp_path, "dist", {}))
 
     single, dist = step_rows(tmp_path / "single"), step_rows(tmp_path / "dist")
     assert [r["step"] for r in dist] == [1, 2]
