@@ -11,8 +11,8 @@ computes on the same B prompts (the test in tests/test_distributed_torchrun.py):
 1. prompts: every rank draws the same B ids from the same seeded PromptStream and keeps
    a contiguous share of B/W prompts; a prompt's G samples stay on one rank;
 2. samples: with ``rollout.seeding=per_prompt`` each group is sampled from its own seed
-   (run seed, step, position in the global batch), so what is drawn does not depend on
-   how the batch is split (with ``global`` it does: each rank continues its own RNG);
+   (run seed, draw index of the prompt in the shuffled stream), so what is drawn does not
+   depend on how the batch is split (with ``global`` it does: each rank has its own RNG);
 3. advantages: computed on the gathered global batch (``gather_rows``), exact also for
    batch-wide whitening (REINFORCE++) and reward-side statistics;
 4. loss: one ``Normalizer`` per optimizer step from all-reduced totals, times W
@@ -63,8 +63,6 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
-
-
 
 
 def init_distributed(use_cuda: bool = False, timeout_s: float = 1800.0) -> World:
@@ -258,19 +256,29 @@ def _fsdp_modules(model: nn.Module) -> list:
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """Whole parameters on every rank for the duration (no collectives inside).
+    """Whole parameters on every rank for the duration (no collectives inside); re-entrant.
 
     HF generation runs as many forward passes as its longest sample needs, which
     differs between ranks; sharded layers would all-gather in each and deadlock.
     """
     modules, root = _fsdp_modules(model), fsdp_root(model)
+    depth = getattr(model, "_covey_unsharded", 0)
+    if not modules or depth:  # nothing sharded, or an enclosing block already holds whole parameters
+        model._covey_unsharded = depth + 1
+        try:
+            yield model
+        finally:
+            model._covey_unsharded = depth
+        return
     with torch.inference_mode(False):  # FSDP's buffers must not become inference tensors
         for module in modules:
             module.unshard()
             module.set_reshard_after_forward(False, recurse=False)
+    model._covey_unsharded = 1
     try:
         yield model
     finally:
+        model._covey_unsharded = 0
         with torch.inference_mode(False):
             for module in modules:  # fully_shard's default: blocks reshard after forward, the root not
                 module.set_reshard_after_forward(module is not root, recurse=False)
@@ -437,11 +445,13 @@ def sample_groups(engine, prompts: list[str], group_size: int, seeds: list[int] 
     from covey.rollout.base import concat_rollouts
 
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    whole = engine.whole_parameters() if hasattr(engine, "whole_parameters") else contextlib.nullcontext()
     parts = []
-    for prompt, seed in zip(prompts, seeds):
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            parts.append(engine.generate([prompt], group_size))
+    with whole:  # under FSDP: gathered once for all the groups
+        for prompt, seed in zip(prompts, seeds):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                parts.append(engine.generate([prompt], group_size))
     rollout = concat_rollouts(parts, engine.tokenizer.pad_token_id)
     rollout.example_index = rollout.group_ids.tolist()  # position of the prompt in `prompts`
     return rollout
@@ -460,6 +470,9 @@ class GatheredGeneration:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+    def whole_parameters(self):
+        return unsharded(self.policy)
 
     def generate(self, *args, **kwargs):
         with unsharded(self.policy):
@@ -487,8 +500,8 @@ def global_advantages(name: str, inp: algos.AdvantageInput, opts: algos.Advantag
     every["group_ids"] = every["group_ids"] + ranks * (int(every["group_ids"].max()) + 1)  # one rank's group
     adv, ret, metrics = algos.compute_advantages(name, dataclasses.replace(inp, **every), opts)
     start = int((ranks < dist.get_rank()).sum())
-    rows, width = slice(start, start + len(inp.scores)), inp.response_mask.shape[1]
-    return adv[rows, :width], ret[rows, :width], metrics
+    mine, width = slice(start, start + len(inp.scores)), inp.response_mask.shape[1]
+    return adv[mine, :width], ret[mine, :width], metrics
 
 
 def global_batch_view(rollout) -> SimpleNamespace:

@@ -44,7 +44,7 @@ from covey.reward_models import make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
 from covey.rewards.model import load_learned_rewards
 from covey.rollout.base import Rollout, concat_rollouts
-from covey.rollout.hf import HFEngine
+from covey.rollout.local import local_engine
 from covey.signals import TrainingStopped, fault_point, graceful_stop
 from covey.update import UpdateState, record_skip, update_critic, update_policy
 
@@ -468,13 +468,13 @@ def skip_empty_step(run: Run, metrics: dict, t0: float) -> dict:
 
 
 def make_engine(run: Run):
-    """hf: generates with the policy module itself (whole parameters under FSDP); vllm: its own copy."""
+    """hf / fast: generate with the policy module itself (whole parameters under FSDP); vllm: its own copy."""
     r = run.cfg.rollout
     if r.engine == "vllm":
         from covey.rollout.vllm import VLLMEngine
         return VLLMEngine.from_config(run.cfg, run.policy, run.tokenizer)
-    engine = HFEngine(run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                      top_p=r.top_p, top_k=r.top_k)
+    engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
+                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     return GatheredGeneration(engine, run.policy)
 
 
@@ -508,6 +508,7 @@ def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, da
     if resume_from is not None:
         with whole_tensors(run, gather=False):  # under FSDP: full states from disk into each rank's shards
             resumed = load_checkpoint(run, resume_from)
+        engine.sync_weights(run.policy)  # an engine with its own copy of the weights (vLLM) takes these
         if resume_from.resolve().parent.parent == run.run_dir.resolve():
             run.logger.truncate_to(resumed.log_positions)  # drop lines of the steps to be redone
         else:

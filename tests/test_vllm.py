@@ -6,6 +6,7 @@ and exercise the real `vllm.LLM` on a GPU machine.
 
 import subprocess
 import sys
+from pathlib import Path
 import time
 import types
 from types import SimpleNamespace
@@ -118,17 +119,36 @@ def test_engine_sleeps_wakes_and_pushes_the_policy(fake_vllm, tiny_model_dir):
     llm = FakeLLM()
     engine = VLLMEngine(llm, policy, tokenizer, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
                         sleep=True, bucket_mb=1, timeout_s=30, lora=False)
-    assert llm.calls == ["sleep2"]  # the GPU is the trainer's until the first generation
+    assert llm.calls == ["sleep1"]  # the GPU is the trainer's until the first generation
     rollout = engine.generate(["p1", "p2"], 3, seeds=[11, 12])
-    assert llm.calls[1:] == ["wake:weights", "reset", "wake:kv_cache", "generate", "sleep2"]
+    assert llm.calls[1:] == ["wake:weights", "wake:kv_cache", "generate", "sleep1"]  # vLLM loaded the same weights
     assert [p.kwargs["seed"] for p in llm.params] == [11, 12] and llm.params[0].kwargs["logprobs"] == 0
     assert rollout.sample_logp.shape == (6, 2) and len(rollout) == 6
     with torch.no_grad():
         policy.model.norm.weight.add_(1.0)  # "an optimizer step"
     engine.sync_weights(policy)
-    assert llm.calls[-3:] == ["sleep2", "wake:weights", "reset"]  # pushed right after the update
+    assert llm.calls[-3:] == ["sleep1", "wake:weights", "reset"]  # pushed right after the update
     assert llm.loaded.keys() == {n for n, _ in policy.named_parameters()}
     assert all(torch.equal(llm.loaded[n], p) for n, p in policy.named_parameters())
+
+
+def test_lora_adapters_reach_vllm_as_a_new_request(fake_vllm, monkeypatch, tiny_model_dir):
+    from covey.lora import add_adapters
+    request_module = types.ModuleType("vllm.lora.request")
+    request_module.LoRARequest = lambda name, int_id, path: SimpleNamespace(name=name, int_id=int_id, path=path)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request_module)
+    base, tokenizer = load_policy(tiny_model_dir)
+    policy = add_adapters(base, 4, 8)
+    llm = FakeLLM()
+    engine = VLLMEngine(llm, policy, tokenizer, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,
+                        sleep=False, bucket_mb=1, timeout_s=30, lora=True)
+    engine.sync_weights(policy)
+    engine.sync_weights(policy)
+    request = engine.lora_request
+    assert request.int_id == 2 and (Path(request.path) / "adapter_model.safetensors").is_file()
+    assert not (Path(request.path).parent / "v1").exists()  # the previous adapters are cleaned up
+    assert llm.loaded == {}  # the base weights in vLLM are never touched
 
 
 def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):

@@ -11,8 +11,8 @@ the process group torchrun opened). Each step:
    ``SamplingParams(n=G, logprobs=0, seed=...)``: G samples per prompt and the
    log-prob of each sampled token (``logprobs_mode="processed_logprobs"``: after
    temperature / top-k / top-p, i.e. of the distribution that really sampled, which
-   truncated importance sampling needs); then sleep (level 2: weights and KV cache
-   dropped; level 1 with LoRA: the base is backed up on the CPU);
+   truncated importance sampling needs); then sleep (level 1: the KV cache is dropped,
+   the weights wait in CPU memory);
 2. the trainer computes log-probs and updates (the GPU is the trainer's);
 3. sync_weights: wake the weights and push the policy's, gathered from the FSDP
    shards one tensor at a time (every rank takes part), in buckets of
@@ -31,10 +31,11 @@ could not be run where it was written (no GPU): see docs/scale.md for what is ve
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -173,7 +174,7 @@ class VLLMEngine:
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.sleep_mode, self.bucket_bytes, self.timeout_s, self.lora = sleep, bucket_mb * 2**20, timeout_s, lora
         self.eos = eos_ids(policy, tokenizer)
-        self.weights_asleep = False   # level-2 sleep dropped vLLM's weights: they must be pushed again
+        self.weights_asleep = False   # vLLM's weights sit in CPU memory (sleep level 1)
         self.stale = False            # the policy changed since the last push
         self.lora_request, self.lora_version = None, 0
         self.lora_dir = tempfile.TemporaryDirectory(prefix="covey-lora-") if lora else None
@@ -206,16 +207,18 @@ class VLLMEngine:
     # ----------------------------------------------------------------- memory
 
     def _sleep(self) -> None:
-        """Hand the GPU to the trainer: level 2 drops weights and KV cache; level 1 (LoRA) keeps a CPU copy."""
-        if not self.sleep_mode:
-            return
-        level = 1 if self.lora else 2
-        self.llm.sleep(level=level)
-        self.weights_asleep = True
-        self.stale = self.stale or level == 2
+        """Hand the GPU to the trainer: level 1 drops the KV cache and moves the weights to CPU memory.
+
+        Not level 2 (weights discarded): they would have to be pushed again at every wake,
+        and a push gathers FSDP shards, a collective that generation calls (whose number
+        differs between ranks during evaluation) must not contain.
+        """
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self.weights_asleep = True
 
     def _ensure_weights(self) -> None:
-        """vLLM's weights awake and equal to the policy's."""
+        """vLLM's weights awake and equal to the policy's (a push happens only after sync_weights)."""
         if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
@@ -244,9 +247,10 @@ class VLLMEngine:
         from covey.distributed import full_state_dict
         state = full_state_dict(self.policy, on_every_rank=True)  # each rank feeds its own vLLM
         self.lora_version += 1
-        folder = f"{self.lora_dir.name}/v{self.lora_version}"
+        folder = Path(self.lora_dir.name) / f"v{self.lora_version}"
         self.policy.save_pretrained(folder, state_dict=state)  # PEFT keeps the adapter tensors only
-        self.lora_request = LoRARequest(f"covey-policy-{self.lora_version}", self.lora_version, folder)
+        shutil.rmtree(folder.parent / f"v{self.lora_version - 1}", ignore_errors=True)  # vLLM loaded it already
+        self.lora_request = LoRARequest(f"covey-policy-{self.lora_version}", self.lora_version, str(folder))
 
     # ----------------------------------------------------------------- generation
 
@@ -263,9 +267,7 @@ class VLLMEngine:
         self._ensure_weights()
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        t0 = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], sampling_params=params,
                                     use_tqdm=False, lora_request=self.lora_request)
-        self.last_generate_s = time.perf_counter() - t0
         self._sleep()
         return outputs_to_rollout(outputs, enc, group_size, self.tokenizer)
