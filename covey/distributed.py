@@ -404,8 +404,14 @@ def broadcast_object(value):
 
 def all_finite(loss: Tensor) -> bool:
     """True when the loss is finite on every rank: all skip the update together, or none does."""
-    flag = torch.tensor([float(torch.isfinite(loss.detach()).all())])
-    return bool(all_reduce(flag, dist.ReduceOp.MIN)[0] > 0)
+    return on_all_ranks(bool(torch.isfinite(loss.detach()).all()))
+
+
+def on_all_ranks(flag: bool) -> bool:
+    """True when `flag` holds on every rank: a code path with collectives is taken by all or by none."""
+    if world_size() == 1:
+        return flag
+    return bool(all_reduce(torch.tensor([float(flag)]), dist.ReduceOp.MIN)[0] > 0)
 
 
 def plain_norm(norm: Tensor) -> Tensor:
