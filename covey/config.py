@@ -73,7 +73,7 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Generation engine: hf (default, CPU/GPU) | vllm (GPU)."""
+    """Generation engine: hf (model.generate) | fast (prefix-shared preallocated KV cache, docs/benchmark.md) | vllm (GPU)."""
     prompts_per_step: int = 4
     """B: prompts sampled per step."""
     group_size: int = 8
@@ -437,7 +437,7 @@ CHOICES = {
     "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("hf", "fast", "vllm"),
     "rollout.seeding": ("global", "per_prompt"),
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from covey import algos
+from covey import algos, distributed
 from covey.models import response_values
 from covey.rollout.base import Rollout
 
@@ -65,6 +65,10 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     ids, mask, resp_len = trim(part)
     device = model_device(model)
     ids, mask = ids.to(device), mask.to(device)
+    shared = shared_prompts(ids[:, :ids.shape[1] - resp_len], mask[:, :ids.shape[1] - resp_len])
+    # Under FSDP every rank must run the same number of forward passes (each all-gathers).
+    if distributed.on_all_ranks(shared is not None and resp_len > 1):
+        return prefix_shared_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
     with autocast_context(precision):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=resp_len + 1, use_cache=False)
@@ -72,6 +76,46 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     targets = ids[:, -resp_len:]
     logp = algos.selective_log_softmax(logits, targets, temperature=temperature)
     entropy = algos.entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    return logp, entropy, resp_len
+
+
+def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(first row of each distinct prompt (U,), prompt of each row (n,)); None when no prompt repeats."""
+    rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
+    if len(rows) == len(inverse):
+        return None
+    first = torch.full((len(rows),), len(inverse), dtype=torch.long, device=inverse.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
+    return first, inverse
+
+
+def prefix_shared_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor],
+                           temperature: float, with_entropy: bool, precision: str):
+    """`policy_logprobs` with each distinct prompt encoded once (the G samples of a group share it).
+
+    Pass 1 runs the U distinct prompts and keeps their KV cache; the cache is indexed out to
+    the n rows (gradients flow back through the indexing into the one prompt pass) and pass 2
+    runs the responses on top of it. Token 0 is scored by the prompt's last logits, tokens
+    1..L'-1 by pass 2; the last response token is never fed (nothing reads its logits).
+    Equal to the plain pass up to float rounding (tests/test_speed_forward.py).
+    """
+    first, inverse = shared
+    width = ids.shape[1] - resp_len
+    with autocast_context(precision):
+        out = model(input_ids=ids[first, :width], attention_mask=mask[first, :width],
+                    position_ids=position_ids(mask[first, :width]), use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)
+        rest = model(input_ids=ids[:, width:-1], attention_mask=mask[:, :-1],
+                     position_ids=position_ids(mask)[:, width:-1], past_key_values=cache, use_cache=True).logits
+    head = out.logits[:, -1:][inverse]
+    targets = ids[:, width:]
+    logp = torch.cat([algos.selective_log_softmax(head, targets[:, :1], temperature=temperature),
+                      algos.selective_log_softmax(rest, targets[:, 1:], temperature=temperature)], dim=1)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat([algos.entropy_from_logits(head, temperature=temperature),
+                             algos.entropy_from_logits(rest, temperature=temperature)], dim=1)
     return logp, entropy, resp_len
 
 

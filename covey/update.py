@@ -45,6 +45,12 @@ def minibatch_schedule(n: int, epochs: int, minibatches: int, generator: torch.G
         yield from order.split(size)
 
 
+def by_prompt(batch: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The mini-batch's rows ordered by prompt, so micro-batches hold whole groups whose prompt is
+    encoded once (forward.prefix_shared_logprobs); the order inside a mini-batch leaves its gradient as is."""
+    return batch[torch.argsort(group_ids[batch], stable=True)]
+
+
 class MetricAverager:
     """Token-weighted mean of micro-batch metrics."""
 
@@ -138,7 +144,7 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, k
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
         finite, step_loss = True, 0.0
-        for micro in batch.split(a.micro_batch_size):
+        for micro in by_prompt(batch, rollout.group_ids).split(a.micro_batch_size):
             part = on_device(rollout.select(micro), model_device(policy))
             loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef)
             if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient

@@ -1,0 +1,114 @@
+"""covey vs TRL's GRPOTrainer on one workload, in one run: step time, phases, tokens/s, memory, FLOP rate.
+
+    nice -n 10 .venv/bin/python bench/bench_grpo.py --steps 6 --runs covey,trl,trl-gc
+
+Installs nothing: TRL comes from the `bench` extra (pip install -e '.[bench]'). Every
+run is a subprocess of its own (so its peak RSS is its own), one after the other, on
+the same model, prompts distribution, G, lengths, beta, lr and precision (bench/common.py).
+The machine's matmul peak is measured in the same run, before and after, for fp32 and
+bf16; the training phase's FLOP rate is reported against the peak of its precision.
+Results: a table on stdout, and JSON + Markdown next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import matmul_peak, summarize  # noqa: E402
+
+RUNS = {  # name -> (child script, its flags, covey key=value overrides)
+    "covey": ("run_covey.py", [], ["rollout.engine=fast"]),
+    "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"]),
+    "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"]),
+    "trl": ("run_trl.py", [], []),
+    "trl-gc": ("run_trl.py", ["--gradient-checkpointing"], []),
+    "trl-bf16": ("run_trl.py", ["--bf16"], []),
+}
+
+
+def run_child(name: str, steps: int, threads: int, log_dir: Path) -> dict:
+    result = log_dir / f"{name}.json"
+    script, flags, overrides = RUNS[name]
+    cmd = [sys.executable, str(HERE / script), "--steps", str(steps), "--threads", str(threads),
+           "--result", str(result), *flags, *overrides]
+    print(f"bench: {name}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(log_dir / f"{name}.log", "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+    if done.returncode != 0:
+        tail = (log_dir / f"{name}.log").read_text()[-3000:]
+        raise SystemExit(f"bench: {name} failed (exit {done.returncode}):\n{tail}")
+    data = json.loads(result.read_text())
+    data["wall_s"] = time.perf_counter() - t0
+    data["name"] = name
+    return data
+
+
+def peaks(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    return {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+
+
+def table(rows: list[dict], peak: dict) -> str:
+    trl = [r for r in rows if r["name"].startswith("trl")]
+    base = next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None)
+    best = min(trl, key=lambda r: r["median_s"]) if trl else None
+    head = ("| run | precision | median s/step | min s | generate | score | ref/old logp | update | "
+            "tokens/s (gen) | train GFLOP/s (% of peak) | peak RSS GiB | step vs trl | step vs best TRL | RSS vs trl |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        prec = "bfloat16" if r["precision"].startswith("bfloat16") else "float32"
+        share = 100 * r["train_gflops"] / peak[prec]
+        ratio = f"{r['median_s'] / base['median_s']:.2f}" if base else "-"
+        ratio_best = f"{r['median_s'] / best['median_s']:.2f}" if best else "-"
+        rss = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
+        lines.append(f"| {r['name']} | {r['precision']} | {r['median_s']:.1f} | {r['min_s']:.1f} | "
+                     f"{r['generate_s']:.1f} | {r['score_s']:.2f} | {r['logprobs_s']:.1f} | {r['update_s']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} ({r['gen_tokens_per_s']:.0f}) | {r['train_gflops']:.0f} ({share:.0f}%) | "
+                     f"{r['peak_rss_mib'] / 1024:.2f} | {ratio} | {ratio_best} | {rss} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run; step 1 is not timed")
+    parser.add_argument("--runs", default="covey,trl", help=f"comma-separated, from: {', '.join(RUNS)}")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every run")
+    parser.add_argument("--out", default="", help="results prefix (default: a temporary folder)")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or args.steps < 2:
+        raise SystemExit(f"bench: unknown runs {unknown} or --steps < 2")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-")) / "bench"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = out.parent / (out.name + "-logs")
+    log_dir.mkdir(exist_ok=True)
+    before = peaks(args.threads)
+    results = [run_child(name, args.steps, args.threads, log_dir) for name in names]
+    after = peaks(args.threads)
+    peak = {k: max(before[k], after[k]) for k in before}
+    rows = [summarize(r) for r in results]
+    text = (f"matmul peak (2048^3, best of 6, before/after): fp32 {before['float32']:.0f}/{after['float32']:.0f}, "
+            f"bf16 {before['bfloat16']:.0f}/{after['bfloat16']:.0f} GFLOP/s; threads={args.threads}; "
+            f"medians over steps 2..{args.steps}\n\n" + table(rows, peak))
+    print(text)
+    out.with_suffix(".md").write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"peak_before": before, "peak_after": after, "summary": rows,
+                                                    "runs": results, "argv": sys.argv}, indent=1))
+    print(f"bench: wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

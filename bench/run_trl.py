@@ -1,0 +1,130 @@
+"""Benchmark child: TRL's GRPOTrainer on the workload of bench/common.py, timed per phase.
+
+Same model folder, same task (covey's arithmetic problems as chat prompts), same reward
+function, G, lengths, beta, lr, temperature and micro-batch (per_device_train_batch_size=8,
+gradient_accumulation_steps=4: one rollout of 32 samples and one optimizer step per step,
+so TRL skips its old-log-prob pass exactly like covey). Phases are timed by wrapping
+TRL's own methods; `update` is the rest of the optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import WORKLOAD, LinearFlops, StepRecord, write_result  # noqa: E402
+
+
+def build_dataset():
+    from datasets import Dataset
+
+    from covey.tasks.arithmetic import arithmetic_splits
+    train, _ = arithmetic_splits(WORKLOAD["train_size"], 200, WORKLOAD["seed"], kind="mul", digits_a=2, digits_b=1)
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer}
+                              for ex in train])
+
+
+def make_trainer_class():
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer whose generation, scoring and no-grad log-prob passes add to `self.phase_times`."""
+
+        phase_times: dict = defaultdict(float)
+        completion_tokens: int = 0
+
+        @contextmanager
+        def _timed(self, phase: str):
+            t0 = time.perf_counter()
+            yield
+            self.phase_times[phase] += time.perf_counter() - t0
+
+        def _generate(self, prompts):
+            with self._timed("generate"):
+                out = super()._generate(prompts)
+            self.completion_tokens += sum(len(ids) for ids in out[1])
+            return out
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with self._timed("score"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            if torch.is_grad_enabled():  # the training forward: part of `update`
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            with self._timed("logprobs"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    return TimedGRPOTrainer
+
+
+def step_recorder(trainer_box: dict, records: list, flops: dict):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer = trainer_box["trainer"]
+            trainer.phase_times.clear()
+            trainer.completion_tokens = 0
+            flops["counter"].take()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.t0
+            trainer = trainer_box["trainer"]
+            phases = dict(trainer.phase_times)
+            phases["update"] = seconds - sum(phases.values())
+            records.append(StepRecord(step=state.global_step, seconds=seconds, phases=phases,
+                                      completion_tokens=trainer.completion_tokens,
+                                      train_flops=flops["counter"].take()))
+            print(f"trl step {state.global_step}: {seconds:.1f}s {phases}", flush=True)
+
+    return StepTimer()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from trl import GRPOConfig
+
+    from covey.models import prepare_default_model
+    from covey.rewards.rules import correctness_reward
+    w = WORKLOAD
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), max_steps=args.steps, use_cpu=True,
+        per_device_train_batch_size=w["micro_batch"],
+        gradient_accumulation_steps=w["prompts_per_step"] * w["group_size"] // w["micro_batch"],
+        num_generations=w["group_size"], max_completion_length=w["max_new_tokens"], beta=w["beta"],
+        learning_rate=w["lr"], temperature=w["temperature"], top_k=0, top_p=1.0, adam_beta2=0.99,
+        bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, seed=w["seed"],
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": "float32"})
+    records, flops, box = [], {}, {}
+    trainer = make_trainer_class()(model=str(prepare_default_model()), reward_funcs=correctness_reward,
+                                   args=config, train_dataset=build_dataset(),
+                                   callbacks=[step_recorder(box, records, flops)])
+    box["trainer"] = trainer
+    flops["counter"] = LinearFlops(trainer.model)
+    trainer.train()
+    precision = "bfloat16 (autocast)" if args.bf16 else "float32"
+    write_result(args.result, "trl", records, {"precision": precision,
+                                                "gradient_checkpointing": args.gradient_checkpointing})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Prefix-shared training forward (covey.forward.prefix_shared_logprobs) equals the plain pass."""
+
+import pytest
+import torch
+
+from covey import forward
+from covey.models import load_policy
+from covey.rollout.base import Rollout
+
+
+def grouped_rollout(tokenizer, groups: int = 2, group_size: int = 3, width: int = 7, seed: int = 0) -> Rollout:
+    """Left-padded prompts repeated G times, right-padded responses of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, pad = len(tokenizer), tokenizer.pad_token_id
+    prompt_lens = [5, 3][:groups] + [4] * max(0, groups - 2)
+    prompts, masks = [], []
+    for n in prompt_lens:
+        ids = torch.randint(3, vocab, (n,), generator=g)
+        prompts.append(torch.cat([torch.full((5 - n,), pad), ids]))
+        masks.append(torch.cat([torch.zeros(5 - n, dtype=torch.long), torch.ones(n, dtype=torch.long)]))
+    index = torch.arange(groups).repeat_interleave(group_size)
+    n = len(index)
+    response = torch.randint(3, vocab, (n, width), generator=g)
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    lengths[0] = width
+    resp_mask = (torch.arange(width)[None] < lengths[:, None]).float()
+    response = torch.where(resp_mask.bool(), response, torch.full_like(response, pad))
+    return Rollout(prompt_ids=torch.stack(prompts)[index], prompt_mask=torch.stack(masks)[index],
+                   response_ids=response, response_mask=resp_mask, group_ids=index,
+                   truncated=torch.zeros(n, dtype=torch.bool), completions=[""] * n, example_index=index.tolist())
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tokenizer = load_policy(tiny_model_dir)
+    return model.train(), tokenizer
+
+
+def logprobs_and_grads(model, part, plain: bool, monkeypatch, temperature=0.7):
+    if plain:
+        monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
+    model.zero_grad(set_to_none=True)
+    logp, entropy, width = forward.policy_logprobs(model, part, temperature, with_entropy=True)
+    mask = part.response_mask[:, :width]
+    weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
+    ((logp * weights * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
+    monkeypatch.undo()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logp.detach() * mask, entropy.detach() * mask, grads
+
+
+def test_shared_prompt_pass_equals_plain_pass_values_and_gradients(tiny, monkeypatch):
+    model, tokenizer = tiny
+    part = grouped_rollout(tokenizer)
+    assert forward.shared_prompts(part.prompt_ids, part.prompt_mask) is not None
+    logp_s, ent_s, grads_s = logprobs_and_grads(model, part, False, monkeypatch)
+    logp_p, ent_p, grads_p = logprobs_and_grads(model, part, True, monkeypatch)
+    torch.testing.assert_close(logp_s, logp_p, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_s, ent_p, atol=1e-5, rtol=1e-5)
+    assert grads_s.keys() == grads_p.keys()
+    for name in grads_p:
+        torch.testing.assert_close(grads_s[name], grads_p[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_in_any_order_and_unique_prompts(tiny, monkeypatch):
+    """Interleaved groups are matched row by row; a batch of distinct prompts takes the plain pass."""
+    model, tokenizer = tiny
+    part = grouped_rollout(tokenizer, groups=3, group_size=2)
+    shuffled = part.select(torch.tensor([3, 0, 5, 1, 4, 2]))
+    first, inverse = forward.shared_prompts(shuffled.prompt_ids, shuffled.prompt_mask)
+    assert torch.equal(shuffled.prompt_ids[first][inverse], shuffled.prompt_ids)
+    with torch.no_grad():
+        logp_s, _, width = forward.policy_logprobs(model, shuffled, 1.0)
+        monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
+        logp_p, _, _ = forward.policy_logprobs(model, shuffled, 1.0)
+    mask = shuffled.response_mask[:, :width]
+    torch.testing.assert_close(logp_s * mask, logp_p * mask, atol=1e-5, rtol=1e-5)
+    distinct = part.select(torch.tensor([0, 2, 4]))
+    assert forward.shared_prompts(distinct.prompt_ids, distinct.prompt_mask) is None
+
+
+def test_batched_reference_logprobs_unchanged(tiny, monkeypatch):
+    model, tokenizer = tiny
+    part = grouped_rollout(tokenizer, groups=2, group_size=4)
+    shared = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
+    monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
+    plain = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
