@@ -313,7 +313,8 @@ class FullStateModel:
         return getattr(self.model, name)
 
     def state_dict(self) -> dict:
-        return self.full
+        """The full state when gathered; when loading, the model's own (its keys are what loaders match)."""
+        return self.full if self.full is not None else self.model.state_dict()
 
     def save_pretrained(self, folder, **kwargs):
         """HF folder; a tied weight (lm_head = embeddings) is stored once, as save_pretrained does."""
