@@ -381,6 +381,14 @@ def whole_tensors(run, gather: bool):
             setattr(run, name, value)
 
 
+def save_on_main(run, write):
+    """`write(run)` on rank 0 from whole tensors (its result; None elsewhere); every rank joins the gathers."""
+    with whole_tensors(run, gather=True):
+        path = write(run) if is_main_process() else None
+    barrier()
+    return path
+
+
 class SilentLogger:
     """Stands in for MetricsLogger on ranks other than 0: every method does nothing."""
 

@@ -29,10 +29,10 @@ from covey.checkpoint import (check_resume_request, load_checkpoint, resolve_res
                               save_final)
 from covey.config import Config, as_dict, derived_sizes, uses_critic, validate_world
 from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_task_data
-from covey.distributed import (GatheredGeneration, SilentLogger, World, barrier, broadcast_object,
-                               close_distributed, decorrelate_ranks, draw_share, global_advantages, global_batch_view,
+from covey.distributed import (GatheredGeneration, SilentLogger, World, broadcast_object, close_distributed,
+                               decorrelate_ranks, draw_share, global_advantages, global_batch_view,
                                init_distributed, prompt_seed, quiet_unless_main, reduce_eval, reduce_metrics,
-                               sample_groups, shard_model, uneven_share, whole_tensors)
+                               sample_groups, save_on_main, shard_model, uneven_share, whole_tensors)
 from covey.dpo import dpo_update
 from covey.evaluation import evaluate
 from covey.forward import batched_logprobs, batched_values
@@ -493,14 +493,6 @@ def print_header(cfg: Config, run_dir: Path, data) -> None:
     print("covey: sizes " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     print(f"covey: task {cfg.task.name}: {len(data.train)} train / {len(data.eval)} held-out examples"
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
-
-
-def save_on_main(run: Run, write) -> Path | None:
-    """`write(run)` on rank 0 from whole tensors; under torchrun every rank first joins the gathers."""
-    with whole_tensors(run, gather=True):
-        path = write(run) if run.world.is_main else None
-    barrier()
-    return path
 
 
 def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, data) -> dict:
