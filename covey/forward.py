@@ -16,6 +16,7 @@ from torch import Tensor
 
 from covey import algos, distributed
 from covey.models import response_values
+from covey.packing import pack, unpack
 from covey.rollout.base import Rollout
 
 
@@ -65,10 +66,10 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     ids, mask, resp_len = trim(part)
     device = model_device(model)
     ids, mask = ids.to(device), mask.to(device)
-    shared = shared_prompts(ids[:, :ids.shape[1] - resp_len], mask[:, :ids.shape[1] - resp_len])
     # Under FSDP every rank must run the same number of forward passes (each all-gathers).
-    if distributed.on_all_ranks(shared is not None and resp_len > 1):
-        return prefix_shared_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
+    if distributed.on_all_ranks(packs(model) and resp_len > 1):
+        shared = shared_prompts(ids[:, :ids.shape[1] - resp_len], mask[:, :ids.shape[1] - resp_len])
+        return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
     with autocast_context(precision):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=resp_len + 1, use_cache=False)
@@ -79,43 +80,51 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     return logp, entropy, resp_len
 
 
-def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(first row of each distinct prompt (U,), prompt of each row (n,)); None when no prompt repeats."""
+def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first row of each distinct prompt (U,), prompt of each row (n,))."""
     rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
-    if len(rows) == len(inverse):
-        return None
     first = torch.full((len(rows),), len(inverse), dtype=torch.long, device=inverse.device)
     first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
     return first, inverse
 
 
-def prefix_shared_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor],
-                           temperature: float, with_entropy: bool, precision: str):
-    """`policy_logprobs` with each distinct prompt encoded once (the G samples of a group share it).
+def packs(model) -> bool:
+    """The packed pass needs an attention that takes a 4-D mask (SDPA or eager, not flash-attention)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
 
-    Pass 1 runs the U distinct prompts and keeps their KV cache; the cache is indexed out to
-    the n rows (gradients flow back through the indexing into the one prompt pass) and pass 2
-    runs the responses on top of it. Token 0 is scored by the prompt's last logits, tokens
-    1..L'-1 by pass 2; the last response token is never fed (nothing reads its logits).
-    Equal to the plain pass up to float rounding (tests/test_speed_forward.py).
+
+def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor],
+                    temperature: float, with_entropy: bool, precision: str):
+    """`policy_logprobs` with each distinct prompt encoded once and the responses packed without padding.
+
+    Pass 1 runs the U distinct prompts and keeps their KV cache; the cache is indexed out
+    to the packed rows (gradients flow back through the indexing into the one prompt pass)
+    and pass 2 runs the packed responses on top of it (covey/packing.py). Equal to the
+    padded pass up to float rounding (tests/test_speed_forward.py); 0 after a response's end.
     """
     first, inverse = shared
-    width = ids.shape[1] - resp_len
+    width, n = ids.shape[1] - resp_len, ids.shape[0]
+    prompt_mask, responses = mask[first, :width], ids[:, width:]
+    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0)
+    attention = packing.attention
+    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
     with autocast_context(precision):
-        out = model(input_ids=ids[first, :width], attention_mask=mask[first, :width],
-                    position_ids=position_ids(mask[first, :width]), use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)
-        rest = model(input_ids=ids[:, width:-1], attention_mask=mask[:, :-1],
-                     position_ids=position_ids(mask)[:, width:-1], past_key_values=cache, use_cache=True).logits
-    head = out.logits[:, -1:][inverse]
-    targets = ids[:, width:]
-    logp = torch.cat([algos.selective_log_softmax(head, targets[:, :1], temperature=temperature),
-                      algos.selective_log_softmax(rest, targets[:, 1:], temperature=temperature)], dim=1)
+        out = model(input_ids=ids[first, :width], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values  # resp_len > 1: at least one token is fed to pass 2
+        cache.batch_select_indices(packing.prompt_of_bin)
+        rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
+                     past_key_values=cache, use_cache=True).logits
+    head = out.logits[:, -1:][inverse]  # (n, 1, V): scores response token 0
+    logp = torch.cat([algos.selective_log_softmax(head, responses[:, :1], temperature=temperature),
+                      unpack(algos.selective_log_softmax(rest, packing.targets, temperature=temperature),
+                             packing, n, resp_len - 1)], dim=1)
     entropy = None
     if with_entropy:
         entropy = torch.cat([algos.entropy_from_logits(head, temperature=temperature),
-                             algos.entropy_from_logits(rest, temperature=temperature)], dim=1)
+                             unpack(algos.entropy_from_logits(rest, temperature=temperature),
+                                    packing, n, resp_len - 1)], dim=1)
     return logp, entropy, resp_len
 
 

@@ -1,9 +1,9 @@
-"""Prefix-shared training forward (covey.forward.prefix_shared_logprobs) equals the plain pass."""
+"""Packed, prefix-shared training forward (covey.forward.packed_logprobs) equals the padded pass."""
 
 import pytest
 import torch
 
-from covey import forward
+from covey import forward, packing
 from covey.models import load_policy
 from covey.rollout.base import Rollout
 
@@ -37,24 +37,30 @@ def tiny(tiny_model_dir):
 
 
 def logprobs_and_grads(model, part, plain: bool, monkeypatch, temperature=0.7):
-    if plain:
-        monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
     model.zero_grad(set_to_none=True)
-    logp, entropy, width = forward.policy_logprobs(model, part, temperature, with_entropy=True)
+    with monkeypatch.context() as patch:
+        if plain:
+            patch.setattr(forward, "packs", lambda model: False)
+        logp, entropy, width = forward.policy_logprobs(model, part, temperature, with_entropy=True)
     mask = part.response_mask[:, :width]
     weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
     ((logp * weights * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
-    monkeypatch.undo()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return logp.detach() * mask, entropy.detach() * mask, grads
 
 
-def test_shared_prompt_pass_equals_plain_pass_values_and_gradients(tiny, monkeypatch):
+@pytest.mark.parametrize("attention, capacity", [("sdpa", 256), ("sdpa", 1), ("eager", 256)])
+def test_packed_pass_equals_padded_pass_values_and_gradients(tiny, monkeypatch, attention, capacity):
+    """capacity 1: one response per packed row; eager: the additive form of the block mask."""
     model, tokenizer = tiny
+    model.set_attn_implementation(attention)
+    monkeypatch.setattr(packing, "MIN_CAPACITY", capacity)
     part = grouped_rollout(tokenizer)
-    assert forward.shared_prompts(part.prompt_ids, part.prompt_mask) is not None
-    logp_s, ent_s, grads_s = logprobs_and_grads(model, part, False, monkeypatch)
-    logp_p, ent_p, grads_p = logprobs_and_grads(model, part, True, monkeypatch)
+    try:
+        logp_s, ent_s, grads_s = logprobs_and_grads(model, part, False, monkeypatch)
+        logp_p, ent_p, grads_p = logprobs_and_grads(model, part, True, monkeypatch)
+    finally:
+        model.set_attn_implementation("sdpa")
     torch.testing.assert_close(logp_s, logp_p, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent_s, ent_p, atol=1e-5, rtol=1e-5)
     assert grads_s.keys() == grads_p.keys()
@@ -62,8 +68,8 @@ def test_shared_prompt_pass_equals_plain_pass_values_and_gradients(tiny, monkeyp
         torch.testing.assert_close(grads_s[name], grads_p[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_rows_in_any_order_and_unique_prompts(tiny, monkeypatch):
-    """Interleaved groups are matched row by row; a batch of distinct prompts takes the plain pass."""
+def test_rows_in_any_order_and_distinct_prompts(tiny, monkeypatch):
+    """Interleaved groups are matched row by row; distinct prompts each get their own packed rows."""
     model, tokenizer = tiny
     part = grouped_rollout(tokenizer, groups=3, group_size=2)
     shuffled = part.select(torch.tensor([3, 0, 5, 1, 4, 2]))
@@ -71,18 +77,23 @@ def test_rows_in_any_order_and_unique_prompts(tiny, monkeypatch):
     assert torch.equal(shuffled.prompt_ids[first][inverse], shuffled.prompt_ids)
     with torch.no_grad():
         logp_s, _, width = forward.policy_logprobs(model, shuffled, 1.0)
-        monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
+        monkeypatch.setattr(forward, "packs", lambda model: False)
         logp_p, _, _ = forward.policy_logprobs(model, shuffled, 1.0)
     mask = shuffled.response_mask[:, :width]
     torch.testing.assert_close(logp_s * mask, logp_p * mask, atol=1e-5, rtol=1e-5)
     distinct = part.select(torch.tensor([0, 2, 4]))
-    assert forward.shared_prompts(distinct.prompt_ids, distinct.prompt_mask) is None
+    with torch.no_grad():
+        logp_s, _, width = forward.policy_logprobs(model, distinct, 1.0)
+        monkeypatch.undo()
+        logp_p, _, _ = forward.policy_logprobs(model, distinct, 1.0)
+    mask = distinct.response_mask[:, :width]
+    torch.testing.assert_close(logp_s * mask, logp_p * mask, atol=1e-5, rtol=1e-5)
 
 
 def test_batched_reference_logprobs_unchanged(tiny, monkeypatch):
     model, tokenizer = tiny
     part = grouped_rollout(tokenizer, groups=2, group_size=4)
     shared = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
-    monkeypatch.setattr(forward, "shared_prompts", lambda ids, mask: None)
+    monkeypatch.setattr(forward, "packs", lambda model: False)
     plain = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)

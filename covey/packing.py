@@ -1,0 +1,112 @@
+"""Packed response pass: a micro-batch's responses laid end to end on top of their prompt's KV cache.
+
+A GRPO micro-batch is G responses to one prompt, of very different lengths (14 to 64
+tokens in one typical step). The padded forward runs n x (P + L') positions: the prompt
+G times and every response padded to the longest. Here each distinct prompt runs once
+(pass 1, its KV cache kept), and the responses run packed (pass 2): the tokens of several
+responses of one prompt share a row, each response attending to its prompt and causally
+to itself only (a block-diagonal 4-D mask), with the positions it has in its own sequence.
+That is the same computation as the padded pass, row by row, without the padding.
+
+Only tokens 0..r-2 of a response of length r are fed: token 0 is scored by the prompt's
+last logits, token j > 0 by the output at token j-1, and nothing reads the last output.
+A packed row holds at most max(L'-1, MIN_CAPACITY) tokens, so the wasted attention over
+masked-out pairs stays small next to the linear layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MIN_CAPACITY = 256  # tokens per packed row; below it the quadratic masked attention is cheap
+
+
+@dataclass
+class Packing:
+    prompt_of_bin: Tensor  # (K,) distinct prompt each packed row continues
+    input_ids: Tensor      # (K, T) fed tokens, padding after the last block
+    position_ids: Tensor   # (K, T) position of each token in its own sequence
+    attention: Tensor      # (K, 1, T, P + T) bool, True where a query may attend a key
+    targets: Tensor        # (K, T) the token each fed position predicts
+    source: tuple[Tensor, Tensor]  # (bin, slot) of every fed position
+    dest: tuple[Tensor, Tensor]    # (row, column) of the same positions in the (n, L'-1) output
+
+
+def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing within each prompt: rows whose fed lengths sum to <= capacity share a bin."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    owner: list[int] = []
+    for row in sorted((r for r in range(len(fed)) if fed[r] > 0), key=lambda r: (-fed[r], r)):
+        for b in range(len(bins)):
+            if owner[b] == prompt_of_row[row] and loads[b] + fed[row] <= capacity:
+                bins[b].append(row)
+                loads[b] += fed[row]
+                break
+        else:
+            bins.append([row])
+            loads.append(fed[row])
+            owner.append(prompt_of_row[row])
+    return bins
+
+
+def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tensor, prompt_mask: Tensor,
+         pad_id: int) -> Packing:
+    """Lay out responses (n, L') of real lengths (n,) whose first token sits at position starts (n,).
+
+    `prompt_mask` (U, P) is the mask of each distinct prompt, `prompt_of_row` (n,) indexes it.
+    """
+    fed = (lengths - 1).clamp(min=0).tolist()
+    owner_of_row = prompt_of_row.tolist()
+    bins = plan_bins(fed, owner_of_row, max(max(fed, default=0), MIN_CAPACITY))
+    width = max((sum(fed[r] for r in b) for b in bins), default=0)
+    k, device = len(bins), responses.device
+    input_ids = torch.full((k, width), pad_id, dtype=responses.dtype, device=device)
+    targets, position_ids = torch.full_like(input_ids, pad_id), torch.zeros_like(input_ids)
+    block = torch.full((k, width), -1, dtype=torch.long, device=device)
+    src_bin, src_slot, dst_row, dst_col = [], [], [], []
+    for b, rows in enumerate(bins):
+        offset = 0
+        for row in rows:
+            n_fed, end = fed[row], offset + fed[row]
+            input_ids[b, offset:end] = responses[row, :n_fed]
+            targets[b, offset:end] = responses[row, 1:n_fed + 1]
+            position_ids[b, offset:end] = starts[row] + torch.arange(n_fed, device=device)
+            block[b, offset:end] = row
+            src_bin += [b] * n_fed
+            src_slot += range(offset, end)
+            dst_row += [row] * n_fed
+            dst_col += range(n_fed)
+            offset = end
+    prompt_of_bin = _long([owner_of_row[rows[0]] for rows in bins], device)
+    return Packing(prompt_of_bin, input_ids, position_ids, block_mask(block, prompt_mask[prompt_of_bin]),
+                   targets, (_long(src_bin, device), _long(src_slot, device)),
+                   (_long(dst_row, device), _long(dst_col, device)))
+
+
+def _long(values: list[int], device) -> Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def block_mask(block: Tensor, prompt_mask: Tensor) -> Tensor:
+    """(K, 1, T, P + T): a token sees its prompt's real tokens and the earlier tokens of its own block.
+
+    Padding queries (block -1) see only themselves, so no softmax row is empty (an empty
+    row is NaN, and NaN times a zero gradient is still NaN).
+    """
+    width = block.shape[1]
+    real = block >= 0
+    causal = torch.ones(width, width, dtype=torch.bool, device=block.device).tril()
+    own = (block[:, :, None] == block[:, None, :]) & causal & real[:, :, None]
+    own |= torch.eye(width, dtype=torch.bool, device=block.device) & ~real[:, :, None]
+    prompt = prompt_mask.bool()[:, None, :] & real[:, :, None]
+    return torch.cat([prompt, own], dim=-1)[:, None]
+
+
+def unpack(packed: Tensor, packing: Packing, n_rows: int, width: int) -> Tensor:
+    """(K, T) per fed position -> (n, width) per response token 1..width; zero where nothing was fed."""
+    out = packed.new_zeros(n_rows, width)
+    return out.index_put(packing.dest, packed[packing.source])
