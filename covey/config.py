@@ -72,7 +72,7 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"
+    engine: str = "fast"
     """Generation engine: hf (model.generate) | fast (prefix-shared preallocated KV cache, docs/benchmark.md) | vllm (GPU)."""
     prompts_per_step: int = 4
     """B: prompts sampled per step."""
@@ -80,7 +80,7 @@ class RolloutConfig:
     """G: samples per prompt."""
     max_new_tokens: int = 64
     """Longest response in tokens; longer ones are truncated and flagged."""
-    temperature: float = 1.0
+    temperature: float = 0.7
     """Sampling temperature (log-probs are computed at the same temperature)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 = off)."""
@@ -276,7 +276,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 20
+    steps: int = 60
     """Training steps (one rollout each)."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
