@@ -587,12 +587,12 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
         raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
                           "(ranks would hold different numbers of sequences)")
-    if cfg.algo.name == "dpo_iterative" or cfg.train.grad_var_every or cfg.reward.iterative_every:
-        raise ConfigError("under torchrun, algo.name=dpo_iterative, train.grad_var_every and "
-                          "reward.iterative_every are not supported yet")
-    if cfg.reward.iterative_every:  # each rank would train its own copy of the reward model
-        raise ConfigError("under torchrun, reward.iterative_every is not supported yet (ranks would refresh "
-                          "different reward models)")
+    # Each of these runs per-rank work that the other ranks would not mirror (deadlock or diverging models).
+    unsupported = [key for key, on in (("algo.name=dpo_iterative", cfg.algo.name == "dpo_iterative"),
+                                       ("train.grad_var_every", cfg.train.grad_var_every),
+                                       ("reward.iterative_every", cfg.reward.iterative_every)) if on]
+    if unsupported:
+        raise ConfigError(f"under torchrun, {', '.join(unsupported)} is not supported yet")
 
 
 def uses_critic(cfg: Config) -> bool:
