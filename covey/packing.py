@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MIN_CAPACITY = 256  # tokens per packed row; below it the quadratic masked attention is cheap
+MIN_CAPACITY = 1024  # tokens per packed row; below it the quadratic masked attention is cheap
 
 
 @dataclass
@@ -36,20 +36,23 @@ class Packing:
 
 
 def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing within each prompt: rows whose fed lengths sum to <= capacity share a bin."""
+    """Rows of one prompt share bins: the fewest bins that hold them within `capacity` when filled
+    longest row first into the emptiest bin, so bins come out even (they are padded to the widest)."""
     bins: list[list[int]] = []
-    loads: list[int] = []
-    owner: list[int] = []
-    for row in sorted((r for r in range(len(fed)) if fed[r] > 0), key=lambda r: (-fed[r], r)):
-        for b in range(len(bins)):
-            if owner[b] == prompt_of_row[row] and loads[b] + fed[row] <= capacity:
-                bins[b].append(row)
-                loads[b] += fed[row]
+    for prompt in dict.fromkeys(prompt_of_row):
+        rows = sorted((r for r, p in enumerate(prompt_of_row) if p == prompt and fed[r] > 0),
+                      key=lambda r: (-fed[r], r))
+        count = -(-sum(fed[r] for r in rows) // capacity)
+        while rows:
+            mine, loads = [[] for _ in range(count)], [0] * count
+            for row in rows:
+                emptiest = loads.index(min(loads))
+                mine[emptiest].append(row)
+                loads[emptiest] += fed[row]
+            if max(loads) <= capacity:
+                bins += mine
                 break
-        else:
-            bins.append([row])
-            loads.append(fed[row])
-            owner.append(prompt_of_row[row])
+            count += 1
     return bins
 
 

@@ -55,8 +55,8 @@ def test_dropping_finished_rows_changes_no_token(tiny, monkeypatch):
     model, tok = tiny
     engine = frequent_eos(FastEngine(model, tok, max_new_tokens=24), tok)
     outs = []
-    for fraction in (0.0, 2.0):  # drop at every finish / never
-        monkeypatch.setattr(fast, "COMPACT_FRACTION", fraction)
+    for drop in (True, False):
+        monkeypatch.setattr(fast, "DROP_FINISHED", drop)
         torch.manual_seed(5)
         outs.append(engine.generate(PROMPTS, 4).response_ids)
     assert torch.equal(outs[0], outs[1])

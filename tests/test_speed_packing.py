@@ -5,13 +5,14 @@ import torch
 from covey.packing import block_mask, pack, plan_bins, unpack
 
 
-def test_first_fit_decreasing_stays_within_a_prompt_and_capacity():
+def test_bins_are_per_prompt_within_capacity_and_even():
     fed = [5, 3, 4, 0, 2, 6]
     prompt = [0, 0, 0, 0, 1, 1]
-    bins = plan_bins(fed, prompt, capacity=8)
-    # longest first: 6 (p1) -> A; 5 (p0) -> B; 4 (p0) -> C (B would hold 9); 3 (p0) -> B; 2 (p1) -> A.
-    # Row 3 feeds nothing and is left out.
-    assert bins == [[5, 4], [0, 1], [2]]
+    # prompt 0 feeds 12 > 8: two bins, longest first into the emptiest: 5 -> A, 4 -> B, 3 -> B (7).
+    # prompt 1 feeds 8: one bin. Row 3 feeds nothing and is left out.
+    assert plan_bins(fed, prompt, capacity=8) == [[0], [2, 1], [5, 4]]
+    # one more bin when the even split still overflows: 7 + 7 + 2 in bins of 8
+    assert plan_bins([7, 7, 2], [0, 0, 0], capacity=8) == [[0], [1], [2]]
 
 
 def test_block_mask_by_hand():
@@ -36,9 +37,9 @@ def test_pack_layout_positions_targets_and_unpack():
     prompt_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
     packed = pack(responses, lengths, starts, prompt_of_row, prompt_mask, pad_id=0)
     # fed: row 0 -> 10, 11; row 1 -> 20; row 2 -> 30, 31, 32 (the last token of each is never fed)
-    assert packed.prompt_of_bin.tolist() == [1, 0]
-    assert packed.input_ids.tolist() == [[30, 31, 32], [10, 11, 20]]
-    assert packed.targets.tolist() == [[31, 32, 33], [11, 12, 21]]
-    assert packed.position_ids.tolist() == [[2, 3, 4], [5, 6, 5]]
+    assert packed.prompt_of_bin.tolist() == [0, 1]
+    assert packed.input_ids.tolist() == [[10, 11, 20], [30, 31, 32]]
+    assert packed.targets.tolist() == [[11, 12, 21], [31, 32, 33]]
+    assert packed.position_ids.tolist() == [[5, 6, 5], [2, 3, 4]]
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    assert unpack(values, packed, 3, 3).tolist() == [[4.0, 5.0, 0.0], [6.0, 0.0, 0.0], [1.0, 2.0, 3.0]]
+    assert unpack(values, packed, 3, 3).tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 5.0, 6.0]]
