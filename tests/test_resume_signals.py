@@ -7,7 +7,6 @@ The signals are sent by the reward function of step 2, so they arrive mid-step
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
