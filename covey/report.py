@@ -257,9 +257,10 @@ METHOD_NOTES = """## How the numbers are measured
   own process, so runs do not share a peak).
 - Advantage variance: `advantages/std` squared, per token across the batch. Every preset
   normalises its advantages, so this is near 1 by construction and says little about the update.
-- Gradient noise fraction: every `train.grad_var_every` steps the step's rollout is split into
+- Policy-gradient variance: every `train.grad_var_every` steps the step's rollout is split into
   `train.grad_var_batches` disjoint mini-batches before the update; the gradient of the
-  algorithm's own loss is taken on each (covey/gradvar.py) and tr(Cov)/E|g|^2 is reported. Not
+  algorithm's own loss is taken on each (covey/gradvar.py). tr(Cov) of these gradients is the
+  variance (claim 3); tr(Cov)/E|g|^2 is the noise fraction (near 1: almost all noise). Not
   defined for iterative DPO.
 - Verdicts: covey/claims.py. Claims with a stated size use the stated range with a tolerance;
   directional claims use a two-sided Welch t-test at 5% on the units named in the table.

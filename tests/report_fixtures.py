@@ -32,7 +32,7 @@ def write_run(root: Path, algo: str, seed: int, *, steps: int = 6, acc: tuple[fl
         row.update({f"memory/params_mb/{k}": v for k, v in roles.items()})
         if grad_noise is not None and s % 2 == 0:
             row["policy/grad_noise_frac"] = grad_noise + 0.01 * s
-            row["policy/grad_var"] = 1e-3
+            row["policy/grad_var"] = 10 * grad_noise + 0.1 * s
         rows.append(row)
     if finished:
         rows.append({"step": steps, "eval/accuracy": acc[1], "eval/n": 100, "final": 1})

@@ -80,7 +80,9 @@ def test_directional_claims_flip_with_the_data(tmp_path):
     table = verdicts(tmp_path)
     assert find(table, "REINFORCE++ is faster than PPO").verdict == SUPPORTED
     assert find(table, "GRPO converges faster").verdict == SUPPORTED  # gains 0.20-0.22 vs 0.05-0.07
-    assert find(table, "GRPO's group-relative").verdict == SUPPORTED  # noise 0.52-0.56 vs 0.82-0.86
+    # gradient variance 5.2, 5.4, 5.6 (x3 seeds) vs 8.2, 8.4, 8.6
+    variance = find(table, "GRPO's group-relative")
+    assert variance.verdict == SUPPORTED and "noise fraction grpo 0.54, ppo 0.84" in variance.measured
     assert find(table, "PPO beats (iterative) DPO").verdict == NOT_SUPPORTED  # 0.05-0.07 vs 0.10-0.14
     assert find(table, "GRPO is more stable").verdict == INCONCLUSIVE  # identical reward curves
     other = tmp_path / "swapped"
