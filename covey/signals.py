@@ -74,9 +74,17 @@ def graceful_stop():
         for s, handler in previous.items():
             signal.signal(s, handler)
 
+    def stop_now(signum, _frame) -> None:
+        # Explicit, not "whatever handler was there before": that may be one that ignores signals.
+        restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
     def on_signal(signum, _frame) -> None:
         flag.signum = signum
-        restore()  # a second signal gets the old behaviour: stop now
+        for s in STOP_SIGNALS:  # a second signal stops at once
+            signal.signal(s, stop_now)
         # os.write, not print: a handler may interrupt a print in progress.
         os.write(2, f"\ncovey: {signal.Signals(signum).name} received: finishing the current step, "
                     "then writing a checkpoint (signal again to stop at once)\n".encode())
