@@ -118,9 +118,10 @@ def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path
         metrics = log_path.with_suffix("") / "metrics.jsonl"
         rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("final") != 1]
         metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return code
+        assert code == 0
+        return 1  # the crash: compare keeps the checkpoints of a failed run
 
-    run_compare(s, runner=crash_after_first_step, report=False)
+    assert run_compare(s, runner=crash_after_first_step, report=False)["failed"] == ["grpo-s0", "dpo_iterative-s0"]
     assert run_status(s.root / "grpo-s0") == "resume"
     first_step = (s.root / "grpo-s0" / "metrics.jsonl").read_text().splitlines()[1]
     out = run_compare(s, runner=in_process)
@@ -132,6 +133,7 @@ def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path
     assert sum(1 for r in rows if r["step"] == 0) == 1 and rows[-1]["final"] == 1
     assert any(r.get("policy/grad_var") is not None for r in rows)          # measured at step 2
     assert rows[-1]["step"] == 2 and "time/elapsed" in rows[-2]
+    assert not (s.root / "grpo-s0" / "checkpoints").exists()  # deleted once the run finished
     for name in FIGURES:
         assert_valid_png(s.root / name)
     text = out["report"].read_text()
