@@ -112,7 +112,7 @@ def bar_panel(ax, data: dict[str, AlgoData], key: str, title: str, ylabel: str, 
     for i, (algo, d) in enumerate(data.items()):
         stat = d.per_seed(key)
         if not stat.n:
-            ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=8)
+            ax.text(i, 0.02, "n/a", ha="center", va="bottom", fontsize=8, transform=ax.get_xaxis_transform())
             continue
         ax.bar(i, stat.mean, color=colour_of(algo, algos), yerr=stat.sd if stat.n > 1 else None, capsize=4,
                alpha=0.8, label=algo)
@@ -137,7 +137,8 @@ def plot_memory(data: dict[str, AlgoData], out: Path) -> Path:
             if math.isfinite(mb) and mb > 0:
                 left.bar(i, mb, bottom=bottom, color=colour_of(algo, algos), hatch=hatches[role],
                          edgecolor="black", alpha=0.8, label=role if i == 0 or role == "critic" else None)
-                left.text(i, bottom + mb / 2, f"{role}\n{mb:.0f}", ha="center", va="center", fontsize=7)
+                left.text(i, bottom + mb / 2, f"{role} {mb:.0f}", ha="center", va="center", fontsize=7,
+                          bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
                 bottom += mb
     left.set_xticks(range(len(algos)), algos, rotation=20, fontsize=8)
     left.set_ylabel("memory (MB)")
@@ -152,6 +153,7 @@ def plot_phases(data: dict[str, AlgoData], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     algos = list(data)
     shades = {"generate": 1.0, "score": 0.35, "logprobs": 0.6, "update": 0.8}
+    tallest = max((d.per_seed("sec_per_step").mean for d in data.values()), default=0.0)
     for i, (algo, d) in enumerate(data.items()):
         bottom = 0.0
         for phase in PHASES:
@@ -159,7 +161,8 @@ def plot_phases(data: dict[str, AlgoData], out: Path) -> Path:
             sec = d.per_seed(f"phase/{name}").mean
             if math.isfinite(sec) and sec > 0:
                 ax.bar(i, sec, bottom=bottom, color=colour_of(algo, algos), alpha=shades[name], edgecolor="black")
-                ax.text(i, bottom + sec / 2, f"{name} {sec:.1f}", ha="center", va="center", fontsize=7)
+                if sec > 0.04 * tallest:  # no label on slivers
+                    ax.text(i, bottom + sec / 2, f"{name} {sec:.1f}", ha="center", va="center", fontsize=7)
                 bottom += sec
         total = d.per_seed("sec_per_step").mean
         ax.scatter([i], [total], marker="_", s=400, color="black", label="whole step" if i == 0 else None)
@@ -178,7 +181,7 @@ def plot_variance(data: dict[str, AlgoData], out: Path) -> Path:
               "variance (advantage units squared)")
     bar_panel(axes[1], data, "grad_noise_frac", "Policy-gradient noise fraction tr(Cov) / E|g|^2",
               "fraction of the mini-batch gradient (0-1)")
-    bar_panel(axes[2], data, "grad_var", "Policy-gradient variance tr(Cov) of a mini-batch gradient",
+    bar_panel(axes[2], data, "grad_var", "Policy-gradient variance tr(Cov)",
               "sum over parameters (loss units squared)", log=True)
     fig.suptitle("Variance of the update (bars: mean over seeds, error bar: sd, dots: seeds; n/a = not measured)")
     return save(fig, out)
@@ -203,13 +206,17 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def number(x: float, digits: int = 3) -> str:
+    """Whole numbers from 100 up (memory in MB), `digits` significant digits below."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.{digits}g}"
+
+
 def cell(d: AlgoData, key: str, unit: str) -> str:
     stat = d.per_seed(key)
     if not stat.n:
         return "n/a"
     scale = 100 if unit == "%" else 1
-    text = f"{stat.mean * scale:.3g}"
-    return text + (f" ± {stat.sd * scale:.2g}" if stat.n > 1 else "")
+    return number(stat.mean * scale) + (f" ± {number(stat.sd * scale, 2)}" if stat.n > 1 else "")
 
 
 def summary_table(data: dict[str, AlgoData]) -> list[str]:
@@ -232,7 +239,9 @@ def claims_table(data: dict[str, AlgoData]) -> list[str]:
 
 def header(root: Path, spec: dict, runs: list[RunData]) -> list[str]:
     cfg = runs[0].config if runs else {}
-    get = lambda section, key: cfg.get(section, {}).get(key, "?")  # noqa: E731
+
+    def get(section: str, key: str):
+        return cfg.get(section, {}).get(key, "?")
     unfinished = [r.path.name for r in runs if not r.finished]
     lines = [f"# covey compare: {spec.get('name', root.name)}", ""]
     if spec.get("command"):
