@@ -68,7 +68,8 @@ def parse_budget(text: str) -> Budget:
     except ValueError:
         raise ConfigError(f"--budget '{text}': '{raw}' is not a number") from None
     if value <= 0 or (kind != "minutes" and not value.is_integer()):
-        raise ConfigError(f"--budget '{text}': {kind} must be a positive {'number' if kind == 'minutes' else 'integer'}")
+        what = "number" if kind == "minutes" else "integer"
+        raise ConfigError(f"--budget '{text}': {kind} must be a positive {what}")
     return Budget(kind, value)
 
 
