@@ -20,7 +20,10 @@ Reported (sums over all parameters):
     policy/grad_noise_frac grad_var / mean_m ||g_m||^2, estimates tr(Cov) / E||g||^2 (0..1, at most M/(M-1)):
                            the share of a mini-batch gradient that is noise. Scale-free, so
                            algorithms whose losses have different scales compare fairly.
-Cost: one extra forward and backward pass over the rollout, plus one parameter-sized buffer.
+Cost: two extra forward and backward passes over the rollout and no extra memory: the first
+pass takes each g_m alone (its norm, then the gradient is cleared), the second accumulates
+sum_m g_m in the gradient buffers themselves. Keeping a copy of g_bar instead would save a pass
+but add a parameter-sized buffer to the peak memory the comparison reports.
 """
 
 from __future__ import annotations
@@ -35,21 +38,21 @@ from covey.rollout.base import Rollout
 from covey.update import micro_policy_loss
 
 
-def minibatch_gradient(policy, params, rollout: Rollout, batch: torch.Tensor, cfg: Config,
-                       kl_coef: float) -> list[torch.Tensor]:
-    """Gradient of the policy loss of the mini-batch `batch` (rows of the rollout), then cleared."""
+def add_minibatch_gradient(policy, rollout: Rollout, batch: torch.Tensor, cfg: Config, kl_coef: float) -> None:
+    """Back-propagate the policy loss of the mini-batch `batch` (rows of the rollout) into .grad."""
     norm = algos.make_normalizer(cfg.algo.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
     for micro in batch.split(cfg.algo.micro_batch_size):
         loss, _ = micro_policy_loss(policy, rollout.select(micro), norm, cfg, kl_coef)
         loss.backward()
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def grad_squared_norm(params) -> float:
+    return sum(float(torch.linalg.vector_norm(p.grad).double() ** 2) for p in params if p.grad is not None)
+
+
+def clear_grads(params) -> None:
     for p in params:
         p.grad = None
-    return grads
-
-
-def squared_norm(tensors: list[torch.Tensor]) -> float:
-    return sum(float(torch.linalg.vector_norm(t.float()).double() ** 2) for t in tensors)
 
 
 def measure_grad_variance(policy, rollout: Rollout, cfg: Config, kl_coef: float, seed: int) -> dict:
@@ -61,15 +64,16 @@ def measure_grad_variance(policy, rollout: Rollout, cfg: Config, kl_coef: float,
     m = cfg.train.grad_var_batches
     size = len(rollout) // m
     order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(seed))
-    total = [torch.zeros_like(p) for p in params]
+    batches = [order[k * size:(k + 1) * size] for k in range(m)]
     sq_norms = []
-    for k in range(m):
-        grads = minibatch_gradient(policy, params, rollout, order[k * size:(k + 1) * size], cfg, kl_coef)
-        sq_norms.append(squared_norm(grads))
-        for acc, g in zip(total, grads):
-            acc.add_(g)
-        del grads
-    mean_sq = squared_norm(total) / m ** 2
+    for batch in batches:  # pass 1: |g_m|^2, one mini-batch at a time
+        add_minibatch_gradient(policy, rollout, batch, cfg, kl_coef)
+        sq_norms.append(grad_squared_norm(params))
+        clear_grads(params)
+    for batch in batches:  # pass 2: sum_m g_m, accumulated in .grad
+        add_minibatch_gradient(policy, rollout, batch, cfg, kl_coef)
+    mean_sq = grad_squared_norm(params) / m ** 2
+    clear_grads(params)
     var = max(sum(sq_norms) - m * mean_sq, 0.0) / (m - 1)
     mean_of_sq = sum(sq_norms) / m
     return {"policy/grad_var": var, "policy/grad_mean_sq": mean_sq,

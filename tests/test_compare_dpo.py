@@ -7,7 +7,7 @@ import torch
 
 from covey.cli import main
 from covey.config import load_config
-from covey.gradvar import measure_grad_variance, minibatch_gradient
+from covey.gradvar import add_minibatch_gradient, measure_grad_variance
 from covey.models import load_policy
 from covey.rollout.hf import HFEngine
 from tests.conftest import tiny_overrides
@@ -66,8 +66,12 @@ def test_grad_variance_matches_the_stacked_gradients(tiny_model_dir):
     policy, rollout = scored_rollout(tiny_model_dir)
     params = [p for p in policy.parameters() if p.requires_grad]
     order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(7))
-    flat = torch.stack([torch.cat([g.flatten() for g in minibatch_gradient(policy, params, rollout, b, cfg, 0.0)])
-                        for b in order.split(2)]).double()
+    flat = []
+    for batch in order.split(2):
+        add_minibatch_gradient(policy, rollout, batch, cfg, 0.0)
+        flat.append(torch.cat([p.grad.flatten() for p in params]).double())
+        policy.zero_grad(set_to_none=True)
+    flat = torch.stack(flat)
     expected = float(((flat - flat.mean(0)) ** 2).sum() / 3)
     m = measure_grad_variance(policy, rollout, cfg, 0.0, seed=7)
     assert expected > 0
