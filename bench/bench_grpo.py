@@ -28,10 +28,11 @@ sys.path.insert(0, str(HERE))
 from common import matmul_peak, summarize  # noqa: E402
 
 RUNS = {  # name -> (child script, its flags, covey key=value overrides)
-    "covey": ("run_covey.py", [], ["rollout.engine=fast"]),
-    "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"]),
+    "covey": ("run_covey.py", [], []),                       # covey's defaults (engine fast, fp32)
+    "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"]),  # HF generate instead of the fast engine
     "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"]),
-    "trl": ("run_trl.py", [], []),
+    "trl": ("run_trl.py", [], []),                           # the setting: 32 samples per forward
+    "trl-mb8": ("run_trl.py", ["--micro-batch", "8"], []),   # covey's micro-batch (less memory)
     "trl-gc": ("run_trl.py", ["--gradient-checkpointing"], []),
     "trl-bf16": ("run_trl.py", ["--bf16"], []),
 }

@@ -1,10 +1,11 @@
 """Benchmark child: TRL's GRPOTrainer on the workload of bench/common.py, timed per phase.
 
 Same model folder, same task (covey's arithmetic problems as chat prompts), same reward
-function, G, lengths, beta, lr, temperature and micro-batch (per_device_train_batch_size=8,
-gradient_accumulation_steps=4: one rollout of 32 samples and one optimizer step per step,
-so TRL skips its old-log-prob pass exactly like covey). Phases are timed by wrapping
-TRL's own methods; `update` is the rest of the optimizer step.
+function, G, lengths, beta, lr (constant), temperature. `--micro-batch 32` is the issue's
+setting (one forward/backward over the 32 samples); `--micro-batch 8` uses
+gradient_accumulation_steps=4 like covey's micro-batches. Either way one rollout of 32
+samples makes one optimizer step, so TRL skips its old-log-prob pass exactly like covey.
+Phases are timed by wrapping TRL's own methods; `update` is the rest of the step.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--micro-batch", type=int, default=32, help="per_device_train_batch_size")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,10 +109,10 @@ def main() -> None:
     w = WORKLOAD
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), max_steps=args.steps, use_cpu=True,
-        per_device_train_batch_size=w["micro_batch"],
-        gradient_accumulation_steps=w["prompts_per_step"] * w["group_size"] // w["micro_batch"],
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=w["prompts_per_step"] * w["group_size"] // args.micro_batch,
         num_generations=w["group_size"], max_completion_length=w["max_new_tokens"], beta=w["beta"],
-        learning_rate=w["lr"], temperature=w["temperature"], top_k=0, top_p=1.0, adam_beta2=0.99,
+        learning_rate=w["lr"], lr_scheduler_type="constant", temperature=w["temperature"], top_k=0, top_p=1.0, adam_beta2=0.99,
         bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, seed=w["seed"],
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32"})
@@ -122,7 +124,7 @@ def main() -> None:
     flops["counter"] = LinearFlops(trainer.model)
     trainer.train()
     precision = "bfloat16 (autocast)" if args.bf16 else "float32"
-    write_result(args.result, "trl", records, {"precision": precision,
+    write_result(args.result, "trl", records, {"precision": precision, "micro_batch": args.micro_batch,
                                                 "gradient_checkpointing": args.gradient_checkpointing})
 
 

@@ -32,6 +32,8 @@ class ModelConfig:
     """torch intra-op threads; 0 keeps torch's default (all cores)."""
     critic_path: str = ""
     """Critic backbone for PPO; empty = initialise from the policy."""
+    offload_reference: bool = True
+    """Map an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/offload.py)."""
     lora_rank: int = 0
     """LoRA adapter rank (PEFT); 0 = train every weight. With LoRA the reference is the base (adapters off)."""
     lora_alpha: int = 16
@@ -73,7 +75,7 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "fast"
-    """Generation engine: hf (model.generate) | fast (prefix-shared preallocated KV cache, docs/benchmark.md) | vllm (GPU)."""
+    """Generation engine: fast (own loop: prompt encoded once per group) | hf (model.generate) | vllm (GPU)."""
     prompts_per_step: int = 4
     """B: prompts sampled per step."""
     group_size: int = 8
