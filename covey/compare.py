@@ -100,7 +100,8 @@ class CompareSpec:
 
 
 def command_line(spec: CompareSpec) -> str:
-    parts = ["covey", "compare", *spec.overrides, "--algos", ",".join(spec.algos),
+    where = [f"train.output_dir={spec.output_dir}"] if spec.output_dir != "runs" else []
+    parts = ["covey", "compare", *where, *spec.overrides, "--algos", ",".join(spec.algos),
              "--seeds", ",".join(map(str, spec.seeds)), "--budget", str(spec.budget), "--name", spec.name]
     return shlex.join(parts)
 
