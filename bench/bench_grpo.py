@@ -62,22 +62,28 @@ def peaks(threads: int) -> dict:
 
 
 def table(rows: list[dict], peak: dict) -> str:
+    """One line per run; ratios against `trl` (the issue's setting) and against TRL's best run."""
     trl = [r for r in rows if r["name"].startswith("trl")]
     base = next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None)
-    best = min(trl, key=lambda r: r["median_s"]) if trl else None
-    head = ("| run | precision | median s/step | min s | generate | score | ref/old logp | update | "
-            "tokens/s (gen) | train GFLOP/s (% of peak) | peak RSS GiB | step vs trl | step vs best TRL | RSS vs trl |")
+    fastest = min(trl, key=lambda r: r["median_s"]) if trl else None
+    leanest = min(trl, key=lambda r: r["peak_rss_mib"]) if trl else None
+
+    def ratio(value: float, ref: dict | None, key: str) -> str:
+        return f"{value / ref[key]:.2f}" if ref else "-"
+
+    head = ("| run | precision | median s/step | min s | generate | score | ref logp | update | tokens/s (in generate) "
+            "| train GFLOP/s (% of peak) | peak RSS GiB | step / trl | step / fastest TRL | RSS / trl "
+            "| RSS / leanest TRL |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         prec = "bfloat16" if r["precision"].startswith("bfloat16") else "float32"
         share = 100 * r["train_gflops"] / peak[prec]
-        ratio = f"{r['median_s'] / base['median_s']:.2f}" if base else "-"
-        ratio_best = f"{r['median_s'] / best['median_s']:.2f}" if best else "-"
-        rss = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f}" if base else "-"
         lines.append(f"| {r['name']} | {r['precision']} | {r['median_s']:.1f} | {r['min_s']:.1f} | "
                      f"{r['generate_s']:.1f} | {r['score_s']:.2f} | {r['logprobs_s']:.1f} | {r['update_s']:.1f} | "
                      f"{r['tokens_per_s']:.0f} ({r['gen_tokens_per_s']:.0f}) | {r['train_gflops']:.0f} ({share:.0f}%) | "
-                     f"{r['peak_rss_mib'] / 1024:.2f} | {ratio} | {ratio_best} | {rss} |")
+                     f"{r['peak_rss_mib'] / 1024:.2f} | {ratio(r['median_s'], base, 'median_s')} | "
+                     f"{ratio(r['median_s'], fastest, 'median_s')} | {ratio(r['peak_rss_mib'], base, 'peak_rss_mib')} | "
+                     f"{ratio(r['peak_rss_mib'], leanest, 'peak_rss_mib')} |")
     return "\n".join(lines)
 
 

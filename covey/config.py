@@ -70,6 +70,8 @@ class TaskConfig:
     """Number of held-out problems (disjoint from training)."""
     system_prompt: str = ""
     """Optional system message prepended to every prompt."""
+    template: str = "What is {a} {op} {b}? Give the final answer as a number."
+    """Arithmetic question text with {a}, {op}, {b} placeholders."""
 
 
 @dataclass
@@ -504,10 +506,22 @@ def validate(cfg: Config) -> None:
     if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     validate_scale(cfg)
+    validate_template(cfg.task.template)
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
     validate_rewards(cfg)
     validate_dpo_and_budget(cfg)
+
+
+def validate_template(template: str) -> None:
+    """The arithmetic question must show both operands and the operation, and name nothing else."""
+    try:
+        text = template.format(a=12, op="*", b=3)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(f"task.template={template!r} is not a valid template ({err!r}); "
+                          "use the placeholders {a}, {op} and {b}") from None
+    if not all(part in text for part in ("12", "*", "3")):
+        raise ConfigError(f"task.template={template!r} must contain {{a}}, {{op}} and {{b}}")
 
 
 def validate_rewards(cfg: Config) -> None:

@@ -23,7 +23,8 @@ def load_task_data(cfg: Config) -> TaskData:
     if t.name == "arithmetic":
         from covey.tasks.arithmetic import arithmetic_splits
         train, held = arithmetic_splits(t.train_size, t.eval_size, cfg.train.seed,
-                                        kind=t.kind, digits_a=t.digits_a, digits_b=t.digits_b)
+                                        kind=t.kind, digits_a=t.digits_a, digits_b=t.digits_b,
+                                        template=t.template)
         return TaskData(train, held)
     if t.name == "multistep":
         from covey.tasks.multistep import multistep_splits

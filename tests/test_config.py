@@ -18,6 +18,8 @@ def test_overrides_and_short_keys():
     ("algo.dual_clip=0.5", "algo.dual_clip must be > 1"),
     ("rollout.group_size=1", "rollout.group_size must be >= 2"),
     ("algo.minibatches=3", "must divide prompts_per_step*group_size=32"),
+    ("task.template=What is {a} {op}?", "must contain {a}, {op} and {b}"),
+    ("task.template=What is {x}?", "is not a valid template"),
     ("lr=1e-5", None),
 ])
 def test_bad_values(override, message):
