@@ -56,6 +56,16 @@ def run_child(name: str, steps: int, threads: int, log_dir: Path) -> dict:
     return data
 
 
+def machine() -> str:
+    """CPU model, core count and torch build: the numbers below only hold for this machine."""
+    model = "unknown CPU"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def peaks(threads: int) -> dict:
     torch.set_num_threads(threads)
     return {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
@@ -107,7 +117,7 @@ def main() -> None:
     after = peaks(args.threads)
     peak = {k: max(before[k], after[k]) for k in before}
     rows = [summarize(r) for r in results]
-    text = (f"matmul peak (2048^3, best of 6, before/after): fp32 {before['float32']:.0f}/{after['float32']:.0f}, "
+    text = (f"{machine()}\nmatmul peak (n^3 with n <= 2048, best of 6, before/after): fp32 {before['float32']:.0f}/{after['float32']:.0f}, "
             f"bf16 {before['bfloat16']:.0f}/{after['bfloat16']:.0f} GFLOP/s; threads={args.threads}; "
             f"medians over steps 2..{args.steps}\n\n" + table(rows, peak))
     print(text)

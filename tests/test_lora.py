@@ -77,7 +77,8 @@ def test_reference_logprobs_equal_the_base_model(tiny_model_dir):
                 p.normal_(0, 0.5)
     reference = frozen_reference(policy)
     assert not torch.allclose(batched_logprobs(policy, rollout, 1.0, 4), base_logp, atol=1e-3)
-    assert torch.equal(batched_logprobs(reference, rollout, 1.0, 4), base_logp)
+    # equal up to float rounding: MKL may pick another kernel order on another CPU (seen on AMD EPYC)
+    torch.testing.assert_close(batched_logprobs(reference, rollout, 1.0, 4), base_logp, rtol=0, atol=1e-5)
     assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)  # adapters back on
 
 
