@@ -20,21 +20,21 @@ WORKLOAD = {"prompts_per_step": 4, "group_size": 8, "max_new_tokens": 64, "beta"
 PHASES = ("generate", "score", "logprobs", "update")
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 6, budget_s: float = 1.0) -> float:
+def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_s: float = 0.25) -> float:
     """Best GFLOP/s of an n x n x n matmul (the machine's practical peak for this precision).
 
-    On a CPU without native support for a precision (bf16 on AVX2-only parts is emulated and
-    ~30x slower than fp32), n is halved until one product takes under `budget_s`, so the
-    measurement stays seconds long instead of minutes.
+    n doubles from 256 up to n_max while one product takes under `budget_s`: on a CPU that
+    emulates a precision (bf16 on AVX2-only parts runs at ~1 GFLOP/s) a 2048^3 product would
+    take a minute, and the small sizes already show that the precision is no use there.
     """
-    a = torch.randn(n, n, dtype=dtype)
-    t0 = time.perf_counter()
-    a @ a
-    while n > 256 and time.perf_counter() - t0 > budget_s:
-        n //= 2
-        a = a[:n, :n].contiguous()
+    n = 256
+    while True:
+        a = torch.randn(n, n, dtype=dtype)
         t0 = time.perf_counter()
         a @ a
+        if n >= n_max or time.perf_counter() - t0 > budget_s:
+            break
+        n *= 2
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
