@@ -60,7 +60,8 @@ def machine() -> str:
     """CPU model, core count and torch build: the numbers below only hold for this machine."""
     model = "unknown CPU"
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as info:
+            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}"
