@@ -264,8 +264,6 @@ def refill_groups(run: Run, rollout: Rollout, engine, rewarder, examples, prompt
 def add_logprobs(run: Run, rollout: Rollout) -> dict:
     """pi_old and pi_ref log-probs and critic values, each only where something uses it."""
     cfg, t0 = run.cfg, time.perf_counter()
-    if cfg.algo.name == "dpo_iterative":  # needs reference log-probs of its pairs only (covey/dpo.py)
-        return {}
     mb, temp, prec = cfg.algo.micro_batch_size, cfg.rollout.temperature, cfg.model.autocast
     old_needed = derived_sizes(cfg)["reuses_old_logprobs"] or cfg.algo.kl_in == "reward" or cfg.algo.tis_cap > 0
     if old_needed:
@@ -299,8 +297,6 @@ def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | N
 def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dict:
     """Advantages and returns from the configured estimator; KL-in-reward when asked."""
     cfg = run.cfg
-    if cfg.algo.name == "dpo_iterative":  # preference pairs instead of advantages (covey/dpo.py)
-        return {}
     token_kl, metrics = None, {}
     if cfg.algo.kl_in == "reward" and rollout.ref_logp is not None:
         token_kl = algos.kl_penalty(rollout.old_logp, rollout.ref_logp, cfg.algo.kl_estimator) * rollout.response_mask
@@ -337,10 +333,7 @@ def correct_sampler_mismatch(run: Run, rollout: Rollout) -> dict:
 
 
 def update(run: Run, rollout: Rollout) -> dict:
-    if run.cfg.algo.name == "dpo_iterative":
-        metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.cfg,
-                             run.update_state, run.shuffle_generator)
-        return {**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}
+    """algo.epochs x algo.minibatches optimizer steps of the policy loss (and of the critic's)."""
     metrics = {}
     if run.cfg.train.grad_var_every and (run.step + 1) % run.cfg.train.grad_var_every == 0:
         metrics = measure_grad_variance(run.policy, rollout, run.cfg, run.kl_controller.value,
@@ -436,18 +429,33 @@ def sync_engine(run: Run, engine) -> dict:
     return {"time/sync_weights": time.perf_counter() - t0}
 
 
-def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
-    """One step: sample -> score -> log-probs -> advantages -> update."""
-    t0 = time.perf_counter()
-    rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
-    if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
-        return skip_empty_step(run, metrics, t0)
-    steps, step_metrics = score_steps(run, rollout, data.train, prompts)
-    metrics.update(step_metrics)
+def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict:
+    """Every algorithm but iterative DPO: step rewards -> log-probs -> advantages -> update."""
+    steps, metrics = score_steps(run, rollout, examples, prompts)
     metrics.update(add_logprobs(run, rollout))
     metrics.update(add_advantages(run, rollout, steps))
     metrics.update(correct_sampler_mismatch(run, rollout))
     metrics.update(update(run, rollout))
+    return metrics
+
+
+def learn_from_pairs(run: Run, rollout: Rollout) -> dict:
+    """Iterative DPO (covey/dpo.py): best-vs-worst pairs of each group, DPO steps against the reference."""
+    metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.cfg,
+                         run.update_state, run.shuffle_generator)
+    return {**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}
+
+
+def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
+    """One step: sample -> score -> (log-probs -> advantages -> update) or (pairs -> DPO update)."""
+    t0 = time.perf_counter()
+    rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
+    if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
+        return skip_empty_step(run, metrics, t0)
+    if run.cfg.algo.name == "dpo_iterative":  # the one algorithm without advantages
+        metrics.update(learn_from_pairs(run, rollout))
+    else:
+        metrics.update(learn_from_advantages(run, rollout, data.train, prompts))
     metrics.update(sync_engine(run, engine))
     run.step += 1
     run.kl_controller.update(metrics.get("kl/ref", 0.0), 1)
