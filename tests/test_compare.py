@@ -2,8 +2,6 @@
 resumed comparison on the tiny model (each run in its own process, as `covey compare` runs it)."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -103,9 +101,7 @@ def varied_reward(prompts, completions, **kwargs):
     return [float(len(c) % 3) for c in completions]
 
 
-def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path, monkeypatch):
-    repo = str(Path(__file__).resolve().parent.parent)  # the runs import tests.test_compare:varied_reward
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path):
     overrides = [o for o in tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.group_size": 4})
                  if not o.startswith(("train.", "model.path"))]
     overrides += [f"model.path={tiny_model_dir}", "reward.functions=tests.test_compare:varied_reward:1",
