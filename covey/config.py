@@ -171,7 +171,12 @@ class RMConfig:
     num_examples: int = 256
     """Pairs (bt) or labelled completions (prm) to generate when rm.data is empty."""
     samples_per_prompt: int = 8
-    """Policy samples per prompt when generating training data."""
+    """Policy samples per prompt when generating training data (prm: 0 = reference and corrupted solutions only)."""
+    corruptions_per_prompt: int = 1
+    """prm data: copies of the reference solution with one injected error, per prompt."""
+    corruption_kinds: str = "result,operand,operator,carry"
+    """prm data: errors to inject (comma list): result (wrong result), operand (misread number),
+    operator (wrong operation), carry (previous result copied wrong)."""
     eval_fraction: float = 0.2
     """Held-out share of the data (split by prompt) for pair / step accuracy."""
     train_epochs: int = 2
@@ -465,7 +470,7 @@ CHOICES = {
 POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
             "algo.epochs", "algo.minibatches", "algo.micro_batch_size", "train.steps",
             "rollout.eval_batch_size", "rollout.eval_max_new_tokens", "reward.remote_batch_size",
-            "rm.num_examples", "rm.samples_per_prompt", "rm.train_epochs", "rm.batch_size", "rm.max_length",
+            "rm.num_examples", "rm.train_epochs", "rm.batch_size", "rm.max_length",
             "rm.replay_capacity")
 
 
@@ -524,13 +529,32 @@ def validate_template(template: str) -> None:
         raise ConfigError(f"task.template={template!r} must contain {{a}}, {{op}} and {{b}}")
 
 
+def validate_rm_data(cfg: Config) -> None:
+    """How `covey train-rm` generates its data."""
+    rm = cfg.rm
+    if not 0.0 < rm.eval_fraction < 1.0:
+        raise ConfigError(f"rm.eval_fraction must lie in (0, 1), got {rm.eval_fraction}")
+    if rm.samples_per_prompt < (1 if rm.objective == "bt" else 0):
+        raise ConfigError(f"rm.samples_per_prompt must be >= 1 for bt pairs and >= 0 for prm data, "
+                          f"got {rm.samples_per_prompt}")
+    if rm.corruptions_per_prompt < 0:
+        raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
+    from covey.tasks.multistep import CORRUPTIONS
+    kinds = [k.strip() for k in rm.corruption_kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(CORRUPTIONS))
+    if not kinds or unknown:
+        raise ConfigError(f"rm.corruption_kinds={rm.corruption_kinds!r}: choose from {', '.join(CORRUPTIONS)}")
+    if rm.objective == "prm" and rm.samples_per_prompt == 0 and rm.corruptions_per_prompt == 0 and not rm.data:
+        raise ConfigError("rm.samples_per_prompt=0 with rm.corruptions_per_prompt=0 leaves only correct "
+                          "solutions: a PRM needs wrong steps too")
+
+
 def validate_rewards(cfg: Config) -> None:
     """Learned / remote reward sources and iterative GRPO (issue 7)."""
     r = cfg.reward
     if not 0.0 <= r.replay_fraction < 1.0:
         raise ConfigError(f"reward.replay_fraction must lie in [0, 1), got {r.replay_fraction}")
-    if not 0.0 < cfg.rm.eval_fraction < 1.0:
-        raise ConfigError(f"rm.eval_fraction must lie in (0, 1), got {cfg.rm.eval_fraction}")
+    validate_rm_data(cfg)
     if r.iterative_every < 0 or r.remote_retries < 0 or r.remote_timeout_s <= 0:
         raise ConfigError("reward.iterative_every and reward.remote_retries must be >= 0, remote_timeout_s > 0")
     if r.iterative_every and not (r.model_path or r.prm_path):

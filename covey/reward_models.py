@@ -7,7 +7,8 @@ Both can be generated instead of hand-made: sample the policy on the task and
 label with the exact verifier (`correctness_reward` for pairs: every correct
 sample is paired with an incorrect one of the same prompt; `label_steps` for
 the multi-step task, plus the reference solution and copies with one injected
-error, so a PRM also sees correct steps the base policy rarely writes).
+error each, so a PRM also sees correct steps the base policy rarely writes;
+`rm.samples_per_prompt=0` skips the policy and labels only those).
 
 Losses (ref. 002: reward models are trained with the Bradley-Terry loss):
     bt:  -log sigmoid(r_chosen - r_rejected - margin)      mean over pairs
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
                                  encode, read_values)
 from covey.rewards.rules import correctness_reward
-from covey.tasks.multistep import label_steps, reference_steps, split_steps
+from covey.tasks.multistep import corrupt_solution, label_steps, reference_steps, split_steps
 
 
 class RewardDataError(ValueError):
@@ -122,26 +123,20 @@ def pairs_from_group(prompt: str, completions: list[str], correct: list[float], 
     return [PreferencePair(prompt, g, b) for g, b in zip(good, bad)][:limit]
 
 
-def corrupted_solutions(example, rng: random.Random) -> list[str]:
-    """The reference solution and one copy with a wrong result at a random step (later steps follow it)."""
-    lines = reference_steps(example.meta["start"], example.meta["ops"])
-    right = "\n".join(lines + [f"Answer: {example.answer}"])
-    k = rng.randrange(len(lines))
-    wrong_value = int(lines[k].rsplit("=", 1)[1]) + rng.choice([-1, 1]) * rng.randint(1, 12)
-    value, out = wrong_value, lines[:k] + [f"{lines[k].rsplit('=', 1)[0]}= {wrong_value}"]
-    for op, y in example.meta["ops"][k + 1:]:
-        new = {"+": value + y, "-": value - y, "*": value * y}[op]
-        out.append(f"{value} {op} {y} = {new}")
-        value = new
-    return [right, "\n".join(out + [f"Answer: {value}"])]
+def corrupted_solutions(example, rng: random.Random, n: int = 1, kinds: tuple[str, ...] = ("result",)) -> list[str]:
+    """The reference solution and `n` copies with one injected error each (kind drawn from `kinds`)."""
+    right = "\n".join(reference_steps(example.meta["start"], example.meta["ops"]) + [f"Answer: {example.answer}"])
+    return [right] + [corrupt_solution(example, rng, rng.choice(kinds)) for _ in range(n)]
 
 
 def step_examples_from_group(example, completions: list[str], rng: random.Random | None = None,
-                             separator: str = "\n") -> list[StepExample]:
-    """Exactly labelled steps of every non-empty completion (plus reference/corrupted ones if rng)."""
+                             separator: str = "\n", corruptions: int = 1,
+                             kinds: tuple[str, ...] = ("result",)) -> list[StepExample]:
+    """Exactly labelled steps of every distinct non-empty completion, plus (if rng) the reference
+    solution and `corruptions` copies of it with one injected error each."""
     texts = list(completions)
     if rng is not None:
-        texts += [sol.replace("\n", separator) for sol in corrupted_solutions(example, rng)]
+        texts += [sol.replace("\n", separator) for sol in corrupted_solutions(example, rng, corruptions, kinds)]
     out = []
     for text in dict.fromkeys(texts):
         steps, labels = label_steps(example, text, separator)
@@ -151,34 +146,48 @@ def step_examples_from_group(example, completions: list[str], rng: random.Random
 
 
 def generate_rm_data(cfg, objective: str, log=print) -> list:
-    """Sample the policy (`model.path`) on the task's training prompts and label the samples exactly."""
-    from covey.data import format_prompts, load_task_data
-    from covey.models import load_policy
-    from covey.rollout.hf import HFEngine
+    """Label the task's training prompts exactly: policy samples (`model.path`) and, for a PRM,
+    the reference solution with corrupted copies (with rm.samples_per_prompt=0 only those)."""
+    from covey.data import load_task_data
 
     examples = load_task_data(cfg).train
     if objective == "prm" and "ops" not in (examples[0].meta if examples else {}):
         raise RewardDataError("generating PRM data needs exact step labels: use task.name=multistep")
-    policy, tokenizer = load_policy(cfg.model.path)
-    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     rng, out, t0 = random.Random(cfg.train.seed), [], time.perf_counter()
+    separator = decode_separator(cfg.reward.step_separator)
+    kinds = tuple(k.strip() for k in cfg.rm.corruption_kinds.split(",") if k.strip())
+    sample = _policy_sampler(cfg) if cfg.rm.samples_per_prompt else (lambda batch: [[] for _ in batch])
     per_call = max(1, cfg.rollout.prompts_per_step)
     for start in range(0, len(examples), per_call):
         batch = examples[start:start + per_call]
-        rollout = engine.generate(format_prompts(tokenizer, batch, cfg.task.system_prompt), cfg.rm.samples_per_prompt)
-        for j, ex in enumerate(batch):
-            texts = [c for c, i in zip(rollout.completions, rollout.example_index) if i == j]
+        for ex, texts in zip(batch, sample(batch)):
             if objective == "bt":
                 correct = correctness_reward(None, texts, answer=ex.answer)
                 out += pairs_from_group(ex.prompt, texts, correct, limit=2)
             else:
-                out += step_examples_from_group(ex, texts, rng, decode_separator(cfg.reward.step_separator))
-        log(f"covey train-rm: sampled {start + len(batch)} prompts -> {len(out)} examples "
-            f"({time.perf_counter() - t0:.0f}s)")
+                out += step_examples_from_group(ex, texts, rng, separator, cfg.rm.corruptions_per_prompt, kinds)
+        if cfg.rm.samples_per_prompt:
+            log(f"covey train-rm: sampled {start + len(batch)} prompts -> {len(out)} examples "
+                f"({time.perf_counter() - t0:.0f}s)")
         if len(out) >= cfg.rm.num_examples:
             break
     return out[:cfg.rm.num_examples]
+
+
+def _policy_sampler(cfg):
+    """batch of examples -> per example, rm.samples_per_prompt completions of the policy."""
+    from covey.data import format_prompts
+    from covey.models import load_policy
+    from covey.rollout.hf import HFEngine
+
+    policy, tokenizer = load_policy(cfg.model.path)
+    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+
+    def sample(batch):
+        rollout = engine.generate(format_prompts(tokenizer, batch, cfg.task.system_prompt), cfg.rm.samples_per_prompt)
+        return [[c for c, i in zip(rollout.completions, rollout.example_index) if i == j] for j in range(len(batch))]
+    return sample
 
 
 # --------------------------------------------------------------------------- losses and training

@@ -267,10 +267,37 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
     (["algo.estimator=grpo_process", "reward.step_source=exact"], "needs task.name=multistep"),
     (["reward.iterative_every=2"], "needs a learned reward model"),
     (["reward.replay_fraction=1.0", "reward.model_path=x"], "replay_fraction must lie in [0, 1)"),
+    (["rm.samples_per_prompt=0"], "rm.samples_per_prompt must be >= 1 for bt pairs"),
+    (["rm.objective=prm", "rm.samples_per_prompt=-1"], "and >= 0 for prm data, got -1"),
+    (["rm.objective=prm", "rm.samples_per_prompt=0", "rm.corruptions_per_prompt=0"], "a PRM needs wrong steps too"),
+    (["rm.corruptions_per_prompt=-2"], "rm.corruptions_per_prompt must be >= 0, got -2"),
+    (["rm.corruption_kinds=result,typo"], "rm.corruption_kinds='result,typo': choose from result, operand"),
 ])
 def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
     assert main(["train", *overrides]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
+    from covey.reward_models import generate_rm_data
+    # model.path does not exist: with rm.samples_per_prompt=0 the policy is never loaded
+    cfg = load_config(None, [f"model.path={tmp_path / 'absent'}", "rm.objective=prm", "task.name=multistep",
+                             "task.train_size=10", "rm.num_examples=1000", "rm.samples_per_prompt=0",
+                             "rm.corruptions_per_prompt=3", "rm.corruption_kinds=operator,carry"])
+    rows = generate_rm_data(cfg, "prm", log=lambda *a: None)
+    by_prompt = {}
+    for row in rows:
+        by_prompt.setdefault(row.prompt, []).append(row)
+    assert len(by_prompt) == 10
+    for group in by_prompt.values():
+        # the reference (all steps right) first, then up to 3 distinct corrupted copies, each with an error
+        assert set(group[0].labels) == {1} and 2 <= len(group) <= 4
+        assert all(0 in row.labels for row in group[1:])
+        # operator / carry errors keep every result consistent with its own operands
+        for row in group[1:]:
+            for line in row.completion.split("\n")[:-1]:
+                a, op, b, _, c = line.split()
+                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(c)
 
 
 def test_rewarder_composes_language_rm_and_monitors_the_verifier(tiny_rm):

@@ -4,7 +4,7 @@ import pytest
 
 from covey.rewards.rules import correctness_reward
 from covey.tasks import Example, generate_multistep, label_steps, multistep_splits, split_steps
-from covey.tasks.multistep import reference_steps
+from covey.tasks.multistep import CORRUPTIONS, corrupt_solution, reference_steps
 
 # Start 12, +7, *3, -5: reference "12 + 7 = 19", "19 * 3 = 57", "57 - 5 = 52".
 EX = Example("Start with 12. Add 7, then multiply by 3, then subtract 5.", "52",
@@ -80,3 +80,50 @@ def test_labels_work_on_meta_read_back_from_json():
     row = json.loads(json.dumps({"prompt": e.prompt, "answer": e.answer, **e.meta}))
     back = Example(row.pop("prompt"), row.pop("answer"), row)
     assert label_steps(back, e.meta["solution"])[1] == [1] * len(e.meta["ops"])
+
+
+class ScriptedRng:
+    """randrange -> the step k, choice -> the last item (sign +1, last other operator), randint -> n."""
+
+    def __init__(self, k, n):
+        self.k, self.n = k, n
+
+    def randrange(self, _):
+        return self.k
+
+    def choice(self, seq):
+        return list(seq)[-1]
+
+    def randint(self, lo, hi):
+        return self.n
+
+
+@pytest.mark.parametrize("kind,k,n,lines,labels", [
+    # step 2 result 57 + 4 -> 61; 61 - 5 = 56 follows from it
+    ("result", 1, 4, ["12 + 7 = 19", "19 * 3 = 61", "61 - 5 = 56", "Answer: 56"], [1, 0, 0, 0]),
+    # step 1 operand 7 misread as 7 + 2 = 9: 12 + 9 = 21, 21 * 3 = 63, 63 - 5 = 58
+    ("operand", 0, 2, ["12 + 9 = 21", "21 * 3 = 63", "63 - 5 = 58", "Answer: 58"], [0, 0, 0, 0]),
+    # step 3 '-' replaced by the last other operator '*': 57 * 5 = 285
+    ("operator", 2, 1, ["12 + 7 = 19", "19 * 3 = 57", "57 * 5 = 285", "Answer: 285"], [1, 1, 0, 0]),
+    # step 2 reads 19 + 2 = 21 instead of 19: 21 * 3 = 63, 63 - 5 = 58
+    ("carry", 1, 2, ["12 + 7 = 19", "21 * 3 = 63", "63 - 5 = 58", "Answer: 58"], [1, 0, 0, 0]),
+])
+def test_corrupt_solution_by_hand(kind, k, n, lines, labels):
+    text = corrupt_solution(EX, ScriptedRng(k, n), kind)
+    assert text.split("\n") == lines
+    assert label_steps(EX, text)[1] == labels
+
+
+def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
+    import random
+    for i, ex in enumerate(generate_multistep(60, seed=4)):
+        kind = CORRUPTIONS[i % len(CORRUPTIONS)]
+        text = corrupt_solution(ex, random.Random(i), kind)
+        labels = label_steps(ex, text)[1]
+        k = labels.index(0)  # an error was injected
+        assert labels[:k] == [1] * k
+        values = [int(line.rsplit("=", 1)[1]) for line in text.split("\n")[:-1]]
+        for line, before in zip(text.split("\n")[k + 1:-1], values[k:]):
+            assert int(line.split()[0]) == before  # every later step starts from the previous result
+    with pytest.raises(ValueError, match="unknown corruption 'typo'"):
+        corrupt_solution(EX, random.Random(0), "typo")

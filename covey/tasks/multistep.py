@@ -111,6 +111,47 @@ def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tupl
     return train, eval_set
 
 
+# ------------------------------------------------------------ wrong solutions
+
+CORRUPTIONS = ("result", "operand", "operator", "carry")
+
+
+def _offset(rng: random.Random, most: int) -> int:
+    return rng.choice([-1, 1]) * rng.randint(1, most)
+
+
+def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
+    """The reference solution with one error of `kind` at a random step; later steps follow it.
+
+    result: right operands, wrong result ("19 * 3 = 61"); operand: a misread
+    operand, consistent result ("19 * 4 = 76"); operator: the wrong operation
+    ("19 + 3 = 22"); carry: the previous result copied wrong ("21 * 3 = 63").
+    Only `result` needs arithmetic to spot; the others need the prompt or the
+    previous line, which is what a policy gets wrong too.
+    """
+    if kind not in CORRUPTIONS:
+        raise ValueError(f"unknown corruption {kind!r}; choose from {', '.join(CORRUPTIONS)}")
+    ops = [(op, int(y)) for op, y in example.meta["ops"]]
+    k = rng.randrange(len(ops))
+    lines = reference_steps(example.meta["start"], ops[:k])
+    value = int(lines[-1].rsplit("=", 1)[1]) if lines else int(example.meta["start"])
+    op, y = ops[k]
+    if kind == "carry":
+        value += _offset(rng, 12)
+    elif kind == "operand":
+        misread = y + _offset(rng, 3)
+        y = misread if misread >= 1 else y + rng.randint(1, 3)
+    elif kind == "operator":
+        op = rng.choice([o for o in OPS if o != op])
+    result = _apply(value, op, y) + (_offset(rng, 12) if kind == "result" else 0)
+    lines.append(f"{value} {op} {y} = {result}")
+    for later_op, later_y in ops[k + 1:]:
+        new = _apply(result, later_op, later_y)
+        lines.append(f"{result} {later_op} {later_y} = {new}")
+        result = new
+    return "\n".join(lines + [f"Answer: {result}"])
+
+
 # ------------------------------------------------------------ step labels
 
 def split_steps(completion: str, separator: str = "\n") -> list[str]:
