@@ -406,10 +406,53 @@ class ValueModel(nn.Module):
         same positions as generation.
         """
         if position_ids is None and attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            position_ids = self._positions(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
         return self.head(hidden.float()).squeeze(-1)
+
+    def frozen_prefix(self) -> int:
+        """Leading decoder layers that cannot change (they and the embeddings have no trainable
+        parameter): their output can be computed once and reused (`hidden_below`)."""
+        layers = getattr(self.backbone, "layers", None)
+        embed = getattr(self.backbone, "embed_tokens", None)
+        if layers is None or embed is None or any(p.requires_grad for p in embed.parameters()):
+            return 0
+        count = 0
+        for layer in layers:
+            if any(p.requires_grad for p in layer.parameters()):
+                break
+            count += 1
+        return min(count, len(layers) - 1)  # the top layer always runs, so the final norm stays in place
+
+    @contextlib.contextmanager
+    def _only_layers(self, start: int, stop: int, final_norm: bool):
+        """Run the backbone with decoder layers [start, stop) only (and the final norm or not)."""
+        layers, norm = self.backbone.layers, self.backbone.norm
+        self.backbone.layers = nn.ModuleList(list(layers)[start:stop])
+        self.backbone.norm = norm if final_norm else nn.Identity()
+        try:
+            yield
+        finally:
+            self.backbone.layers, self.backbone.norm = layers, norm
+
+    def _positions(self, attention_mask: Tensor) -> Tensor:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    @torch.no_grad()
+    def hidden_below(self, input_ids: Tensor, attention_mask: Tensor, n_layers: int) -> Tensor:
+        """Hidden states (N, T, H) entering decoder layer `n_layers` (the output of the layers below)."""
+        with self._only_layers(0, n_layers, final_norm=False):
+            return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=self._positions(attention_mask), use_cache=False).last_hidden_state
+
+    def values_from_hidden(self, hidden: Tensor, attention_mask: Tensor, n_layers: int) -> Tensor:
+        """Values (N, T) from `hidden_below(..., n_layers)`: runs layers n_layers.. and the head;
+        equal to `forward` on the same inputs."""
+        with self._only_layers(n_layers, len(self.backbone.layers), final_norm=True):
+            out = self.backbone(inputs_embeds=hidden, attention_mask=attention_mask,
+                                position_ids=self._positions(attention_mask), use_cache=False).last_hidden_state
+        return self.head(out.float()).squeeze(-1)
 
     def save_pretrained(self, out_dir: str | Path, tokenizer=None) -> None:
         """Backbone as an HF folder plus `value_head.safetensors` (and tokenizer if given)."""

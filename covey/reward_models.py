@@ -228,27 +228,66 @@ class RMTrainer:
         self.separator = decode_separator(separator)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         self.generator = torch.Generator().manual_seed(seed)
+        self.hidden_cache: dict[str, torch.Tensor] = {}  # repr((prompt, completion)) -> frozen layers' output
+        self.cached_layers = 0
+
+    def _rows(self, batch: list) -> tuple[list, list[str], str | None]:
+        """(prompts, completions, separator) of the model's input rows: bt reads chosen then
+        rejected at their last token, prm every step's last token."""
+        if self.objective == "bt":
+            return [p.prompt for p in batch] * 2, [p.chosen for p in batch] + [p.rejected for p in batch], None
+        return [e.prompt for e in batch], [e.completion for e in batch], self.separator
+
+    def _values(self, prompts: list, completions: list[str], separator: str | None):
+        """(values at the read-outs (n, S), the encoded batch); through the frozen-layer cache if filled."""
+        enc = encode(self.tokenizer, prompts, completions, self.max_length, separator)
+        if not self.hidden_cache:
+            return read_values(self.model, enc), enc
+        hidden = torch.nn.utils.rnn.pad_sequence([self.hidden_cache[repr(row)] for row in zip(prompts, completions)],
+                                                 batch_first=True)
+        values = self.model.values_from_hidden(hidden, enc.attention_mask, self.cached_layers)
+        return values.gather(1, enc.positions), enc
+
+    def cache_frozen_layers(self, examples: list) -> int:
+        """Run the frozen lower layers once per input row and keep their output, so every epoch
+        runs only the trainable top. Returns the number of cached layers (0: nothing is frozen)."""
+        self.hidden_cache, self.cached_layers = {}, self.model.frozen_prefix()
+        if not self.cached_layers:
+            return 0
+        for start in range(0, len(examples), self.batch_size):
+            prompts, texts, separator = self._rows(examples[start:start + self.batch_size])
+            enc = encode(self.tokenizer, prompts, texts, self.max_length, separator)
+            hidden = self.model.hidden_below(enc.input_ids, enc.attention_mask, self.cached_layers)
+            for i, row in enumerate(zip(prompts, texts)):
+                self.hidden_cache[repr(row)] = hidden[i, :int(enc.attention_mask[i].sum())].clone()
+        return self.cached_layers
 
     def _outputs(self, batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """bt: (r_chosen, r_rejected, -); prm: (logits (n, S), labels (n, S), mask (n, S))."""
+        values, enc = self._values(*self._rows(batch))
         if self.objective == "bt":
-            prompts = [p.prompt for p in batch] * 2
-            texts = [p.chosen for p in batch] + [p.rejected for p in batch]
-            scores = read_values(self.model, encode(self.tokenizer, prompts, texts, self.max_length))[:, 0]
+            scores = values[:, 0]
             return scores[:len(batch)], scores[len(batch):], torch.ones(len(batch), dtype=torch.bool)
-        enc = encode(self.tokenizer, [e.prompt for e in batch], [e.completion for e in batch], self.max_length,
-                     self.separator)
         labels = torch.zeros(enc.positions.shape)
         for i, ex in enumerate(batch):
             labels[i, :len(ex.labels)] = torch.tensor(ex.labels, dtype=torch.float)
-        return read_values(self.model, enc), labels, enc.position_mask
+        return values, labels, enc.position_mask
 
     def loss(self, batch: list) -> torch.Tensor:
         a, b, mask = self._outputs(batch)
         return bt_loss(a, b, self.margin) if self.objective == "bt" else prm_loss(a, b, mask.float())
 
     def fit(self, examples: list, epochs: int, log=None) -> dict:
-        """`epochs` shuffled passes; returns the mean loss of the last epoch."""
+        """`epochs` shuffled passes; returns the mean loss of the last epoch. With several epochs
+        and frozen lower layers (rm.train_layers), their output is computed once, not every epoch."""
+        if epochs > 1:
+            self.cache_frozen_layers(examples)
+        try:
+            return {"rm/loss": self._epochs(examples, epochs, log)}
+        finally:
+            self.hidden_cache, self.cached_layers = {}, 0  # the cache holds only this call's examples
+
+    def _epochs(self, examples: list, epochs: int, log) -> float:
         self.model.train()
         mean = float("nan")
         for epoch in range(epochs):
@@ -264,7 +303,7 @@ class RMTrainer:
             mean = sum(losses) / max(len(losses), 1)
             if log:
                 log(epoch + 1, mean)
-        return {"rm/loss": mean}
+        return mean
 
     @torch.no_grad()
     def evaluate(self, examples: list) -> dict:

@@ -335,3 +335,51 @@ def test_iterative_refresh_is_refused_under_torchrun():
     validate_world(cfg, 1)
     with pytest.raises(ConfigError, match="reward.iterative_every is not supported yet"):
         validate_world(cfg, 2)
+
+
+# --------------------------------------------------------------------------- frozen-layer cache
+
+
+def _tiny_value_model(train_layers):
+    from covey.models import ValueModel, tiny_llama
+    from covey.reward_models import freeze_lower_layers
+    tok = tiny_tokenizer()
+    model = ValueModel(tiny_llama(len(tok), num_layers=4, seed=3).model)
+    torch.nn.init.normal_(model.head.weight, std=0.5)  # a non-zero head, so values differ per position
+    freeze_lower_layers(model, train_layers)
+    return model, tok
+
+
+def test_frozen_prefix_split_forward_equals_the_full_forward():
+    model, tok = _tiny_value_model(train_layers=1)
+    assert model.frozen_prefix() == 3  # 4 layers, the top one trains
+    enc = encode(tok, ["q one", "a longer question two"], ["1 + 1 = 2\nAnswer: 2", "x"], 64, "\n")
+    assert enc.attention_mask[1].sum() != enc.attention_mask[0].sum()  # right padding is exercised
+    full = model(enc.input_ids, enc.attention_mask)
+    hidden = model.hidden_below(enc.input_ids, enc.attention_mask, 3)
+    split = model.values_from_hidden(hidden, enc.attention_mask, 3)
+    real = enc.attention_mask.bool()
+    torch.testing.assert_close(split[real], full[real], atol=1e-5, rtol=1e-5)
+    assert len(model.backbone.layers) == 4 and not isinstance(model.backbone.norm, torch.nn.Identity)  # restored
+    everything, _ = _tiny_value_model(train_layers=0)
+    assert everything.frozen_prefix() == 0  # embeddings train: nothing can be cached
+
+
+def test_fit_with_the_frozen_layer_cache_matches_fit_without_it(monkeypatch):
+    from covey.reward_models import RMTrainer
+    examples = [StepExample(ex.prompt, sol, label_steps(ex, sol)[1])
+                for ex in generate_multistep(6, seed=2) for sol in corrupted_solutions(ex, random.Random(0))]
+    runs = []
+    for cached in (True, False):
+        model, tok = _tiny_value_model(train_layers=1)
+        trainer = RMTrainer(model, tok, "prm", lr=1e-2, batch_size=4, max_length=128, seed=0)
+        if not cached:
+            monkeypatch.setattr(trainer, "cache_frozen_layers", lambda ex: 0)
+        losses = []
+        trainer.fit(examples, epochs=3, log=lambda epoch, loss: losses.append(loss))
+        assert trainer.hidden_cache == {}  # dropped after fit: evaluation reads the live model
+        runs.append((losses, trainer.evaluate(examples)["rm/step_accuracy"], model.head.weight.detach().clone()))
+    (cached_losses, cached_acc, cached_head), (plain_losses, plain_acc, plain_head) = runs
+    assert cached_losses == pytest.approx(plain_losses, abs=1e-5) and cached_losses[-1] < cached_losses[0]
+    assert cached_acc == plain_acc
+    torch.testing.assert_close(cached_head, plain_head, atol=1e-5, rtol=1e-4)
