@@ -378,12 +378,13 @@ def train_reward_model(cfg, log=print) -> dict:
     trainer = RMTrainer(model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
                         max_length=rm.max_length, margin=rm.margin, separator=cfg.reward.step_separator,
                         seed=cfg.train.seed)
+    key = "rm/pair_accuracy" if rm.objective == "bt" else "rm/step_accuracy"
     before = trainer.evaluate(held)
+    log(f"covey train-rm: held-out {key.split('/')[1]} before training {before[key]:.1%}")
     t0 = time.perf_counter()
     fit = trainer.fit(train, rm.train_epochs, log=lambda e, loss: log(
         f"covey train-rm: epoch {e}: loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)"))
     after = trainer.evaluate(held)
-    key = "rm/pair_accuracy" if rm.objective == "bt" else "rm/step_accuracy"
     meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
             "base_model": rm.base_model, "n_train": len(train), "n_eval": len(held),
             "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
