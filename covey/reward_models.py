@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
                                  encode, read_values)
 from covey.rewards.rules import correctness_reward
-from covey.tasks.multistep import corrupt_solution, label_steps, reference_steps, split_steps
+from covey.tasks.multistep import (corrupt_solution, label_steps, reference_steps, split_steps,
+                                   step_categories)
 
 
 class RewardDataError(ValueError):
@@ -306,8 +307,10 @@ class RMTrainer:
         return mean
 
     @torch.no_grad()
-    def evaluate(self, examples: list) -> dict:
-        """bt: rm/pair_accuracy (ties count half); prm: rm/step_accuracy and rm/step_balanced_accuracy."""
+    def evaluate(self, examples: list, step_hits: list | None = None) -> dict:
+        """bt: rm/pair_accuracy (ties count half); prm: rm/step_accuracy and rm/step_balanced_accuracy.
+        prm with a `step_hits` list: one list per example is appended, True/False per step
+        (None for a step cut off by max_length)."""
         self.model.eval()
         hits, pos, neg = [], [], []
         for start in range(0, len(examples), self.batch_size):
@@ -315,7 +318,12 @@ class RMTrainer:
             if self.objective == "bt":
                 hits += ((a > b).float() + 0.5 * (a == b).float()).tolist()
             else:
-                ok = ((a > 0).float() == b)[mask]
+                correct = (a > 0).float() == b
+                if step_hits is not None:
+                    step_hits += [[bool(c) if m else None for c, m in zip(row, row_mask)][:len(ex.labels)]
+                                  for row, row_mask, ex in zip(correct.tolist(), mask.tolist(),
+                                                               examples[start:start + self.batch_size])]
+                ok = correct[mask]
                 hits += ok.float().tolist()
                 pos += ok[b[mask] == 1].float().tolist()
                 neg += ok[b[mask] == 0].float().tolist()
@@ -333,6 +341,26 @@ class RMTrainer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
+
+
+def step_accuracy_by_category(task_examples: list, examples: list[StepExample], step_hits: list,
+                              separator: str = "\n") -> dict:
+    """A PRM's step accuracy split by what the step is (multistep task): correct steps, the first
+    wrong step by error kind, later wrong steps. Rows whose prompt is not a task prompt are skipped."""
+    by_prompt = {ex.prompt: ex for ex in task_examples}
+    tally: dict[str, list[bool]] = {}
+    for row, hits in zip(examples, step_hits):
+        task_example = by_prompt.get(row.prompt)
+        if task_example is None:
+            continue
+        for category, hit in zip(step_categories(task_example, row.completion, separator), hits):
+            if hit is not None:
+                tally.setdefault(category.replace(":", "_"), []).append(hit)
+    out = {}
+    for category, values in sorted(tally.items()):
+        out[f"rm/step_accuracy/{category}"] = sum(values) / len(values)
+        out[f"rm/step_count/{category}"] = len(values)
+    return out
 
 
 # --------------------------------------------------------------------------- covey train-rm
@@ -384,12 +412,20 @@ def train_reward_model(cfg, log=print) -> dict:
     t0 = time.perf_counter()
     fit = trainer.fit(train, rm.train_epochs, log=lambda e, loss: log(
         f"covey train-rm: epoch {e}: loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)"))
-    after = trainer.evaluate(held)
+    step_hits: list = []
+    after = trainer.evaluate(held, step_hits)
+    if rm.objective == "prm" and cfg.task.name == "multistep":
+        from covey.data import load_task_data
+        after.update(step_accuracy_by_category(load_task_data(cfg).train, held, step_hits, trainer.separator))
     meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
             "base_model": rm.base_model, "n_train": len(train), "n_eval": len(held),
             "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
     save_reward_model(Path(rm.output), model, tokenizer, meta, train, held)
     log(f"covey train-rm: held-out {key.split('/')[1]} {before[key]:.1%} -> {after[key]:.1%}; saved to {rm.output}")
+    by_category = [f"{k.rsplit('/', 1)[1]} {v:.1%} (n={after[k.replace('step_accuracy', 'step_count')]})"
+                   for k, v in after.items() if k.startswith("rm/step_accuracy/")]
+    if by_category:
+        log("covey train-rm: held-out step accuracy by step: " + ", ".join(by_category))
     return meta
 
 

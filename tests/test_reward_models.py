@@ -17,7 +17,7 @@ from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, 
 from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
                                  encode, step_spans, step_token_ends)
 from covey.rollout.base import Rollout
-from covey.tasks.multistep import generate_multistep, label_steps, split_steps
+from covey.tasks.multistep import generate_multistep, label_steps, reference_steps, split_steps
 from tests.conftest import tiny_overrides
 
 # --------------------------------------------------------------------------- losses by hand
@@ -383,3 +383,31 @@ def test_fit_with_the_frozen_layer_cache_matches_fit_without_it(monkeypatch):
     assert cached_losses == pytest.approx(plain_losses, abs=1e-5) and cached_losses[-1] < cached_losses[0]
     assert cached_acc == plain_acc
     torch.testing.assert_close(cached_head, plain_head, atol=1e-5, rtol=1e-4)
+
+
+def test_step_accuracy_by_category_by_hand():
+    from covey.reward_models import step_accuracy_by_category
+    ex = generate_multistep(1, seed=5, min_ops=2, max_ops=2)[0]
+    first, second = reference_steps(ex.meta["start"], ex.meta["ops"])
+    right = f"{first}\n{second}"
+    value = int(first.rsplit("=", 1)[1])
+    wrong = f"{first.rsplit('=', 1)[0]}= {value + 1}\nAnswer: {value + 1}"  # result error, then a wrong answer
+    rows = [StepExample(ex.prompt, right, [1, 1]), StepExample(ex.prompt, wrong, [0, 0]),
+            StepExample("not a task prompt", "1 + 1 = 2", [1])]
+    # hits: both correct steps right; first error missed; the step after it right; the stray row ignored
+    out = step_accuracy_by_category([ex], rows, [[True, True], [False, True], [False]])
+    assert out == {"rm/step_accuracy/correct": 1.0, "rm/step_count/correct": 2,
+                   "rm/step_accuracy/first_error_result": 0.0, "rm/step_count/first_error_result": 1,
+                   "rm/step_accuracy/after_error": 1.0, "rm/step_count/after_error": 1}
+
+
+def test_evaluate_reports_hits_per_step():
+    from covey.reward_models import RMTrainer
+    model, tok = _tiny_value_model(train_layers=0)
+    torch.nn.init.zeros_(model.head.weight)  # logit 0 everywhere: every step is predicted wrong
+    rows = [StepExample("q", "1 + 1 = 2\n2 + 2 = 5", [1, 0]), StepExample("q", "a\nb\nc", [0, 0, 1])]
+    trainer = RMTrainer(model, tok, "prm", lr=1e-3, batch_size=8, max_length=128)
+    hits: list = []
+    out = trainer.evaluate(rows, hits)
+    assert hits == [[False, True], [True, True, False]]
+    assert out["rm/step_accuracy"] == pytest.approx(3 / 5)

@@ -4,7 +4,7 @@ import pytest
 
 from covey.rewards.rules import correctness_reward
 from covey.tasks import Example, generate_multistep, label_steps, multistep_splits, split_steps
-from covey.tasks.multistep import CORRUPTIONS, corrupt_solution, reference_steps
+from covey.tasks.multistep import CORRUPTIONS, corrupt_solution, reference_steps, step_categories
 
 # Start 12, +7, *3, -5: reference "12 + 7 = 19", "19 * 3 = 57", "57 - 5 = 52".
 EX = Example("Start with 12. Add 7, then multiply by 3, then subtract 5.", "52",
@@ -127,3 +127,17 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
             assert int(line.split()[0]) == before  # every later step starts from the previous result
     with pytest.raises(ValueError, match="unknown corruption 'typo'"):
         corrupt_solution(EX, random.Random(0), "typo")
+
+
+@pytest.mark.parametrize("completion,categories", [
+    ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\nAnswer: 52", ["correct"] * 4),
+    ("12 + 7 = 19\n19 * 3 = 61\n61 - 5 = 56\nAnswer: 56",
+     ["correct", "first_error:result", "after_error", "after_error"]),
+    ("12 + 7 = 19\n21 * 3 = 63", ["correct", "first_error:carry"]),     # 21 is not the previous 19
+    ("12 * 7 = 84\n84 * 3 = 252", ["first_error:operator", "after_error"]),
+    ("12 + 8 = 20", ["first_error:operand"]),
+    ("I think\n12 + 7 = 19", ["first_error:other", "correct"]),          # chatter, then a right step
+    ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\n52 + 1 = 53", ["correct"] * 3 + ["first_error:other"]),  # extra step
+])
+def test_step_categories(completion, categories):
+    assert step_categories(EX, completion) == categories

@@ -189,3 +189,33 @@ def label_steps(example: Example, completion: str, separator: str = "\n") -> tup
             last = i == len(steps) - 1
             labels.append(int(last and math_equal(extract_answer(step), example.answer)))
     return steps, labels
+
+
+def step_categories(example: Example, completion: str, separator: str = "\n") -> list[str]:
+    """What each step of a completion is, for a PRM's error analysis: `correct`, `first_error:<kind>`
+    (the first wrong step; kind as in CORRUPTIONS, judged against the reference step, or `other`
+    for a wrong non-equation line) or `after_error` (any later wrong step)."""
+    expected = [_parse_equation(line) for line in reference_steps(example.meta["start"], example.meta["ops"])]
+    steps, labels = label_steps(example, completion, separator)
+    out, k, seen_error = [], 0, False
+    for step, label in zip(steps, labels):
+        eq = _parse_equation(step)
+        if label:
+            out.append("correct")
+        elif seen_error:
+            out.append("after_error")
+        else:
+            out.append(f"first_error:{_error_kind(eq, expected[k] if eq and k < len(expected) else None)}")
+        seen_error = seen_error or not label
+        k += eq is not None
+    return out
+
+
+def _error_kind(step: tuple | None, reference: tuple | None) -> str:
+    """Which field of 'a op b = c' departs from the reference step first: carry, operator, operand, result."""
+    if step is None or reference is None:
+        return "other"
+    for kind, mine, right in zip(("carry", "operator", "operand", "result"), step, reference):
+        if mine != right:
+            return kind
+    return "other"
