@@ -416,7 +416,9 @@ class ValueModel(nn.Module):
         parameter): their output can be computed once and reused (`hidden_below`)."""
         layers = getattr(self.backbone, "layers", None)
         embed = getattr(self.backbone, "embed_tokens", None)
-        if layers is None or embed is None or any(p.requires_grad for p in embed.parameters()):
+        if layers is None or embed is None or not hasattr(self.backbone, "norm"):
+            return 0  # not a Llama-like backbone: no split forward
+        if any(p.requires_grad for p in embed.parameters()):
             return 0
         count = 0
         for layer in layers:
@@ -436,7 +438,8 @@ class ValueModel(nn.Module):
         finally:
             self.backbone.layers, self.backbone.norm = layers, norm
 
-    def _positions(self, attention_mask: Tensor) -> Tensor:
+    @staticmethod
+    def _positions(attention_mask: Tensor) -> Tensor:
         return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
     @torch.no_grad()
