@@ -1,4 +1,4 @@
-"""covey command line: train | eval | advantages | plot | compare (| more as they land)."""
+"""covey command line: train | eval | train-rm | eval-rm | serve-reward | plot | compare | advantages."""
 
 from __future__ import annotations
 
@@ -48,10 +48,26 @@ def cmd_train_rm(args) -> int:
     from covey.reward_models import train_reward_model
     config_path, overrides = _split_config(args.args)
     cfg = load_config(config_path, overrides)
+    _set_threads(cfg)
+    train_reward_model(cfg)
+    return 0
+
+
+def _set_threads(cfg) -> None:
     if cfg.model.threads:
         import torch
         torch.set_num_threads(cfg.model.threads)
-    train_reward_model(cfg)
+
+
+def cmd_eval_rm(args) -> int:
+    import json
+
+    from covey.config import load_config
+    from covey.reward_models import evaluate_reward_model
+    config_path, overrides = _split_config(args.args)
+    cfg = load_config(config_path, overrides)
+    _set_threads(cfg)
+    print(json.dumps(evaluate_reward_model(cfg, args.folder, args.data or None)))
     return 0
 
 
@@ -77,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "[CONFIG.yaml] [rm.objective=bt|prm] [key=value ...]")
     p.add_argument("args", nargs="*", help="optional YAML preset, then key=value overrides (rm.*, task.*, model.path)")
     p.set_defaults(func=cmd_train_rm)
+    p = sub.add_parser("eval-rm", help="accuracy of a saved reward model: covey eval-rm FOLDER [--data FILE] "
+                       "[key=value ...] (task.* to break PRM steps down by kind)")
+    p.add_argument("folder", help="a folder written by covey train-rm")
+    p.add_argument("--data", default="", help="JSONL data (default: the folder's eval_data.jsonl)")
+    p.add_argument("args", nargs="*")
+    p.set_defaults(func=cmd_eval_rm)
     from covey.rewards import server
     server.add_parser(sub)
     p = sub.add_parser("plot", help="PNG curves of a run's metrics")
@@ -94,7 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops collecting key=value positionals at the first option ("FOLDER --data F k=v"):
+    # overrides after an option belong to the same list.
+    positional = next((n for n in ("args", "overrides") if isinstance(getattr(args, n, None), list)), None)
+    if extra and positional and all("=" in e and not e.startswith("-") for e in extra):
+        getattr(args, positional).extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

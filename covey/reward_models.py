@@ -429,6 +429,30 @@ def train_reward_model(cfg, log=print) -> dict:
     return meta
 
 
+def evaluate_reward_model(cfg, folder: str | Path, data: str | Path | None = None) -> dict:
+    """`covey eval-rm`: pair / step accuracy of a saved RM on a data file (default: its own
+    held-out data); for a PRM on the multistep task also the accuracy by kind of step."""
+    from covey.models import ValueModel, load_tokenizer
+    folder = Path(folder)
+    meta_file = folder / RM_META_FILE
+    if not meta_file.is_file():
+        raise RewardDataError(f"{folder}: not a covey reward model folder (no {RM_META_FILE})")
+    meta = json.loads(meta_file.read_text())
+    objective, separator = meta["objective"], meta.get("separator", "\n")
+    data = Path(data) if data else folder / "eval_data.jsonl"
+    examples = load_rm_data(data, objective, separator)
+    trainer = RMTrainer(ValueModel.from_pretrained(folder), load_tokenizer(str(folder)), objective, lr=0.0,
+                        batch_size=cfg.rm.batch_size, max_length=meta.get("max_length", cfg.rm.max_length),
+                        separator=separator)
+    step_hits: list = []
+    out = {"model": str(folder), "data": str(data), **trainer.evaluate(examples, step_hits)}
+    if objective == "prm" and cfg.task.name == "multistep":
+        from covey.data import load_task_data
+        task = load_task_data(cfg)
+        out.update(step_accuracy_by_category(task.train + task.eval, examples, step_hits, separator))
+    return out
+
+
 # --------------------------------------------------------------------------- iterative GRPO
 
 

@@ -55,6 +55,8 @@ def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
     (["train", "algo.beta=x"], "config key 'algo.beta' expects float"),
     (["train", "model.path=./no/such/model"], "model path not found"),
     (["train", "task.name=jsonl", "task.path=/no/such.jsonl"], "file not found"),
+    # key=value overrides on both sides of an option reach the config (so the bad key is named)
+    (["compare", "task.eval_size=4", "--algos", "grpo", "bogus.key=1"], "unknown config key 'bogus.key'"),
 ])
 def test_bad_input_one_line_exit_2(args, message, capsys, tmp_path):
     code = main(args + [f"train.output_dir={tmp_path}"])
@@ -80,3 +82,9 @@ def test_prompt_longer_than_context(tmp_path, capsys, tiny_model_dir):
                  *tiny_overrides(tiny_model_dir, tmp_path)])
     assert code == 2
     assert "prompt is" in capsys.readouterr().err
+
+
+def test_unknown_option_is_still_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "--bogus", "task.eval_size=4"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

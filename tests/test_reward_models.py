@@ -411,3 +411,16 @@ def test_evaluate_reports_hits_per_step():
     out = trainer.evaluate(rows, hits)
     assert hits == [[False, True], [True, True, False]]
     assert out["rm/step_accuracy"] == pytest.approx(3 / 5)
+
+
+def test_eval_rm_cli_matches_training_and_breaks_steps_down(tiny_prm, capsys, tmp_path):
+    folder, meta = tiny_prm
+    # overrides may follow an option (argparse alone would reject them there)
+    assert main(["eval-rm", str(folder), "--data", str(folder / "eval_data.jsonl"), "task.name=multistep",
+                 "task.train_size=16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rm/step_accuracy"] == pytest.approx(meta["after"]["rm/step_accuracy"])  # same data, same model
+    counts = {k: v for k, v in out.items() if k.startswith("rm/step_count/")}
+    assert sum(counts.values()) == out["rm/eval_n"] and "rm/step_count/correct" in counts
+    assert main(["eval-rm", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"covey eval-rm: error: {tmp_path}: not a covey reward model folder (no covey_rm.json)"
