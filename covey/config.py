@@ -539,11 +539,11 @@ def validate_rm_data(cfg: Config) -> None:
                           f"got {rm.samples_per_prompt}")
     if rm.corruptions_per_prompt < 0:
         raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
-    from covey.tasks.multistep import CORRUPTIONS
-    kinds = [k.strip() for k in rm.corruption_kinds.split(",") if k.strip()]
-    unknown = sorted(set(kinds) - set(CORRUPTIONS))
-    if not kinds or unknown:
-        raise ConfigError(f"rm.corruption_kinds={rm.corruption_kinds!r}: choose from {', '.join(CORRUPTIONS)}")
+    from covey.tasks.multistep import parse_corruptions
+    try:
+        parse_corruptions(rm.corruption_kinds)
+    except ValueError as err:
+        raise ConfigError(f"rm.corruption_kinds={err}") from None
     if rm.objective == "prm" and rm.samples_per_prompt == 0 and rm.corruptions_per_prompt == 0 and not rm.data:
         raise ConfigError("rm.samples_per_prompt=0 with rm.corruptions_per_prompt=0 leaves only correct "
                           "solutions: a PRM needs wrong steps too")

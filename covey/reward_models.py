@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
-                                 encode, read_values)
+                                 encode, read_rm_meta, read_values)
 from covey.rewards.rules import correctness_reward
-from covey.tasks.multistep import (corrupt_solution, label_steps, reference_steps, split_steps,
-                                   step_categories)
+from covey.tasks.multistep import (corrupt_solution, label_steps, parse_corruptions, reference_steps,
+                                   split_steps, step_categories)
 
 
 class RewardDataError(ValueError):
@@ -156,7 +156,7 @@ def generate_rm_data(cfg, objective: str, log=print) -> list:
         raise RewardDataError("generating PRM data needs exact step labels: use task.name=multistep")
     rng, out, t0 = random.Random(cfg.train.seed), [], time.perf_counter()
     separator = decode_separator(cfg.reward.step_separator)
-    kinds = tuple(k.strip() for k in cfg.rm.corruption_kinds.split(",") if k.strip())
+    kinds = parse_corruptions(cfg.rm.corruption_kinds)
     sample = _policy_sampler(cfg) if cfg.rm.samples_per_prompt else (lambda batch: [[] for _ in batch])
     per_call = max(1, cfg.rollout.prompts_per_step)
     for start in range(0, len(examples), per_call):
@@ -432,24 +432,18 @@ def train_reward_model(cfg, log=print) -> dict:
 def evaluate_reward_model(cfg, folder: str | Path, data: str | Path | None = None) -> dict:
     """`covey eval-rm`: pair / step accuracy of a saved RM on a data file (default: its own
     held-out data); for a PRM on the multistep task also the accuracy by kind of step."""
-    from covey.models import ValueModel, load_tokenizer
-    folder = Path(folder)
-    meta_file = folder / RM_META_FILE
-    if not meta_file.is_file():
-        raise RewardDataError(f"{folder}: not a covey reward model folder (no {RM_META_FILE})")
-    meta = json.loads(meta_file.read_text())
-    objective, separator = meta["objective"], meta.get("separator", "\n")
-    data = Path(data) if data else folder / "eval_data.jsonl"
-    examples = load_rm_data(data, objective, separator)
-    trainer = RMTrainer(ValueModel.from_pretrained(folder), load_tokenizer(str(folder)), objective, lr=0.0,
-                        batch_size=cfg.rm.batch_size, max_length=meta.get("max_length", cfg.rm.max_length),
-                        separator=separator)
+    objective = read_rm_meta(folder).get("objective")
+    scorer = {"bt": OutcomeRewardModel, "prm": ProcessRewardModel}[objective].load(folder)
+    data = Path(data) if data else Path(folder) / "eval_data.jsonl"
+    examples = load_rm_data(data, objective, scorer.separator)
+    trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=0.0, batch_size=cfg.rm.batch_size,
+                        max_length=scorer.max_length, separator=scorer.separator)
     step_hits: list = []
     out = {"model": str(folder), "data": str(data), **trainer.evaluate(examples, step_hits)}
     if objective == "prm" and cfg.task.name == "multistep":
         from covey.data import load_task_data
         task = load_task_data(cfg)
-        out.update(step_accuracy_by_category(task.train + task.eval, examples, step_hits, separator))
+        out.update(step_accuracy_by_category(task.train + task.eval, examples, step_hits, scorer.separator))
     return out
 
 

@@ -136,6 +136,14 @@ def read_values(model, enc: Encoded) -> Tensor:
     return values.gather(1, enc.positions)
 
 
+def read_rm_meta(path: str | Path) -> dict:
+    """The `covey_rm.json` of a folder written by `covey train-rm` (objective, separator, ...)."""
+    meta_file = Path(path) / RM_META_FILE
+    if not meta_file.is_file():
+        raise RewardModelError(f"{path}: not a covey reward model folder (no {RM_META_FILE})")
+    return json.loads(meta_file.read_text())
+
+
 class LearnedReward:
     """A loaded reward model; scoring is batched, gradient-free and thread-safe (one lock)."""
 
@@ -153,10 +161,7 @@ class LearnedReward:
         """Load a folder written by `covey train-rm`, checking that it holds this objective."""
         from covey.models import ValueModel, load_tokenizer
         path = Path(path)
-        meta_file = path / RM_META_FILE
-        if not meta_file.is_file():
-            raise RewardModelError(f"{path}: not a covey reward model folder (no {RM_META_FILE})")
-        meta = json.loads(meta_file.read_text())
+        meta = read_rm_meta(path)
         if meta.get("objective") != cls.objective:
             raise RewardModelError(f"{path} holds a '{meta.get('objective')}' reward model, "
                                    f"expected '{cls.objective}'")

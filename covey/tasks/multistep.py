@@ -116,6 +116,14 @@ def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tupl
 CORRUPTIONS = ("result", "operand", "operator", "carry")
 
 
+def parse_corruptions(spec: str) -> tuple[str, ...]:
+    """'result, carry' -> ('result', 'carry'); ValueError for an empty list or an unknown kind."""
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    if not kinds or set(kinds) - set(CORRUPTIONS):
+        raise ValueError(f"{spec!r}: choose from {', '.join(CORRUPTIONS)}")
+    return kinds
+
+
 def _offset(rng: random.Random, most: int) -> int:
     return rng.choice([-1, 1]) * rng.randint(1, most)
 
