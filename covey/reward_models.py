@@ -179,11 +179,14 @@ def _policy_sampler(cfg):
     """batch of examples -> per example, rm.samples_per_prompt completions of the policy."""
     from covey.data import format_prompts
     from covey.models import load_policy
-    from covey.rollout.hf import HFEngine
+    from covey.rollout.local import LOCAL_ENGINES, local_engine
 
     policy, tokenizer = load_policy(cfg.model.path)
-    engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    # The training loop's engine when it is local (fast: each prompt encoded once for its samples);
+    # vllm would need its own server copy for a one-off data pass, so the fast engine stands in.
+    name = cfg.rollout.engine if cfg.rollout.engine in LOCAL_ENGINES else "fast"
+    engine = local_engine(name, policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
 
     def sample(batch):
         rollout = engine.generate(format_prompts(tokenizer, batch, cfg.task.system_prompt), cfg.rm.samples_per_prompt)
