@@ -64,6 +64,14 @@ class TaskConfig:
     """Digits of the first operand."""
     digits_b: int = 1
     """Digits of the second operand."""
+    min_ops: int = 2
+    """multistep: fewest operations per problem."""
+    max_ops: int = 4
+    """multistep: most operations per problem."""
+    ops: str = "+-*"
+    """multistep: the operations to draw from (a subset of + - *)."""
+    operand_max: int = 9
+    """multistep: operands are drawn from 2..operand_max."""
     train_size: int = 600
     """Number of generated training problems."""
     eval_size: int = 200
@@ -512,6 +520,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     validate_scale(cfg)
     validate_template(cfg.task.template)
+    validate_multistep(cfg.task)
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
     validate_rewards(cfg)
@@ -527,6 +536,15 @@ def validate_template(template: str) -> None:
                           "use the placeholders {a}, {op} and {b}") from None
     if not all(part in text for part in ("12", "*", "3")):
         raise ConfigError(f"task.template={template!r} must contain {{a}}, {{op}} and {{b}}")
+
+
+def validate_multistep(t: TaskConfig) -> None:
+    if not 1 <= t.min_ops <= t.max_ops:
+        raise ConfigError(f"task.min_ops={t.min_ops}, task.max_ops={t.max_ops}: need 1 <= min_ops <= max_ops")
+    if not t.ops or set(t.ops) - set("+-*"):
+        raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
+    if t.operand_max < 2:
+        raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")
 
 
 def validate_rm_data(cfg: Config) -> None:

@@ -20,6 +20,9 @@ def test_overrides_and_short_keys():
     ("algo.minibatches=3", "must divide prompts_per_step*group_size=32"),
     ("task.template=What is {a} {op}?", "must contain {a}, {op} and {b}"),
     ("task.template=What is {x}?", "is not a valid template"),
+    ("task.min_ops=5", "task.min_ops=5, task.max_ops=4: need 1 <= min_ops <= max_ops"),
+    ("task.ops=+/", "task.ops='+/': choose one or more of + - *"),
+    ("task.operand_max=1", "task.operand_max=1: operands are drawn from 2..operand_max"),
     ("lr=1e-5", None),
 ])
 def test_bad_values(override, message):

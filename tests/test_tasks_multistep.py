@@ -141,3 +141,15 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
 ])
 def test_step_categories(completion, categories):
     assert step_categories(EX, completion) == categories
+
+
+def test_task_config_sets_the_multistep_difficulty():
+    from covey.config import load_config
+    from covey.data import load_task_data
+    base = ["task.name=multistep", "task.train_size=40", "task.eval_size=20"]
+    # the defaults draw exactly the problems of multistep_splits' own defaults (saved PRM data stays valid)
+    assert load_task_data(load_config(None, base)).eval == multistep_splits(40, 20, seed=0)[1]
+    data = load_task_data(load_config(None, [*base, "task.min_ops=2", "task.max_ops=2", "task.ops=+",
+                                             "task.operand_max=5"]))
+    for e in data.train + data.eval:
+        assert [op for op, _ in e.meta["ops"]] == ["+", "+"] and all(2 <= y <= 5 for _, y in e.meta["ops"])
