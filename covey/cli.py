@@ -72,9 +72,8 @@ def cmd_eval_rm(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from covey.plot import plot_run
-    for path in plot_run(args.run_dir):
-        print(path)
+    from covey.plot import plot_runs
+    print(plot_runs(args.run_dirs, args.out or None))
     return 0
 
 
@@ -101,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval_rm)
     from covey.rewards import server
     server.add_parser(sub)
-    p = sub.add_parser("plot", help="PNG curves of a run's metrics")
-    p.add_argument("run_dir")
+    p = sub.add_parser("plot", help="PNG curves of a run's metrics, or of several runs overlaid")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="", help="PNG path (default: RUN_DIR/curves.png; several runs: "
+                   "curves_A_vs_B.png beside the first)")
     p.set_defaults(func=cmd_plot)
     from covey import compare
     compare.add_parser(sub)
