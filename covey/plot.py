@@ -17,7 +17,7 @@ PANELS = [
 # Learned-reward panels, drawn only when some run logged them (covey/reward_models.py).
 OPTIONAL_PANELS = [
     ("rm/agreement", "RM / verifier agreement"), ("prm/agreement", "PRM / verifier agreement"),
-    ("prm/step_accuracy", "PRM step accuracy (exact labels)"), ("steps/score_mean", "mean PRM step score"),
+    ("prm/step_accuracy", "PRM step accuracy (exact labels)"), ("steps/score_mean", "mean step reward (PRM or exact)"),
 ]
 
 
