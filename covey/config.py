@@ -182,9 +182,10 @@ class RMConfig:
     """Policy samples per prompt when generating training data (prm: 0 = reference and corrupted solutions only)."""
     corruptions_per_prompt: int = 1
     """prm data: copies of the reference solution with one injected error, per prompt."""
-    corruption_kinds: str = "result,operand,operator,carry"
+    corruption_kinds: str = "result,operand,operator,carry,unrelated"
     """prm data: errors to inject (comma list): result (wrong result), operand (misread number),
-    operator (wrong operation), carry (previous result copied wrong)."""
+    operator (wrong operation), carry (previous result copied wrong), unrelated (a right equation
+    on small numbers that has nothing to do with the problem)."""
     eval_fraction: float = 0.2
     """Held-out share of the data (split by prompt) for pair / step accuracy."""
     train_epochs: int = 2

@@ -107,6 +107,8 @@ class ScriptedRng:
     ("operator", 2, 1, ["12 + 7 = 19", "19 * 3 = 57", "57 * 5 = 285", "Answer: 285"], [1, 1, 0, 0]),
     # step 2 reads 19 + 2 = 21 instead of 19: 21 * 3 = 63, 63 - 5 = 58
     ("carry", 1, 2, ["12 + 7 = 19", "21 * 3 = 63", "63 - 5 = 58", "Answer: 58"], [1, 0, 0, 0]),
+    # step 1 replaced by 3 * 3 = 9 (operands = n, operator = the last of + - *): 9 * 3 = 27, 27 - 5 = 22
+    ("unrelated", 0, 3, ["3 * 3 = 9", "9 * 3 = 27", "27 - 5 = 22", "Answer: 22"], [0, 0, 0, 0]),
 ])
 def test_corrupt_solution_by_hand(kind, k, n, lines, labels):
     text = corrupt_solution(EX, ScriptedRng(k, n), kind)
@@ -136,6 +138,8 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
     ("12 + 7 = 19\n21 * 3 = 63", ["correct", "first_error:carry"]),     # 21 is not the previous 19
     ("12 * 7 = 84\n84 * 3 = 252", ["first_error:operator", "after_error"]),
     ("12 + 8 = 20", ["first_error:operand"]),
+    ("2 + 3 = 5", ["first_error:unrelated"]),                             # both operands wrong
+    ("13 + 8 = 21", ["first_error:unrelated"]),
     ("I think\n12 + 7 = 19", ["first_error:other", "correct"]),          # chatter, then a right step
     ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\n52 + 1 = 53", ["correct"] * 3 + ["first_error:other"]),  # extra step
 ])

@@ -113,7 +113,7 @@ def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tupl
 
 # ------------------------------------------------------------ wrong solutions
 
-CORRUPTIONS = ("result", "operand", "operator", "carry")
+CORRUPTIONS = ("result", "operand", "operator", "carry", "unrelated")
 
 
 def parse_corruptions(spec: str) -> tuple[str, ...]:
@@ -133,7 +133,9 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
 
     result: right operands, wrong result ("19 * 3 = 61"); operand: a misread
     operand, consistent result ("19 * 4 = 76"); operator: the wrong operation
-    ("19 + 3 = 22"); carry: the previous result copied wrong ("21 * 3 = 63").
+    ("19 + 3 = 22"); carry: the previous result copied wrong ("21 * 3 = 63");
+    unrelated: a right equation on small numbers that has nothing to do with the
+    problem ("2 + 3 = 5", what a policy copies from an example in the prompt).
     Only `result` needs arithmetic to spot; the others need the prompt or the
     previous line, which is what a policy gets wrong too.
     """
@@ -151,6 +153,8 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
         y = misread if misread >= 1 else y + rng.randint(1, 3)
     elif kind == "operator":
         op = rng.choice([o for o in OPS if o != op])
+    elif kind == "unrelated":
+        value, op, y = _unrelated_step(rng, (value, op, y))
     result = _apply(value, op, y) + (_offset(rng, 12) if kind == "result" else 0)
     lines.append(f"{value} {op} {y} = {result}")
     for later_op, later_y in ops[k + 1:]:
@@ -158,6 +162,14 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
         lines.append(f"{result} {later_op} {later_y} = {new}")
         result = new
     return "\n".join(lines + [f"Answer: {result}"])
+
+
+def _unrelated_step(rng: random.Random, right: tuple[int, str, int]) -> tuple[int, str, int]:
+    """Single-digit operands and any operation with a non-negative result, other than `right`."""
+    while True:
+        a, op, b = rng.randint(2, 9), rng.choice(OPS), rng.randint(2, 9)
+        if (a, op, b) != right and _apply(a, op, b) >= 0:
+            return a, op, b
 
 
 # ------------------------------------------------------------ step labels
@@ -220,9 +232,12 @@ def step_categories(example: Example, completion: str, separator: str = "\n") ->
 
 
 def _error_kind(step: tuple | None, reference: tuple | None) -> str:
-    """Which field of 'a op b = c' departs from the reference step first: carry, operator, operand, result."""
+    """unrelated when both operands are wrong, else which field of 'a op b = c' departs from the
+    reference step first: carry, operator, operand, result."""
     if step is None or reference is None:
         return "other"
+    if step[0] != reference[0] and step[2] != reference[2]:
+        return "unrelated"
     for kind, mine, right in zip(("carry", "operator", "operand", "result"), step, reference):
         if mine != right:
             return kind
