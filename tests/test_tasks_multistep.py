@@ -124,6 +124,7 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
         labels = label_steps(ex, text)[1]
         k = labels.index(0)  # an error was injected
         assert labels[:k] == [1] * k
+        assert step_categories(ex, text)[k] == f"first_error:{kind}"  # the breakdown names what was injected
         values = [int(line.rsplit("=", 1)[1]) for line in text.split("\n")[:-1]]
         for line, before in zip(text.split("\n")[k + 1:-1], values[k:]):
             assert int(line.split()[0]) == before  # every later step starts from the previous result

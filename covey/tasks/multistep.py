@@ -165,10 +165,11 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
 
 
 def _unrelated_step(rng: random.Random, right: tuple[int, str, int]) -> tuple[int, str, int]:
-    """Single-digit operands and any operation with a non-negative result, other than `right`."""
+    """Single-digit operands, both unlike `right`'s (what step_categories calls unrelated), and any
+    operation with a non-negative result."""
     while True:
         a, op, b = rng.randint(2, 9), rng.choice(OPS), rng.randint(2, 9)
-        if (a, op, b) != right and _apply(a, op, b) >= 0:
+        if a != right[0] and b != right[2] and _apply(a, op, b) >= 0:
             return a, op, b
 
 
