@@ -540,9 +540,10 @@ def validate_template(template: str) -> None:
 
 
 def validate_multistep(t: TaskConfig) -> None:
+    from covey.tasks.multistep import OPS
     if not 1 <= t.min_ops <= t.max_ops:
         raise ConfigError(f"task.min_ops={t.min_ops}, task.max_ops={t.max_ops}: need 1 <= min_ops <= max_ops")
-    if not t.ops or set(t.ops) - set("+-*"):
+    if not t.ops or set(t.ops) - set(OPS):
         raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
     if t.operand_max < 2:
         raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")

@@ -52,8 +52,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     runs = {d.name: read_metrics(d) for d in run_dirs}
     panels = panels_for(runs)
     ncols = 4
-    fig, axes = plt.subplots(math.ceil(len(panels) / ncols), ncols, figsize=(16, 3.5 * math.ceil(len(panels) / ncols)),
-                             squeeze=False)
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(16, 3.5 * nrows), squeeze=False)
     for ax, (key, label) in zip(axes.flat, panels):
         for colour, (name, rows) in enumerate(runs.items()):
             points = curve(rows, key)

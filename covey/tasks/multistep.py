@@ -154,7 +154,7 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
     elif kind == "operator":
         op = rng.choice([o for o in OPS if o != op])
     elif kind == "unrelated":
-        value, op, y = _unrelated_step(rng, (value, op, y))
+        value, op, y = _unrelated_step(rng, value, y)
     result = _apply(value, op, y) + (_offset(rng, 12) if kind == "result" else 0)
     lines.append(f"{value} {op} {y} = {result}")
     for later_op, later_y in ops[k + 1:]:
@@ -164,12 +164,12 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
     return "\n".join(lines + [f"Answer: {result}"])
 
 
-def _unrelated_step(rng: random.Random, right: tuple[int, str, int]) -> tuple[int, str, int]:
-    """Single-digit operands, both unlike `right`'s (what step_categories calls unrelated), and any
-    operation with a non-negative result."""
+def _unrelated_step(rng: random.Random, right_a: int, right_b: int) -> tuple[int, str, int]:
+    """Single-digit operands, both unlike the right step's (what step_categories calls unrelated),
+    and any operation with a non-negative result."""
     while True:
         a, op, b = rng.randint(2, 9), rng.choice(OPS), rng.randint(2, 9)
-        if a != right[0] and b != right[2] and _apply(a, op, b) >= 0:
+        if a != right_a and b != right_b and _apply(a, op, b) >= 0:
             return a, op, b
 
 
