@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def overrides(steps: int, threads: int, out_dir: str, extra: list[str]) -> list[str]:
     w = WORKLOAD
-    return [f"train.steps={steps}", f"rollout.prompts_per_step={w['prompts_per_step']}",
+    return [f"train.steps={steps}", "train.max_minutes=0", f"rollout.prompts_per_step={w['prompts_per_step']}",
             f"rollout.group_size={w['group_size']}", f"rollout.max_new_tokens={w['max_new_tokens']}",
             f"algo.beta={w['beta']}", f"optim.lr={w['lr']}", f"algo.micro_batch_size={w['micro_batch']}",
             f"rollout.temperature={w['temperature']}", f"task.train_size={w['train_size']}",

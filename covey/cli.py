@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from covey.signals import TrainingStopped
@@ -39,6 +40,7 @@ def cmd_eval(args) -> int:
     cfg = load_config(config_path, overrides)
     if args.model:
         cfg.model.path = args.model
+    _set_threads(cfg)
     run_eval_command(cfg, args.pass_k)
     return 0
 
@@ -54,9 +56,8 @@ def cmd_train_rm(args) -> int:
 
 
 def _set_threads(cfg) -> None:
-    if cfg.model.threads:
-        import torch
-        torch.set_num_threads(cfg.model.threads)
+    from covey.cpu import apply_cpu_settings
+    apply_cpu_settings(cfg)
 
 
 def cmd_eval_rm(args) -> int:
@@ -140,5 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def entry() -> int:
+    """The `covey` console script and `python -m covey.cli`: restart once with glibc's malloc
+    set to reuse freed memory (covey/cpu.py; COVEY_MALLOC_KEEP=0 turns it off), then run main()."""
+    from covey.cpu import malloc_env
+    env = malloc_env(os.environ)
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "covey.cli", *sys.argv[1:]], env)
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

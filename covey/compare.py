@@ -124,13 +124,13 @@ def check_overrides(overrides: list[str]) -> None:
 
 def budget_overrides(budget: Budget, algo: str, user: list[str]) -> list[str]:
     """train.steps / train.max_minutes for one algorithm; samples=N becomes N // (B*G) steps."""
-    if budget.kind == "steps":
-        return [f"train.steps={int(budget.value)}"]
+    if budget.kind == "steps":  # no time limit: train.max_minutes' default would cut a slow run short
+        return [f"train.steps={int(budget.value)}", "train.max_minutes=0"]
     if budget.kind == "minutes":  # the clock is checkpointed: the budget holds across resumes
         return ["train.steps=1000000", f"train.max_minutes={budget.value:g}"]
     cfg = load_config(str(preset_path(algo)), [*defaults_as_overrides(), *user])
     per_step = derived_sizes(cfg)["sequences_per_step"]
-    return [f"train.steps={max(int(budget.value) // per_step, 1)}"]
+    return [f"train.steps={max(int(budget.value) // per_step, 1)}", "train.max_minutes=0"]
 
 
 def defaults_as_overrides() -> list[str]:

@@ -28,6 +28,7 @@ from covey import algos
 from covey.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                               save_final)
 from covey.config import Config, as_dict, derived_sizes, uses_critic, validate_world
+from covey.cpu import apply_cpu_settings
 from covey.data import PromptStream, check_prompt_lengths, format_prompts, load_task_data
 from covey.distributed import (GatheredGeneration, SilentLogger, World, broadcast_object, close_distributed,
                                decorrelate_ranks, draw_share, global_advantages, global_batch_view,
@@ -563,8 +564,7 @@ def train(cfg: Config) -> dict:
     world = init_distributed(use_cuda=cfg.rollout.engine == "vllm", timeout_s=cfg.train.dist_timeout_s)
     validate_world(cfg, world.size)
     quiet_unless_main(world)
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    apply_cpu_settings(cfg)
     data = load_task_data(cfg)  # bad data fails before a model is loaded
     run_dir = prepare_run_dir(cfg)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work

@@ -34,10 +34,11 @@ def test_parse_budget_rejects(text):
 
 
 def test_budget_becomes_steps_or_minutes():
-    assert budget_overrides(Budget("steps", 7), "grpo", []) == ["train.steps=7"]
+    assert budget_overrides(Budget("steps", 7), "grpo", []) == ["train.steps=7", "train.max_minutes=0"]
     # compare defaults: 4 prompts x 4 samples = 16 sequences per step; 40 samples -> 2 steps
-    assert budget_overrides(Budget("samples", 40), "grpo", []) == ["train.steps=2"]
-    assert budget_overrides(Budget("samples", 40), "grpo", ["rollout.group_size=2"]) == ["train.steps=5"]
+    assert budget_overrides(Budget("samples", 40), "grpo", []) == ["train.steps=2", "train.max_minutes=0"]
+    assert budget_overrides(Budget("samples", 40), "grpo", ["rollout.group_size=2"]) == ["train.steps=5",
+                                                                                         "train.max_minutes=0"]
     assert budget_overrides(Budget("minutes", 3), "ppo", []) == ["train.steps=1000000", "train.max_minutes=3"]
 
 
@@ -46,7 +47,7 @@ def test_train_argv_order_and_dpo_has_no_gradient_measurement(tmp_path):
     assert argv[0] == "train" and argv[1].endswith("configs/grpo.yaml")
     # user overrides come after the compare defaults, managed keys last (later wins)
     assert argv.index("rollout.group_size=2") > argv.index("rollout.group_size=4")
-    assert argv[-1] == "train.steps=4" and "train.seed=1" in argv and "train.resume=auto" in argv
+    assert argv[-2:] == ["train.steps=4", "train.max_minutes=0"] and "train.seed=1" in argv and "train.resume=auto" in argv
     assert f"train.output_dir={tmp_path}/compare-t" in argv and "train.run_name=grpo-s1" in argv
     assert "train.grad_var_every=2" in argv
     assert not any(a.startswith("train.grad_var_every") for a in train_argv(spec(tmp_path), "dpo_iterative", 0))
