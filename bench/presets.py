@@ -36,7 +36,8 @@ def finished(run_dir: Path, steps: int) -> bool:
 def run_preset(preset: str, steps: int, out: Path, overrides: list[str]) -> float:
     """Train one preset; returns wall seconds (model loading and both evaluations included)."""
     cmd = [sys.executable, "-m", "covey.cli", "train", f"configs/{preset}.yaml", f"train.steps={steps}",
-           "train.max_minutes=0", f"train.output_dir={out}", f"train.run_name={preset}", "train.progress=false", *overrides]
+           "train.max_minutes=0", f"train.output_dir={out}", f"train.run_name={preset}", "train.progress=false",
+           *overrides]
     print(f"presets: {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     with open(out / f"{preset}.log", "w") as log:
