@@ -27,26 +27,34 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import matmul_peak, summarize  # noqa: E402
 
-RUNS = {  # name -> (child script, its flags, covey key=value overrides)
-    "covey": ("run_covey.py", [], []),                       # covey's defaults (engine fast, fp32)
-    "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"]),  # HF generate instead of the fast engine
-    "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"]),
-    "trl": ("run_trl.py", [], []),                           # the setting: 32 samples per forward
-    "trl-mb8": ("run_trl.py", ["--micro-batch", "8"], []),   # covey's micro-batch (less memory)
-    "trl-gc": ("run_trl.py", ["--gradient-checkpointing"], []),
-    "trl-bf16": ("run_trl.py", ["--bf16"], []),
+from covey.cpu import MALLOC_ENV  # noqa: E402
+
+RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc malloc reuse as `covey` sets it)
+    "covey": ("run_covey.py", [], [], True),                       # covey's defaults (engine fast, fp32)
+    "covey-plain-malloc": ("run_covey.py", [], [], False),          # without covey/cpu.py's malloc variables
+    "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"], True),  # HF generate instead of the fast engine
+    "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"], True),
+    "trl": ("run_trl.py", [], [], False),                          # the setting: 32 samples per forward
+    "trl-malloc": ("run_trl.py", [], [], True),                    # TRL given covey's malloc variables too
+    "trl-mb8": ("run_trl.py", ["--micro-batch", "8"], [], False),   # covey's micro-batch (less memory)
+    "trl-gc": ("run_trl.py", ["--gradient-checkpointing"], [], False),
+    "trl-bf16": ("run_trl.py", ["--bf16"], [], False),
 }
 
 
 def run_child(name: str, steps: int, threads: int, log_dir: Path) -> dict:
     result = log_dir / f"{name}.json"
-    script, flags, overrides = RUNS[name]
+    script, flags, overrides, malloc_keep = RUNS[name]
+    # the `covey` command restarts itself with these variables (covey/cpu.py); a child script must get them here
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
+    if malloc_keep:
+        env = {**env, **MALLOC_ENV}
     cmd = [sys.executable, str(HERE / script), "--steps", str(steps), "--threads", str(threads),
            "--result", str(result), *flags, *overrides]
     print(f"bench: {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     with open(log_dir / f"{name}.log", "w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env)
     if done.returncode != 0:
         tail = (log_dir / f"{name}.log").read_text()[-3000:]
         raise SystemExit(f"bench: {name} failed (exit {done.returncode}):\n{tail}")
