@@ -323,7 +323,7 @@ class TrainConfig:
     dist_timeout_s: float = 1800.0
     """Under torchrun: seconds a collective waits for the other processes before raising."""
     max_minutes: float = 12.0
-    """Stop after this many minutes spent in training steps, evaluation excluded (0 = no limit; the default bounds `covey train` to ~15 min)."""
+    """Stop after this many minutes spent in training steps, evaluation excluded (0 = no limit; 12 ends `covey train` in ~15)."""
     grad_var_every: int = 0
     """Measure the policy-gradient variance on the rollout every N steps (0 = off; one extra backward pass)."""
     grad_var_batches: int = 4
