@@ -17,8 +17,6 @@ from __future__ import annotations
 import platform
 from collections.abc import Mapping
 
-import torch
-
 MALLOC_ENV = {
     "MALLOC_MMAP_MAX_": "0",  # no mmap: large blocks come from the heap, and stay there when freed
     "MALLOC_TRIM_THRESHOLD_": str(64 << 30),  # never give the heap top back to the OS
@@ -41,5 +39,6 @@ def malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
 
 def apply_cpu_settings(cfg) -> None:
     """model.threads: torch intra-op threads (0 keeps torch's default, all cores)."""
+    import torch  # here, not at the top: `covey.cli.entry` imports this module before its restart
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
