@@ -180,6 +180,9 @@ class RMConfig:
     """Pairs (bt) or labelled completions (prm) to generate when rm.data is empty."""
     samples_per_prompt: int = 8
     """Policy samples per prompt when generating training data (prm: 0 = reference and corrupted solutions only)."""
+    counterfactuals: int = 0
+    """bt: extra training pairs per sampled training pair that differ only in the final number
+    (held-out pairs stay sampled ones); teaches the RM to check the answer, not its style."""
     corruptions_per_prompt: int = 1
     """prm data: copies of the reference solution with one injected error, per prompt."""
     corruption_kinds: str = "result,operand,operator,carry,unrelated"
@@ -557,6 +560,8 @@ def validate_rm_data(cfg: Config) -> None:
     if rm.samples_per_prompt < (1 if rm.objective == "bt" else 0):
         raise ConfigError(f"rm.samples_per_prompt must be >= 1 for bt pairs and >= 0 for prm data, "
                           f"got {rm.samples_per_prompt}")
+    if rm.counterfactuals < 0:
+        raise ConfigError(f"rm.counterfactuals must be >= 0, got {rm.counterfactuals}")
     if rm.corruptions_per_prompt < 0:
         raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
     from covey.tasks.multistep import parse_corruptions

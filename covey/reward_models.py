@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
                                  encode, read_rm_meta, read_values)
+from covey.rewards.answers import NUMBER_RE, extract_answer, math_equal, normalize_number
 from covey.rewards.rules import correctness_reward
 from covey.tasks.multistep import (corrupt_solution, label_steps, parse_corruptions, reference_steps,
                                    split_steps, step_categories)
@@ -122,6 +123,45 @@ def pairs_from_group(prompt: str, completions: list[str], correct: list[float], 
     good = list(dict.fromkeys(c for c, ok in zip(completions, correct) if ok > 0.5 and c.strip()))
     bad = list(dict.fromkeys(c for c, ok in zip(completions, correct) if ok <= 0.5 and c.strip()))
     return [PreferencePair(prompt, g, b) for g, b in zip(good, bad)][:limit]
+
+
+def swap_final_answer(prompt: str, text: str, old: str, new: str) -> str | None:
+    """`text` with its final answer `old` written as `new`, or None if the result does not read as `new`.
+
+    Every number in the text equal to `old` is rewritten (the answer is often restated:
+    "42 * 9 = 378. The answer is 378."), except when `old` is also a number of the prompt
+    (then it may be an operand, and only the last occurrence is rewritten)."""
+    spans = [m.span() for m in NUMBER_RE.finditer(text) if normalize_number(m.group()) == old]
+    if not spans:
+        return None
+    if old in {normalize_number(m.group()) for m in NUMBER_RE.finditer(prompt)}:
+        spans = spans[-1:]
+    for start, end in reversed(spans):
+        text = text[:start] + new + text[end:]
+    return text if math_equal(extract_answer(text), new) else None
+
+
+def counterfactual_pairs(pairs: list[PreferencePair], per_pair: int, rng: random.Random,
+                         spread: int = 30) -> list[PreferencePair]:
+    """Up to `per_pair` extra pairs per sampled pair whose two sides differ only in the final number,
+    so the only way to rank them is to check the arithmetic (style, length and wording match):
+    the correct text with the wrong answer swapped in, the wrong text with the right answer
+    swapped in, then the correct text against nearby wrong numbers (|error| <= spread, the size of
+    the policy's own slips: 374, 380, 349 for 42 * 9 = 378). Each pair is re-checked by the verifier."""
+    out = []
+    for pair in pairs:
+        right, wrong = extract_answer(pair.chosen), extract_answer(pair.rejected)
+        if right is None or wrong is None or math_equal(wrong, right) or not right.lstrip("-").isdigit():
+            continue
+        value = int(right)
+        offsets = [d for d in range(-spread, spread + 1) if d and (value + d >= 0) == (value >= 0)]
+        near = [str(value + d) for d in rng.sample(offsets, min(per_pair, len(offsets)))]
+        candidates = [(pair.chosen, swap_final_answer(pair.prompt, pair.chosen, right, wrong)),
+                      (swap_final_answer(pair.prompt, pair.rejected, wrong, right), pair.rejected)]
+        candidates += [(pair.chosen, swap_final_answer(pair.prompt, pair.chosen, right, w)) for w in near if w != wrong]
+        made = dict.fromkeys((c, r) for c, r in candidates if c and r and c != r and (c, r) != (pair.chosen, pair.rejected))
+        out += [PreferencePair(pair.prompt, c, r) for c, r in list(made)[:per_pair]]
+    return out
 
 
 def corrupted_solutions(example, rng: random.Random, n: int = 1, kinds: tuple[str, ...] = ("result",)) -> list[str]:
@@ -403,6 +443,11 @@ def train_reward_model(cfg, log=print) -> dict:
     else:
         examples = generate_rm_data(cfg, rm.objective, log)
     train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
+    extra = []
+    if rm.objective == "bt" and rm.counterfactuals:
+        extra = counterfactual_pairs(train, rm.counterfactuals, random.Random(cfg.train.seed))
+        log(f"covey train-rm: {len(extra)} counterfactual pairs added to the {len(train)} sampled training pairs")
+        train = train + extra
     log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
     model, tokenizer = _load_start_model(rm.base_model)
     freeze_lower_layers(model, rm.train_layers)
@@ -421,7 +466,7 @@ def train_reward_model(cfg, log=print) -> dict:
         from covey.data import load_task_data
         after.update(step_accuracy_by_category(load_task_data(cfg).train, held, step_hits, trainer.separator))
     meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
-            "base_model": rm.base_model, "n_train": len(train), "n_eval": len(held),
+            "base_model": rm.base_model, "n_train": len(train), "n_counterfactual": len(extra), "n_eval": len(held),
             "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
     save_reward_model(Path(rm.output), model, tokenizer, meta, train, held)
     log(f"covey train-rm: held-out {key.split('/')[1]} {before[key]:.1%} -> {after[key]:.1%}; saved to {rm.output}")

@@ -11,7 +11,7 @@ from covey.cli import main
 from covey.config import load_config
 from covey.models import tiny_tokenizer
 from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
-                                 corrupted_solutions, load_rm_data, pairs_from_group, pairwise_agreement,
+                                 corrupted_solutions, counterfactual_pairs, swap_final_answer, load_rm_data, pairs_from_group, pairwise_agreement,
                                  process_step_inputs, prm_loss, replay_count, save_rm_data, split_by_prompt,
                                  train_reward_model)
 from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
@@ -89,6 +89,37 @@ def test_pairs_from_group_pairs_distinct_correct_with_incorrect():
     pairs = pairs_from_group("q", ["12", "12", "13", "x", "The answer is 12", ""], [1, 1, 0, 0, 1, 0], limit=5)
     assert pairs == [PreferencePair("q", "12", "13"), PreferencePair("q", "The answer is 12", "x")]
     assert len(pairs_from_group("q", ["1", "2"], [1, 1], limit=5)) == 0
+
+
+def test_swap_final_answer_rewrites_the_answer_not_the_operands():
+    # the restated answer changes everywhere it stands
+    assert swap_final_answer("What is 42 * 9?", "42 * 9 = 378. The answer is 378.", "378", "374") == \
+        "42 * 9 = 374. The answer is 374."
+    # 10 is also an operand of the prompt: only its last occurrence is the answer
+    assert swap_final_answer("What is 10 * 1?", "10 * 1 = 10", "10", "12") == "10 * 1 = 12"
+    # 37 inside 378 is not the number 37
+    assert swap_final_answer("What is 42 * 9?", "42 * 9 = 378", "37", "40") is None
+    # a marked answer elsewhere wins over the swapped last number: the result would not read as 5
+    assert swap_final_answer("q", "#### 7\nthen 3", "3", "5") is None
+
+
+def test_counterfactual_pairs_differ_only_in_a_verified_answer():
+    pair = PreferencePair("What is 42 * 9?", "42 * 9 = 378", "I think it is 374.")
+    made = counterfactual_pairs([pair], per_pair=4, rng=random.Random(0))
+    assert len(made) == 4
+    # 1: the correct text with the sampled wrong answer; 2: the wrong text with the right answer
+    assert (made[0].chosen, made[0].rejected) == ("42 * 9 = 378", "42 * 9 = 374")
+    assert (made[1].chosen, made[1].rejected) == ("I think it is 378.", "I think it is 374.")
+    for p in made[2:]:  # 3-4: the correct text against nearby wrong numbers, same wording
+        wrong = int(p.rejected.split("= ")[1])
+        assert p.chosen == "42 * 9 = 378" and 0 < abs(wrong - 378) <= 30 and wrong != 374
+    # no pair repeats the sampled one; pairs whose answers cannot be read are skipped
+    assert all((p.chosen, p.rejected) != (pair.chosen, pair.rejected) for p in made)
+    assert counterfactual_pairs([PreferencePair("q", "no number", "1")], 4, random.Random(0)) == []
+    # near numbers keep the sign of the right answer: offsets -3..-1 and 1..30 (33), less the
+    # sampled wrong answer 4 = 32 pairs; both swaps of "= 3" / "= 4" give back the sampled pair
+    small = counterfactual_pairs([PreferencePair("What is 1 * 3?", "= 3", "= 4")], 40, random.Random(0))
+    assert sorted(int(p.rejected.split("= ")[1]) for p in small) == [0, 1, 2] + list(range(5, 34))
 
 
 def test_corrupted_solutions_have_exact_labels():
@@ -169,6 +200,21 @@ def test_bt_training_separates_held_out_pairs_and_saves(tiny_rm):
     assert accuracy == pytest.approx(meta["after"]["rm/pair_accuracy"])  # the saved model is the trained one
     with pytest.raises(RewardModelError, match="holds a 'bt' reward model, expected 'prm'"):
         ProcessRewardModel.load(folder)
+
+
+def test_counterfactual_pairs_join_the_training_side_only(tiny_model_dir, tmp_path):
+    sampled = _separable_pairs(20)
+    save_rm_data(tmp_path / "pairs.jsonl", sampled)
+    cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={tmp_path / 'pairs.jsonl'}",
+                             f"rm.output={tmp_path / 'rm'}", "rm.train_epochs=1", "rm.counterfactuals=3"])
+    meta = train_reward_model(cfg, log=lambda *a: None)
+    train = load_rm_data(tmp_path / "rm" / "train_data.jsonl", "bt")
+    held = load_rm_data(tmp_path / "rm" / "eval_data.jsonl", "bt")
+    # held-out accuracy is measured on sampled pairs only; every training pair gets 3 more
+    # ("The answer is a*b." vs "I think ?? a": swap a in, swap a*b in, one nearby number)
+    assert all(p in sampled for p in held) and meta["n_eval"] == len(held)
+    assert meta["n_counterfactual"] == 3 * (20 - len(held)) and len(train) == meta["n_train"] == 4 * (20 - len(held))
+    assert {p.prompt for p in train}.isdisjoint({p.prompt for p in held})
 
 
 def test_train_rm_cli_errors_are_one_line(tmp_path, capsys, tiny_model_dir):
