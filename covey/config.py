@@ -174,6 +174,8 @@ class RMConfig:
     """Backbone the reward model starts from (model spec or a saved RM folder)."""
     data: str = ""
     """Training JSONL (bt: prompt/chosen/rejected; prm: prompt/completion/labels); empty = generate from the task."""
+    save_data: str = ""
+    """Also write generated data to this JSONL file before training (reuse it with rm.data)."""
     output: str = "runs/rm"
     """Folder the trained reward model is written to."""
     num_examples: int = 256

@@ -103,6 +103,13 @@ def save_rm_data(path: Path, examples: list) -> None:
             handle.write(json.dumps(asdict(ex)) + "\n")
 
 
+def _write_atomically(path: Path, examples: list) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_rm_data(tmp, examples)
+    os.replace(tmp, path)
+
+
 def split_by_prompt(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
     """(train, held-out) with no prompt on both sides."""
     prompts = sorted({ex.prompt for ex in examples})
@@ -442,6 +449,9 @@ def train_reward_model(cfg, log=print) -> dict:
         examples = load_rm_data(rm.data, rm.objective, decode_separator(cfg.reward.step_separator))
     else:
         examples = generate_rm_data(cfg, rm.objective, log)
+        if rm.save_data:
+            _write_atomically(Path(rm.save_data), examples)
+            log(f"covey train-rm: wrote {len(examples)} generated examples to {rm.save_data}")
     train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
     extra = []
     if rm.objective == "bt" and rm.counterfactuals:

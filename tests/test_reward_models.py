@@ -233,13 +233,16 @@ def tiny_prm(tiny_model_dir, tmp_path_factory):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"rm.base_model={tiny_model_dir}", "rm.objective=prm",
                              "task.name=multistep", "task.train_size=16", "rm.num_examples=40",
                              "rm.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.prompts_per_step=8",
-                             f"rm.output={root / 'prm'}", "rm.train_epochs=1", "rm.learning_rate=1e-3"])
+                             f"rm.output={root / 'prm'}", "rm.train_epochs=1", "rm.learning_rate=1e-3",
+                             f"rm.save_data={root / 'generated.jsonl'}"])
     return root / "prm", train_reward_model(cfg, log=lambda *a: None)
 
 
 def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
     folder, meta = tiny_prm
     rows = load_rm_data(folder / "train_data.jsonl", "prm") + load_rm_data(folder / "eval_data.jsonl", "prm")
+    generated = load_rm_data(folder.parent / "generated.jsonl", "prm")  # rm.save_data: the same rows, reusable
+    assert sorted(map(repr, generated)) == sorted(map(repr, rows))
     assert len(rows) == 40 and any(1 in r.labels for r in rows) and any(0 in r.labels for r in rows)
     for key in ("rm/step_accuracy", "rm/step_balanced_accuracy", "rm/positive_step_frac"):
         assert 0.0 <= meta["after"][key] <= 1.0
