@@ -33,11 +33,15 @@ def finished(run_dir: Path, steps: int) -> bool:
     return metrics.exists() and any(m.get("step") == steps and "eval/accuracy" in m for m in read_metrics(metrics))
 
 
+def train_args(preset: str, steps: int, overrides: list[str]) -> list[str]:
+    """The `covey train` arguments of one row (what the table prints as its command)."""
+    return ["train", f"configs/{preset}.yaml", f"train.steps={steps}", "train.max_minutes=0", *overrides]
+
+
 def run_preset(preset: str, steps: int, out: Path, overrides: list[str]) -> float:
     """Train one preset; returns wall seconds (model loading and both evaluations included)."""
-    cmd = [sys.executable, "-m", "covey.cli", "train", f"configs/{preset}.yaml", f"train.steps={steps}",
-           "train.max_minutes=0", f"train.output_dir={out}", f"train.run_name={preset}", "train.progress=false",
-           *overrides]
+    cmd = [sys.executable, "-m", "covey.cli", *train_args(preset, steps, overrides),
+           f"train.output_dir={out}", f"train.run_name={preset}", "train.progress=false"]
     print(f"presets: {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     with open(out / f"{preset}.log", "w") as log:
@@ -61,8 +65,7 @@ def summarize(preset: str, run_dir: Path, steps: int, overrides: list[str]) -> d
         "step_s": sorted(m["time/step"] for m in metrics if "time/step" in m)[steps // 2],
         "peak_rss_gb": max(m.get("memory/peak_rss_mb", 0) for m in metrics) / 1024,
         "roles_mb": {r: last.get(f"memory/params_mb/{r}", 0.0) for r in ROLES},
-        "command": " ".join(["covey train", f"configs/{preset}.yaml", f"train.steps={steps}", "train.max_minutes=0",
-                             *overrides]),
+        "command": " ".join(["covey", *train_args(preset, steps, overrides)]),
     }
 
 
