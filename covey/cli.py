@@ -33,41 +33,36 @@ def _split_config(items: list[str]) -> tuple[str | None, list[str]]:
     return None, items
 
 
-def cmd_eval(args) -> int:
+def _config_with_cpu_settings(items: list[str]):
+    """The config of a command that runs a model outside `train` (which applies them itself),
+    with model.threads applied."""
     from covey.config import load_config
+    from covey.cpu import apply_cpu_settings
+    cfg = load_config(*_split_config(items))
+    apply_cpu_settings(cfg)
+    return cfg
+
+
+def cmd_eval(args) -> int:
     from covey.eval_cmd import run_eval_command
-    config_path, overrides = _split_config(args.args)
-    cfg = load_config(config_path, overrides)
+    cfg = _config_with_cpu_settings(args.args)
     if args.model:
         cfg.model.path = args.model
-    _set_threads(cfg)
     run_eval_command(cfg, args.pass_k)
     return 0
 
 
 def cmd_train_rm(args) -> int:
-    from covey.config import load_config
     from covey.reward_models import train_reward_model
-    config_path, overrides = _split_config(args.args)
-    cfg = load_config(config_path, overrides)
-    _set_threads(cfg)
-    train_reward_model(cfg)
+    train_reward_model(_config_with_cpu_settings(args.args))
     return 0
-
-
-def _set_threads(cfg) -> None:
-    from covey.cpu import apply_cpu_settings
-    apply_cpu_settings(cfg)
 
 
 def cmd_eval_rm(args) -> int:
     import json
 
-    from covey.config import load_config
     from covey.reward_models import evaluate_reward_model
-    config_path, overrides = _split_config(args.args)
-    cfg = load_config(config_path, overrides)
-    _set_threads(cfg)
+    cfg = _config_with_cpu_settings(args.args)
     print(json.dumps(evaluate_reward_model(cfg, args.folder, args.data or None)))
     return 0
 
