@@ -183,8 +183,9 @@ class RMConfig:
     samples_per_prompt: int = 8
     """Policy samples per prompt when generating training data (prm: 0 = reference and corrupted solutions only)."""
     counterfactuals: int = 0
-    """bt: extra training pairs per sampled training pair that differ only in the final number
-    (held-out pairs stay sampled ones); teaches the RM to check the answer, not its style."""
+    """Training-side only (held-out data unchanged): bt: extra pairs per training pair that differ
+    only in the final number; prm: extra reference solutions per training prompt with one wrong
+    result (the error only arithmetic spots). Teaches the RM to check numbers, not style."""
     corruptions_per_prompt: int = 1
     """prm data: copies of the reference solution with one injected error, per prompt."""
     corruption_kinds: str = "result,operand,operator,carry,unrelated"
@@ -564,6 +565,8 @@ def validate_rm_data(cfg: Config) -> None:
                           f"got {rm.samples_per_prompt}")
     if rm.counterfactuals < 0:
         raise ConfigError(f"rm.counterfactuals must be >= 0, got {rm.counterfactuals}")
+    if rm.counterfactuals and rm.objective == "prm" and cfg.task.name != "multistep":
+        raise ConfigError("rm.counterfactuals for a PRM needs exact step labels: use task.name=multistep")
     if rm.corruptions_per_prompt < 0:
         raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
     from covey.tasks.multistep import parse_corruptions

@@ -171,6 +171,26 @@ def counterfactual_pairs(pairs: list[PreferencePair], per_pair: int, rng: random
     return out
 
 
+def counterfactual_steps(train: list[StepExample], task_examples: list, per_prompt: int, rng: random.Random,
+                         separator: str = "\n") -> list[StepExample]:
+    """prm: for every training prompt of the multistep task, `per_prompt` copies of its reference
+    solution with one wrong result (right operands, result off by 1-12; later steps follow it),
+    exactly labelled: the one error a PRM can only catch by doing the arithmetic."""
+    by_prompt = {ex.prompt: ex for ex in task_examples}
+    seen = {(e.prompt, e.completion) for e in train}
+    out = []
+    for prompt in dict.fromkeys(e.prompt for e in train):
+        example = by_prompt.get(prompt)
+        if example is None:
+            continue
+        texts = [t.replace("\n", separator) for t in corrupted_solutions(example, rng, per_prompt, ("result",))[1:]]
+        for row in step_examples_from_group(example, texts, separator=separator):
+            if (row.prompt, row.completion) not in seen:
+                seen.add((row.prompt, row.completion))
+                out.append(row)
+    return out
+
+
 def corrupted_solutions(example, rng: random.Random, n: int = 1, kinds: tuple[str, ...] = ("result",)) -> list[str]:
     """The reference solution and `n` copies with one injected error each (kind drawn from `kinds`)."""
     right = "\n".join(reference_steps(example.meta["start"], example.meta["ops"]) + [f"Answer: {example.answer}"])
@@ -441,6 +461,18 @@ def save_reward_model(out: Path, model, tokenizer, meta: dict, train: list, held
     return out
 
 
+def _counterfactuals(cfg, train: list) -> list:
+    """rm.counterfactuals extra training examples (none for the held-out side)."""
+    if not cfg.rm.counterfactuals:
+        return []
+    rng = random.Random(cfg.train.seed)
+    if cfg.rm.objective == "bt":
+        return counterfactual_pairs(train, cfg.rm.counterfactuals, rng)
+    from covey.data import load_task_data
+    return counterfactual_steps(train, load_task_data(cfg).train, cfg.rm.counterfactuals, rng,
+                                decode_separator(cfg.reward.step_separator))
+
+
 def train_reward_model(cfg, log=print) -> dict:
     """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder."""
     rm = cfg.rm
@@ -453,10 +485,9 @@ def train_reward_model(cfg, log=print) -> dict:
             _write_atomically(Path(rm.save_data), examples)
             log(f"covey train-rm: wrote {len(examples)} generated examples to {rm.save_data}")
     train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
-    extra = []
-    if rm.objective == "bt" and rm.counterfactuals:
-        extra = counterfactual_pairs(train, rm.counterfactuals, random.Random(cfg.train.seed))
-        log(f"covey train-rm: {len(extra)} counterfactual pairs added to the {len(train)} sampled training pairs")
+    extra = _counterfactuals(cfg, train)
+    if extra:
+        log(f"covey train-rm: {len(extra)} counterfactual examples added to the {len(train)} training examples")
         train = train + extra
     log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
     model, tokenizer = _load_start_model(rm.base_model)

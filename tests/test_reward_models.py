@@ -11,7 +11,7 @@ from covey.cli import main
 from covey.config import load_config
 from covey.models import tiny_tokenizer
 from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
-                                 corrupted_solutions, counterfactual_pairs, swap_final_answer, load_rm_data, pairs_from_group, pairwise_agreement,
+                                 corrupted_solutions, counterfactual_pairs, counterfactual_steps, swap_final_answer, load_rm_data, pairs_from_group, pairwise_agreement,
                                  process_step_inputs, prm_loss, replay_count, save_rm_data, split_by_prompt,
                                  train_reward_model)
 from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
@@ -120,6 +120,24 @@ def test_counterfactual_pairs_differ_only_in_a_verified_answer():
     # sampled wrong answer 4 = 32 pairs; both swaps of "= 3" / "= 4" give back the sampled pair
     small = counterfactual_pairs([PreferencePair("What is 1 * 3?", "= 3", "= 4")], 40, random.Random(0))
     assert sorted(int(p.rejected.split("= ")[1]) for p in small) == [0, 1, 2] + list(range(5, 34))
+
+
+def test_counterfactual_steps_are_wrong_results_with_exact_labels():
+    examples = generate_multistep(3, seed=2, min_ops=3, max_ops=3)
+    train = [StepExample(ex.prompt, ex.meta["solution"], [1, 1, 1]) for ex in examples[:2]]
+    made = counterfactual_steps(train, examples, per_prompt=2, rng=random.Random(0))
+    assert {m.prompt for m in made} <= {ex.prompt for ex in examples[:2]}  # only training prompts
+    assert 3 <= len(made) <= 4  # 2 per prompt, fewer only if two draws coincide
+    for row in made:
+        ex = next(e for e in examples if e.prompt == row.prompt)
+        right = reference_steps(ex.meta["start"], ex.meta["ops"])
+        lines = split_steps(row.completion)
+        k = row.labels.index(0)  # the first wrong step: same operands and operator, another result
+        assert lines[:k] == right[:k] and row.labels[:k] == [1] * k
+        assert lines[k].rsplit("=", 1)[0] == right[k].rsplit("=", 1)[0]
+        assert 1 <= abs(int(lines[k].rsplit("=", 1)[1]) - int(right[k].rsplit("=", 1)[1])) <= 12
+        assert row.labels[k:] == [0] * (len(lines) - k)  # later steps carry the wrong value, the answer too
+        assert row.labels == label_steps(ex, row.completion)[1]
 
 
 def test_corrupted_solutions_have_exact_labels():
@@ -252,6 +270,21 @@ def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
     assert prm(["q", "q"], ["1 + 1 = 2\nAnswer: 2", ""]) == [min(probs[0]), 0.0]
 
 
+def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_dir, tmp_path):
+    folder, _ = tiny_prm  # trained on generated.jsonl; the same data again with 2 wrong results per prompt
+    cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", "rm.objective=prm", "task.name=multistep",
+                             "task.train_size=16", f"rm.data={folder.parent / 'generated.jsonl'}",
+                             f"rm.output={tmp_path / 'prm'}", "rm.train_epochs=1", "rm.counterfactuals=2"])
+    meta = train_reward_model(cfg, log=lambda *a: None)
+    assert (tmp_path / "prm" / "eval_data.jsonl").read_text() == (folder / "eval_data.jsonl").read_text()
+    train = load_rm_data(tmp_path / "prm" / "train_data.jsonl", "prm")
+    before = load_rm_data(folder / "train_data.jsonl", "prm")
+    assert train[:len(before)] == before and len(train) == len(before) + meta["n_counterfactual"]
+    prompts = {row.prompt for row in before}
+    assert 0 < meta["n_counterfactual"] <= 2 * len(prompts)
+    assert all(row.prompt in prompts and 0 in row.labels for row in train[len(before):])
+
+
 def test_process_step_inputs_exact_labels_feed_grpo_process():
     tok = tiny_tokenizer()
     ex = generate_multistep(1, seed=5, min_ops=2, max_ops=2)[0]
@@ -321,6 +354,8 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
     (["rm.objective=prm", "rm.samples_per_prompt=0", "rm.corruptions_per_prompt=0"], "a PRM needs wrong steps too"),
     (["rm.corruptions_per_prompt=-2"], "rm.corruptions_per_prompt must be >= 0, got -2"),
     (["rm.corruption_kinds=result,typo"], "rm.corruption_kinds='result,typo': choose from result, operand"),
+    (["rm.counterfactuals=-1"], "rm.counterfactuals must be >= 0, got -1"),
+    (["rm.objective=prm", "rm.counterfactuals=2"], "rm.counterfactuals for a PRM needs exact step labels"),
 ])
 def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
     assert main(["train", *overrides]) == 2
