@@ -9,6 +9,9 @@ sample is paired with an incorrect one of the same prompt; `label_steps` for
 the multi-step task, plus the reference solution and copies with one injected
 error each, so a PRM also sees correct steps the base policy rarely writes;
 `rm.samples_per_prompt=0` skips the policy and labels only those).
+`rm.counterfactuals` adds training-only examples that differ from real ones in a
+number alone (a swapped final answer; a wrong result in one step), so the RM has
+to check the arithmetic rather than the wording; held-out data stay as generated.
 
 Losses (ref. 002: reward models are trained with the Bradley-Terry loss):
     bt:  -log sigmoid(r_chosen - r_rejected - margin)      mean over pairs
