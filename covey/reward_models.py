@@ -100,16 +100,14 @@ def _row_to_example(row: dict, objective: str, where: str, separator: str):
     return StepExample(str(row["prompt"]), str(row["completion"]), [int(v) for v in labels])
 
 
-def save_rm_data(path: Path, examples: list) -> None:
-    with open(path, "w") as handle:
-        for ex in examples:
-            handle.write(json.dumps(asdict(ex)) + "\n")
-
-
-def _write_atomically(path: Path, examples: list) -> None:
+def save_rm_data(path: str | Path, examples: list) -> None:
+    """JSONL, one example per line; written to a temporary sibling and renamed (never half-written)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_rm_data(tmp, examples)
+    with open(tmp, "w") as handle:
+        for ex in examples:
+            handle.write(json.dumps(asdict(ex)) + "\n")
     os.replace(tmp, path)
 
 
@@ -166,10 +164,12 @@ def counterfactual_pairs(pairs: list[PreferencePair], per_pair: int, rng: random
         value = int(right)
         offsets = [d for d in range(-spread, spread + 1) if d and (value + d >= 0) == (value >= 0)]
         near = [str(value + d) for d in rng.sample(offsets, min(per_pair, len(offsets)))]
-        candidates = [(pair.chosen, swap_final_answer(pair.prompt, pair.chosen, right, wrong)),
+        answering = lambda w: swap_final_answer(pair.prompt, pair.chosen, right, w)  # noqa: E731
+        candidates = [(pair.chosen, answering(wrong)),
                       (swap_final_answer(pair.prompt, pair.rejected, wrong, right), pair.rejected)]
-        candidates += [(pair.chosen, swap_final_answer(pair.prompt, pair.chosen, right, w)) for w in near if w != wrong]
-        made = dict.fromkeys((c, r) for c, r in candidates if c and r and c != r and (c, r) != (pair.chosen, pair.rejected))
+        candidates += [(pair.chosen, answering(w)) for w in near if w != wrong]
+        sampled = (pair.chosen, pair.rejected)
+        made = dict.fromkeys(c for c in candidates if all(c) and c[0] != c[1] and c != sampled)
         out += [PreferencePair(pair.prompt, c, r) for c, r in list(made)[:per_pair]]
     return out
 
@@ -485,7 +485,7 @@ def train_reward_model(cfg, log=print) -> dict:
     else:
         examples = generate_rm_data(cfg, rm.objective, log)
         if rm.save_data:
-            _write_atomically(Path(rm.save_data), examples)
+            save_rm_data(rm.save_data, examples)
             log(f"covey train-rm: wrote {len(examples)} generated examples to {rm.save_data}")
     train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
     extra = _counterfactuals(cfg, train)

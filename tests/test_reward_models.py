@@ -11,9 +11,9 @@ from covey.cli import main
 from covey.config import load_config
 from covey.models import tiny_tokenizer
 from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
-                                 corrupted_solutions, counterfactual_pairs, counterfactual_steps, swap_final_answer, load_rm_data, pairs_from_group, pairwise_agreement,
-                                 process_step_inputs, prm_loss, replay_count, save_rm_data, split_by_prompt,
-                                 train_reward_model)
+                                 corrupted_solutions, counterfactual_pairs, counterfactual_steps, load_rm_data,
+                                 pairs_from_group, pairwise_agreement, process_step_inputs, prm_loss, replay_count,
+                                 save_rm_data, split_by_prompt, swap_final_answer, train_reward_model)
 from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
                                  encode, step_spans, step_token_ends)
 from covey.rollout.base import Rollout
