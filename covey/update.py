@@ -168,20 +168,30 @@ def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: Updat
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
-        finite = True
+        finite, step_loss, fitted = True, 0.0, []
         for micro in batch.split(a.micro_batch_size):
             part = on_device(rollout.select(micro), model_device(critic))
             values, width = critic_values(critic, part, cfg.model.autocast)
             mask = part.response_mask[:, :width]
-            loss, metrics = algos.value_loss(values, part.values[:, :width], part.returns[:, :width], mask,
-                                             norm, a.value_clip or None)
+            returns = part.returns[:, :width]
+            loss, metrics = algos.value_loss(values, part.values[:, :width], returns, mask, norm, a.value_clip or None)
             if not distributed.all_finite(loss):  # every rank skips, or none (FSDP collectives)
                 finite = False
                 break
             (a.value_coef * loss).backward()
+            # Loss shares add up to the mini-batch's loss (like policy/loss); explained variance is
+            # not a mean of per-micro-batch values, so it is computed over the mini-batch's tokens.
+            step_loss += metrics.pop("critic/loss")
+            del metrics["critic/explained_var"]
+            fitted.append((values.detach()[mask.bool()], returns[mask.bool()]))
             avg.add(metrics, float(mask.sum()))
-        avg.add({f"critic/{k.split('/')[-1]}": v for k, v in _optimizer_step(
-            critic.parameters(), optimizer, None, cfg.optim.max_grad_norm, state,
-            cfg.optim.max_skipped_steps, "critic", finite).items()}, 1.0)
+        step_metrics = _optimizer_step(critic.parameters(), optimizer, None, cfg.optim.max_grad_norm, state,
+                                       cfg.optim.max_skipped_steps, "critic", finite)
+        step_metrics = {f"critic/{k.split('/')[-1]}": v for k, v in step_metrics.items()}
+        if finite and fitted:
+            v, r = (torch.cat(t) for t in zip(*fitted))
+            step_metrics.update({"critic/loss": step_loss,
+                                 "critic/explained_var": algos.explained_variance(v, r, torch.ones_like(v, dtype=torch.bool))})
+        avg.add(step_metrics, 1.0)
     return avg.result()
 

@@ -19,7 +19,8 @@ from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.logits import entropy_from_logits, full_kl, selective_log_softmax
 from covey.algos.losses import (
-    LOG_RATIO_CLAMP, POLICY_LOSSES, entropy_loss, kl_loss, pg_loss, policy_loss, ppo_clip_loss, value_loss,
+    LOG_RATIO_CLAMP, POLICY_LOSSES, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss, ppo_clip_loss,
+    value_loss,
 )
 from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOptions
 from covey.algos.returns import (
@@ -32,7 +33,7 @@ __all__ = [
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLossOptions",
     "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
-    "entropy_from_logits", "entropy_loss", "full_kl",
+    "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
     "masked_mean", "masked_std", "pg_loss", "policy_loss", "ppo_clip_loss", "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",

@@ -159,14 +159,20 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
         clip_active = mask & (err_clipped > err)
         err = torch.maximum(err, err_clipped)
     loss = aggregate(0.5 * err, mask, norm)
-    v, r = values.detach().to(torch.float64), returns.to(torch.float64)
+    metrics = {"critic/loss": float(loss.detach()), "critic/clipfrac": _mean(clip_active.float(), mask),
+               "critic/explained_var": explained_variance(values, returns, mask),
+               "critic/value_mean": _mean(values, mask)}
+    return loss, metrics
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the valid tokens (population variances); 0 when Var(R) = 0."""
+    mask = as_bool_mask(mask)
+    v, r = values.detach().to(torch.float64), returns.detach().to(torch.float64)
     var_r = masked_mean((r - masked_mean(r, mask)) ** 2, mask)
     resid = r - v
     var_resid = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
-    explained = float(1.0 - var_resid / var_r) if float(var_r) > 0 else 0.0
-    metrics = {"critic/loss": float(loss.detach()), "critic/clipfrac": _mean(clip_active.float(), mask),
-               "critic/explained_var": explained, "critic/value_mean": _mean(v, mask)}
-    return loss, metrics
+    return float(1.0 - var_resid / var_r) if float(var_r) > 0 else 0.0
 
 
 def entropy_loss(entropy: Tensor, response_mask: Tensor, norm: Normalizer, coef: float) -> tuple[Tensor, dict]:
