@@ -508,3 +508,32 @@ def test_eval_rm_cli_matches_training_and_breaks_steps_down(tiny_prm, capsys, tm
     assert sum(counts.values()) == out["rm/eval_n"] and "rm/step_count/correct" in counts
     assert main(["eval-rm", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"covey eval-rm: error: {tmp_path}: not a covey reward model folder (no covey_rm.json)"
+
+
+@pytest.mark.parametrize("objective", ["bt", "prm"])
+def test_prompt_shared_scoring_equals_whole_inputs(objective, tiny_rm, tiny_prm, monkeypatch):
+    """Completions of one prompt scored on its KV cache give the values of whole padded inputs."""
+    cls, (folder, _) = (OutcomeRewardModel, tiny_rm) if objective == "bt" else (ProcessRewardModel, tiny_prm)
+    model = cls.load(folder, max_length=60)
+    prompts = ["What is 12 * 3?"] * 4 + ["What is 7 * 8?"] * 3 + ["q"]
+    completions = ["12 * 3 = 36\nAnswer: 36", "36", "I think\n12 * 3 = 38", " leading space 36",
+                   "7 * 8 = 56", "\n\nAnswer: 54", "x " * 80 + "56",  # longer than max_length: runs whole, cut
+                   "1 + 1 = 2"]
+    shared_rows = []
+    original = cls._prefix_values
+    monkeypatch.setattr(cls, "_prefix_values",
+                        lambda self, head, pieces: shared_rows.append(len(pieces)) or original(self, head, pieces))
+
+    def values():
+        if objective == "bt":
+            return [[score] for score in model.scores(prompts, completions)]
+        return model.step_probabilities(prompts, completions)
+
+    shared = values()
+    model.share_prompt = False
+    whole = values()
+    assert 5 <= sum(shared_rows) <= 7  # the cut input never shares
+    assert [len(v) for v in shared] == [len(v) for v in whole]
+    assert sum(len(v) for v in whole) > len(whole) or objective == "bt"  # several steps per completion
+    torch.testing.assert_close(torch.tensor([x for v in shared for x in v], dtype=torch.float64),
+                               torch.tensor([x for v in whole for x in v], dtype=torch.float64), atol=1e-5, rtol=1e-5)

@@ -96,6 +96,14 @@ def _last_token_before(offsets: list, char_end: int) -> int:
     return index
 
 
+def read_points(offsets: list, start_char: int, completion: str, separator: str | None) -> list[int]:
+    """Token indices whose values are read: the last token (separator None) or each step's last
+    token; `offsets` are the tokens' character spans, the completion starting at `start_char`."""
+    if separator is None:
+        return [len(offsets) - 1]
+    return [_last_token_before(offsets, start_char + end) for _, end in step_spans(completion, separator)]
+
+
 def encode(tokenizer, prompts: list, completions: list[str], max_length: int,
            separator: str | None = None) -> Encoded:
     """Tokenise prompt + completion; read-outs at the last token (separator None) or at step ends.
@@ -110,12 +118,12 @@ def encode(tokenizer, prompts: list, completions: list[str], max_length: int,
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
         cut = max(len(ids) - max_length, 0)
         ids, offsets = ids[cut:], offsets[cut:]
-        if separator is None:
-            points = [len(ids) - 1]
-        else:
-            points = [_last_token_before(offsets, len(head) + end) for _, end in step_spans(completion, separator)]
         rows.append(ids)
-        reads.append(points)
+        reads.append(read_points(offsets, len(head), completion, separator))
+    return _right_padded(tokenizer, rows, reads)
+
+
+def _right_padded(tokenizer, rows: list[list[int]], reads: list[list[int]]) -> Encoded:
     width, n_reads = max(len(r) for r in rows), max([len(p) for p in reads] + [1])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -128,6 +136,19 @@ def encode(tokenizer, prompts: list, completions: list[str], max_length: int,
         for s, p in enumerate(points):
             positions[i, s], position_mask[i, s] = max(p, 0), p >= 0
     return Encoded(input_ids, attention_mask, positions, position_mask, [len(p) for p in reads])
+
+
+def completion_piece(tokenizer, head_ids: list[int], head: str, completion: str, max_length: int,
+                     separator: str | None) -> tuple[list[int], list[int]] | None:
+    """(completion token ids, read-outs among them) when `head + completion` tokenises as the head's
+    tokens followed by the completion's and fits `max_length`: then the head's KV cache can serve every
+    completion of a prompt. None otherwise (a token merging across the boundary, a cut input)."""
+    joint = tokenizer(head + completion, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(completion, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    if len(joint) > max_length or not ids or list(joint) != head_ids + ids:
+        return None
+    return ids, read_points(list(enc["offset_mapping"]), 0, completion, separator)
 
 
 def read_values(model, enc: Encoded) -> Tensor:
@@ -154,6 +175,7 @@ class LearnedReward:
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
         self.separator = decode_separator(separator)
+        self.share_prompt = True  # False: every input runs whole (the reference path, for tests)
         self.lock = threading.Lock()
 
     @classmethod
@@ -174,18 +196,57 @@ class LearnedReward:
         return out
 
     def _values(self, prompts: list, completions: list[str], separator: str | None) -> list[list[float]]:
-        out: list[list[float]] = []
+        """Read-out values per completion. Completions of one prompt share one pass over the prompt
+        (its KV cache, expanded); those that cannot (see `completion_piece`) run whole, padded."""
+        out: list[list[float] | None] = [None] * len(completions)
         with self.lock, torch.inference_mode():
             was_training = self.model.training
             self.model.eval()
-            for start in range(0, len(completions), self.batch_size):
-                enc = encode(self.tokenizer, prompts[start:start + self.batch_size],
-                             completions[start:start + self.batch_size], self.max_length, separator)
-                # A step cut off by max_length reads as logit 0 (probability 0.5: no evidence).
-                values = read_values(self.model, enc).float().masked_fill(~enc.position_mask, 0.0)
-                out += [v[:n].tolist() for v, n in zip(values, enc.counts)]
+            whole = []
+            for head, rows in self._by_prompt(prompts).items():
+                head_ids = list(self.tokenizer(head, add_special_tokens=False)["input_ids"])
+                pieces = {i: completion_piece(self.tokenizer, head_ids, head, completions[i], self.max_length,
+                                              separator) if self.share_prompt else None for i in rows}
+                whole += [i for i in rows if pieces[i] is None]
+                shared = [i for i in rows if pieces[i] is not None]
+                for start in range(0, len(shared), self.batch_size):
+                    batch = shared[start:start + self.batch_size]
+                    values = self._prefix_values(head_ids, [pieces[i] for i in batch])
+                    for i, v in zip(batch, values):
+                        out[i] = v
+            for start in range(0, len(whole), self.batch_size):
+                batch = whole[start:start + self.batch_size]
+                enc = encode(self.tokenizer, [prompts[i] for i in batch], [completions[i] for i in batch],
+                             self.max_length, separator)
+                for i, v in zip(batch, self._read(read_values(self.model, enc), enc)):
+                    out[i] = v
             self.model.train(was_training)
         return out
+
+    def _by_prompt(self, prompts: list) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(prompt_text(self.tokenizer, prompt), []).append(i)
+        return groups
+
+    @staticmethod
+    def _read(values: Tensor, enc: Encoded) -> list[list[float]]:
+        # A step cut off by max_length reads as logit 0 (probability 0.5: no evidence).
+        values = values.float().masked_fill(~enc.position_mask, 0.0)
+        return [v[:n].tolist() for v, n in zip(values, enc.counts)]
+
+    def _prefix_values(self, head_ids: list[int], pieces: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Values of completions of one prompt: the prompt runs once, the completions on its cache."""
+        backbone, n, width = self.model.backbone, len(pieces), len(head_ids)
+        cache = backbone(input_ids=torch.tensor([head_ids]), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(n)
+        enc = _right_padded(self.tokenizer, [ids for ids, _ in pieces], [points for _, points in pieces])
+        mask = torch.cat([enc.attention_mask.new_ones(n, width), enc.attention_mask], dim=1)
+        positions = width + torch.arange(enc.input_ids.shape[1]).expand(n, -1)
+        hidden = backbone(input_ids=enc.input_ids, attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True).last_hidden_state
+        values = self.model.head(hidden.float()).squeeze(-1)
+        return self._read(values.gather(1, enc.positions), enc)
 
 
 class OutcomeRewardModel(LearnedReward):
