@@ -205,8 +205,8 @@ class LearnedReward:
             whole = []
             for head, rows in self._by_prompt(prompts).items():
                 head_ids = list(self.tokenizer(head, add_special_tokens=False)["input_ids"])
-                pieces = {i: completion_piece(self.tokenizer, head_ids, head, completions[i], self.max_length,
-                                              separator) if self.share_prompt else None for i in rows}
+                pieces = ({i: completion_piece(self.tokenizer, head_ids, head, completions[i], self.max_length,
+                                               separator) for i in rows} if self.share_prompt else dict.fromkeys(rows))
                 whole += [i for i in rows if pieces[i] is None]
                 shared = [i for i in rows if pieces[i] is not None]
                 for start in range(0, len(shared), self.batch_size):
