@@ -190,8 +190,9 @@ def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: Updat
         step_metrics = {f"critic/{k.split('/')[-1]}": v for k, v in step_metrics.items()}
         if finite and fitted:
             v, r = (torch.cat(t) for t in zip(*fitted))
+            every_token = torch.ones_like(v, dtype=torch.bool)
             step_metrics.update({"critic/loss": step_loss,
-                                 "critic/explained_var": algos.explained_variance(v, r, torch.ones_like(v, dtype=torch.bool))})
+                                 "critic/explained_var": algos.explained_variance(v, r, every_token)})
         avg.add(step_metrics, 1.0)
     return avg.result()
 

@@ -535,5 +535,5 @@ def test_prompt_shared_scoring_equals_whole_inputs(objective, tiny_rm, tiny_prm,
     assert 5 <= sum(shared_rows) <= 7  # the cut input never shares
     assert [len(v) for v in shared] == [len(v) for v in whole]
     assert sum(len(v) for v in whole) > len(whole) or objective == "bt"  # several steps per completion
-    torch.testing.assert_close(torch.tensor([x for v in shared for x in v], dtype=torch.float64),
-                               torch.tensor([x for v in whole for x in v], dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    flat = [torch.tensor([x for v in values for x in v], dtype=torch.float64) for values in (shared, whole)]
+    torch.testing.assert_close(*flat, atol=1e-5, rtol=1e-5)
