@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from covey.algos import (
-    POLICY_LOSSES, Normalizer, PolicyLossOptions, entropy_loss, kl_loss, policy_loss, value_loss,
+    POLICY_LOSSES, Normalizer, PolicyLossOptions, entropy_loss, explained_variance, kl_loss, policy_loss, value_loss,
 )
 
 F64 = torch.float64
@@ -202,6 +202,17 @@ def test_value_loss_explained_variance():
     assert m["critic/loss"] == pytest.approx(0.5 * 1 / 4) == loss.item()
     _, m = value_loss(v, v, torch.ones(1, 4, dtype=F64), mask, token_mean(mask), None)
     assert m["critic/explained_var"] == 0.0  # Var(R) = 0: reported as 0, not NaN
+
+
+def test_explained_variance_ignores_masked_tokens():
+    # Valid tokens R = [1, 2, 3, 4], V = [1, 2, 3, 5] as above: 0.85. The masked fifth token
+    # (R 100, V -100) would change both variances if it counted.
+    v = torch.tensor([[1.0, 2.0, 3.0, 5.0, -100.0]], dtype=F64)
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0, 100.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert explained_variance(v, r, mask) == pytest.approx(0.85)
+    assert explained_variance(r, r, mask) == pytest.approx(1.0)  # a perfect critic
+    assert explained_variance(torch.zeros_like(r), r, mask) == pytest.approx(0.0)  # V constant: Var(R - V) = Var(R)
 
 
 def test_entropy_and_kl_loss_terms():
