@@ -72,6 +72,13 @@ class TaskConfig:
     """multistep: the operations to draw from (a subset of + - *)."""
     operand_max: int = 9
     """multistep: operands are drawn from 2..operand_max."""
+    start_digits: int = 2
+    """multistep: digits of the start value."""
+    max_value: int = 999
+    """multistep: bound on every intermediate value (operations that would leave 0..max_value are not drawn)."""
+    multistep_template: str = ("Start with {start}. {steps}. What is the result? Work it out with one "
+                               "operation per line, like '2 + 3 = 5', then write 'Answer: <number>'.")
+    """multistep: question text with {start} and {steps} placeholders."""
     train_size: int = 600
     """Number of generated training problems."""
     eval_size: int = 200
@@ -400,11 +407,25 @@ def _convert(key: str, raw, typ: str):
         raise ConfigError(f"config key '{key}' expects {typ}, got {raw!r}") from None
 
 
+def _field_type(cfg: Config, section: str, name: str) -> str:
+    return str({f.name: f.type for f in dataclasses.fields(getattr(cfg, section))}[name])
+
+
 def set_value(cfg: Config, key: str, raw) -> None:
     section, name = _resolve_key(key)
-    obj = getattr(cfg, section)
-    typ = {f.name: f.type for f in dataclasses.fields(obj)}[name]
-    setattr(obj, name, _convert(f"{section}.{name}", raw, str(typ)))
+    setattr(getattr(cfg, section), name, _convert(f"{section}.{name}", raw, _field_type(cfg, section, name)))
+
+
+def _parse_override(key: str, text: str):
+    """A command-line value: the text itself for a string field (a template such as
+    'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
+    section, name = _resolve_key(key)
+    if _field_type(Config(), section, name) == "str":
+        return text
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"config key '{section}.{name}': cannot read {text!r}") from None
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -437,7 +458,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value")
         k, v = item.split("=", 1)
-        pairs.append((k.strip(), yaml.safe_load(v) if v.strip() else ""))
+        pairs.append((k.strip(), _parse_override(k.strip(), v)))
     for k, v in pairs:
         set_value(cfg, k, v)
     validate(cfg)
@@ -527,6 +548,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     validate_scale(cfg)
     validate_template(cfg.task.template)
+    validate_template(cfg.task.multistep_template, "task.multistep_template", start="12", steps="Add 7")
     validate_multistep(cfg.task)
     if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
@@ -534,15 +556,20 @@ def validate(cfg: Config) -> None:
     validate_dpo_and_budget(cfg)
 
 
-def validate_template(template: str) -> None:
-    """The arithmetic question must show both operands and the operation, and name nothing else."""
+def validate_template(template: str, key: str = "task.template", **example: str) -> None:
+    """A question template must show every placeholder's value and name nothing else.
+
+    Defaults to the arithmetic question: both operands and the operation.
+    """
+    example = example or {"a": "12", "op": "*", "b": "3"}
+    names = ", ".join(f"{{{name}}}" for name in example)
     try:
-        text = template.format(a=12, op="*", b=3)
+        text = template.format(**example)
     except (KeyError, IndexError, ValueError) as err:
-        raise ConfigError(f"task.template={template!r} is not a valid template ({err!r}); "
-                          "use the placeholders {a}, {op} and {b}") from None
-    if not all(part in text for part in ("12", "*", "3")):
-        raise ConfigError(f"task.template={template!r} must contain {{a}}, {{op}} and {{b}}")
+        raise ConfigError(f"{key}={template!r} is not a valid template ({err!r}); "
+                          f"use the placeholders {names}") from None
+    if not all(value in text for value in example.values()):
+        raise ConfigError(f"{key}={template!r} must contain {names}")
 
 
 def validate_multistep(t: TaskConfig) -> None:
@@ -553,6 +580,11 @@ def validate_multistep(t: TaskConfig) -> None:
         raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
     if t.operand_max < 2:
         raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")
+    if t.start_digits < 1:
+        raise ConfigError(f"task.start_digits={t.start_digits}: must be >= 1")
+    if t.max_value < 10 ** t.start_digits - 1:
+        raise ConfigError(f"task.max_value={t.max_value}: must be >= the largest start value "
+                          f"({10 ** t.start_digits - 1} for task.start_digits={t.start_digits})")
 
 
 def validate_rm_data(cfg: Config) -> None:

@@ -30,7 +30,8 @@ def load_task_data(cfg: Config) -> TaskData:
         from covey.tasks.multistep import multistep_splits
         train, held = multistep_splits(t.train_size, t.eval_size, cfg.train.seed, min_ops=t.min_ops,
                                        max_ops=t.max_ops, ops=tuple(dict.fromkeys(t.ops)),
-                                       operand_max=t.operand_max)
+                                       operand_max=t.operand_max, start_digits=t.start_digits,
+                                       max_value=t.max_value, template=t.multistep_template)
         return TaskData(train, held)
     from covey.tasks.files import load_examples
     kwargs = dict(prompt_key=t.prompt_key, answer_key=t.answer_key, on_error=t.on_bad_row)

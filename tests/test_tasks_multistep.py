@@ -158,3 +158,19 @@ def test_task_config_sets_the_multistep_difficulty():
                                              "task.operand_max=5"]))
     for e in data.train + data.eval:
         assert [op for op, _ in e.meta["ops"]] == ["+", "+"] and all(2 <= y <= 5 for _, y in e.meta["ops"])
+    small = load_task_data(load_config(None, [*base, "task.start_digits=1", "task.max_value=9", "task.ops=+-",
+                                              "task.multistep_template=From {start}: {steps}."]))
+    for e in small.train + small.eval:
+        values = [int(line.rsplit("=", 1)[1]) for line in e.meta["solution"].split("\n")]
+        assert 1 <= e.meta["start"] <= 9 and all(0 <= v <= 9 for v in values)
+        assert e.prompt.startswith(f"From {e.meta['start']}: ")
+
+
+def test_draw_redraws_the_operand_until_an_operation_stays_in_bounds():
+    # From 9 with only + and a bound of 12, operands 4..9 would leave the range: they are redrawn.
+    for seed in range(20):
+        for e in generate_multistep(30, seed, start_digits=1, max_value=12, ops=("+",), min_ops=1, max_ops=1):
+            assert e.meta["start"] + e.meta["ops"][0][1] <= 12
+    # Starts 5..9 with only * and a bound of 9: no operand 2..9 fits: a clear error, not a loop or an overflow.
+    with pytest.raises(ValueError, match="no operation of '\\*' keeps"):
+        generate_multistep(50, 0, start_digits=1, max_value=9, ops=("*",), min_ops=1, max_ops=1)

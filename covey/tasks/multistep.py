@@ -33,9 +33,15 @@ def _draw_ops(rng: random.Random, start: int, n_ops: int, ops: tuple[str, ...],
     """Operations that keep every intermediate value in [0, max_value]."""
     value, out = start, []
     for _ in range(n_ops):
-        y = rng.randint(2, operand_max)
-        allowed = [op for op in ops if 0 <= _apply(value, op, y) <= max_value]
-        op = rng.choice(allowed or ["+"])
+        for _attempt in range(100):  # redraw the operand until some operation stays in bounds
+            y = rng.randint(2, operand_max)
+            allowed = [op for op in ops if 0 <= _apply(value, op, y) <= max_value]
+            if allowed:
+                break
+        else:
+            raise ValueError(f"no operation of {''.join(ops)!r} keeps {value} within 0..{max_value}; "
+                             "raise max_value or allow more operations")
+        op = rng.choice(allowed)
         out.append([op, y])
         value = _apply(value, op, y)
     return out
