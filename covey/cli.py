@@ -18,8 +18,11 @@ def _fail(command: str, err: BaseException) -> int:
 
 
 def cmd_train(args) -> int:
-    from covey.config import load_config
+    from covey.config import describe_keys, load_config
     from covey.train import train
+    if args.help_config:
+        print(describe_keys())
+        return 0
     config_path, overrides = _split_config(args.args)
     cfg = load_config(config_path, overrides)
     train(cfg)
@@ -78,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a policy: covey train [CONFIG.yaml] [key=value ...]")
     p.add_argument("args", nargs="*", help="optional YAML preset, then key=value overrides")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("eval", help="held-out accuracy of a model: covey eval [--model PATH] [key=value ...]")
     p.add_argument("--model", default="", help="model folder, .gguf or 'default'")

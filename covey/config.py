@@ -7,8 +7,11 @@ suggestion; values are converted to the field's type or fail naming the key.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,6 +366,30 @@ def leaf_keys(cfg: Config | None = None) -> list[str]:
     cfg = cfg or Config()
     return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
             for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def field_docs(section_class) -> dict[str, str]:
+    """{field: its one-line docstring} of a config section, read from the source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section_class))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def describe_keys() -> str:
+    """Every key with its type, default and docstring (`covey train --help-config`)."""
+    lines, cfg = [], Config()
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        docs = field_docs(type(obj))
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(obj):
+            lines.append(f"  {section.name}.{f.name} ({f.type}, default {getattr(obj, f.name)!r}): "
+                         f"{docs.get(f.name, '')}")
+    return "\n".join(lines)
 
 
 def _resolve_key(key: str) -> tuple[str, str]:

@@ -66,3 +66,27 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("algo: [unclosed")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(str(bad))
+
+
+def test_every_key_has_a_one_line_docstring_and_help_config_lists_it(capsys):
+    import dataclasses
+
+    from covey.cli import main
+    from covey.config import Config, field_docs
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        docs = field_docs(type(getattr(cfg, section.name)))
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "  task.max_value (int, default 999): multistep: bound on every intermediate value" in out
+    assert "  algo.beta (float, default 0.04): " in out
+
+
+def test_string_overrides_are_taken_verbatim():
+    # YAML would read "From {start}: {steps}." as a mapping and "null" as None.
+    cfg = load_config(None, ["task.multistep_template=From {start}: {steps}.", "rm.output=null"])
+    assert cfg.task.multistep_template == "From {start}: {steps}."
+    assert cfg.rm.output == "null"
+    assert load_config(None, ["train.progress=false", "optim.lr=2e-5"]).optim.lr == 2e-5
