@@ -154,6 +154,8 @@ class RewardConfig:
     """Step rewards of algo.estimator=grpo_process: prm (reward.prm_path) | exact (multistep verifier labels)."""
     step_separator: str = "\n"
     """Separator between reasoning steps (escapes like \\n are decoded)."""
+    process_outcome_weight: float = 0.0
+    """grpo_process: weight of the outcome reward added to each response's last step (0 = step rewards only)."""
     remote_url: str = ""
     """Remote reward service (`covey serve-reward`), e.g. http://127.0.0.1:8765; empty = none."""
     remote_weight: float = 1.0
@@ -656,6 +658,9 @@ def validate_rewards(cfg: Config) -> None:
                               "(or reward.step_source=exact on task.name=multistep)")
         if r.step_source == "exact" and cfg.task.name != "multistep":
             raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
+    elif r.process_outcome_weight:
+        raise ConfigError("reward.process_outcome_weight adds the outcome to the last step of "
+                          "algo.estimator=grpo_process; other estimators use the outcome reward already")
 
 
 def validate_dpo_and_budget(cfg: Config) -> None:

@@ -728,3 +728,19 @@ def process_step_inputs(rollout, tokenizer, prompts, examples, prm, source: str,
         metrics["prm/step_accuracy"] = sum(hits) / max(len(hits), 1)
     inputs = {"step_scores": step_scores.to(rollout.scores.dtype), "step_ends": step_ends, "step_mask": step_mask}
     return inputs, metrics
+
+
+def add_outcome_to_last_step(step_scores: torch.Tensor, step_mask: torch.Tensor, outcome: torch.Tensor,
+                             weight: float) -> torch.Tensor:
+    """Step rewards with `weight * outcome` added to each response's last step.
+
+    Step rewards alone say nothing about finishing: one right step and a stop scores as
+    well as a whole right solution (a policy found that, docs/rewards.md). The outcome
+    reward on the last step is what a complete, right answer earns on top. A response
+    with no step keeps no reward (it has no step to carry one).
+    """
+    out = step_scores.clone()
+    n_steps = step_mask.sum(1)
+    rows = (n_steps > 0).nonzero().squeeze(1)
+    out[rows, n_steps[rows] - 1] += weight * outcome[rows].to(out.dtype)
+    return out

@@ -291,6 +291,9 @@ def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | N
     t0 = time.perf_counter()
     steps, metrics = process_step_inputs(rollout, run.tokenizer, prompts, examples, run.learned_rewards.process,
                                          cfg.reward.step_source, cfg.reward.step_separator)
+    if cfg.reward.process_outcome_weight:
+        steps["step_scores"] = add_outcome_to_last_step(steps["step_scores"], steps["step_mask"], rollout.scores,
+                                                        cfg.reward.process_outcome_weight)
     metrics["time/score_steps"] = time.perf_counter() - t0
     return steps, metrics
 

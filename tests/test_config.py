@@ -22,6 +22,7 @@ def test_overrides_and_short_keys():
     ("task.multistep_template=Start with {start}.", "task.multistep_template='Start with {start}.' must contain {start}, {steps}"),
     ("task.multistep_template=Start with {x}.", "is not a valid template"),
     ("algo.beta=[0.1", "config key 'algo.beta': cannot read '[0.1'"),
+    ("reward.process_outcome_weight=1", "reward.process_outcome_weight adds the outcome to the last step"),
     ("task.start_digits=0", "task.start_digits=0: must be >= 1"),
     ("task.max_value=50", "task.max_value=50: must be >= the largest start value (99 for task.start_digits=2)"),
     ("task.template=What is {x}?", "is not a valid template"),

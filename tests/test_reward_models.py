@@ -537,3 +537,27 @@ def test_prompt_shared_scoring_equals_whole_inputs(objective, tiny_rm, tiny_prm,
     assert sum(len(v) for v in whole) > len(whole) or objective == "bt"  # several steps per completion
     flat = [torch.tensor([x for v in values for x in v], dtype=torch.float64) for values in (shared, whole)]
     torch.testing.assert_close(*flat, atol=1e-5, rtol=1e-5)
+
+
+def test_outcome_on_the_last_step_makes_a_whole_right_answer_beat_a_right_first_step():
+    from covey.reward_models import add_outcome_to_last_step
+    # Group of 3: a whole right solution (steps 1, 1, answer 1; outcome 1), a stop after one
+    # right step (1; outcome 0) and an empty response (no step).
+    scores = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False], [False, False, False]])
+    ends = torch.tensor([[1, 3, 5], [1, 0, 0], [0, 0, 0]])
+    out = add_outcome_to_last_step(scores, mask, torch.tensor([1.0, 0.0, 1.0]), 2.0)
+    # Only the last real step moves: 1 + 2 * 1 = 3 for row 0; row 1 gets + 2 * 0; row 2 has no step.
+    assert out.tolist() == [[1.0, 1.0, 3.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert scores[0, 2] == 1.0  # the input is left as it was
+    inp = dict(scores=torch.zeros(3), response_mask=torch.ones(3, 6), group_ids=torch.zeros(3, dtype=torch.long),
+               step_ends=ends, step_mask=mask)
+    # Without the outcome all four step rewards are 1: every advantage is 0, the stop looks as good.
+    plain, _, _ = algos.compute_advantages("grpo_process", algos.AdvantageInput(step_scores=scores, **inp))
+    assert plain[:2].abs().max() == 0
+    # With it the steps are (1, 1, 3, 1): mean 1.5, std (ddof 0) sqrt((.5^2 * 3 + 1.5^2) / 4) = sqrt(.75);
+    # row 0's first token sums its three centred steps, -.5 - .5 + 1.5 = 0.5, over sqrt(.75): 0.5774;
+    # row 1's single step: -0.5 / sqrt(.75) = -0.5774.
+    shaped, _, _ = algos.compute_advantages("grpo_process", algos.AdvantageInput(step_scores=out, **inp))
+    assert shaped[0, 0].item() == pytest.approx(0.5 / 0.75 ** 0.5, abs=1e-4)
+    assert shaped[1, 0].item() == pytest.approx(-0.5 / 0.75 ** 0.5, abs=1e-4)
