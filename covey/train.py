@@ -42,7 +42,7 @@ from covey.lora import add_adapters, frozen_reference
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
 from covey.models import ValueModel, load_policy, param_memory_mb
 from covey.offload import maybe_offload_reference, release_weights
-from covey.reward_models import make_refreshers, process_step_inputs
+from covey.reward_models import add_outcome_to_last_step, make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
 from covey.rewards.model import load_learned_rewards
 from covey.rollout.base import Rollout, concat_rollouts

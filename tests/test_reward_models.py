@@ -344,6 +344,21 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
     assert [r["step"] for r in _metrics(tmp_path / "t") if "reward/mean" in r][-1] == 3
 
 
+def test_process_supervision_with_the_outcome_on_the_last_step_runs_in_the_loop(tiny_model_dir, tmp_path, monkeypatch):
+    import covey.train as train_module
+    seen = []
+    real = train_module.add_outcome_to_last_step
+
+    def spy(scores, mask, outcome, weight):
+        seen.append(weight)
+        return real(scores, mask, outcome, weight)
+    monkeypatch.setattr(train_module, "add_outcome_to_last_step", spy)
+    extra = {"task.name": "multistep", "algo.estimator": "grpo_process", "reward.step_source": "exact",
+             "reward.process_outcome_weight": 0.5, "task.eval_size": 2}
+    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **extra)]) == 0
+    assert seen == [0.5, 0.5]  # once per step, with the configured weight
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["algo.estimator=grpo_process"], "scores steps with a PRM: set reward.prm_path"),
     (["algo.estimator=grpo_process", "reward.step_source=exact"], "needs task.name=multistep"),
