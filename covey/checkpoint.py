@@ -213,10 +213,12 @@ def save_checkpoint(run, eval_before: dict) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
         _atomic_dir_write(final, write, run.step)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError of its zip writer
         previous = list_checkpoints(run.run_dir)
-        raise CheckpointError(f"writing checkpoint {final} failed: {err}; newest complete checkpoint: "
-                              f"{previous[-1] if previous else 'none'}") from None
+        free_gb = shutil.disk_usage(final.parent).free / 1e9
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"writing checkpoint {final} failed: {reason} ({free_gb:.1f} GB free there); "
+                              f"newest complete checkpoint: {previous[-1] if previous else 'none'}") from None
     fault_point("checkpoint-prune", run.step)
     prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints, run.step)
     return final
