@@ -112,6 +112,8 @@ class RolloutConfig:
     """Longest response during held-out evaluation."""
     eval_batch_size: int = 64
     """Prompts per generate call during evaluation."""
+    precision: str = "auto"
+    """Rollout sampling precision (hf/fast): auto (bfloat16 where bf16 is native: AMX/AVX512-BF16 CPU, CUDA) | float32 | bfloat16 (a copy of the policy)."""
     seeding: str = "global"
     """Sampling seeds: global (one RNG stream) | per_prompt (run seed + draw index: any process count, same samples)."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -513,6 +515,7 @@ CHOICES = {
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "fast", "vllm"),
     "rollout.seeding": ("global", "per_prompt"),
+    "rollout.precision": ("auto", "float32", "bfloat16"),
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),
     "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
@@ -724,7 +727,10 @@ def validate_world(cfg: Config, world_size: int) -> None:
     # Each of these runs per-rank work that the other ranks would not mirror (deadlock or diverging models).
     unsupported = [key for key, on in (("algo.name=dpo_iterative", cfg.algo.name == "dpo_iterative"),
                                        ("train.grad_var_every", cfg.train.grad_var_every),
-                                       ("reward.iterative_every", cfg.reward.iterative_every)) if on]
+                                       ("reward.iterative_every", cfg.reward.iterative_every),
+                                       ("rollout.precision=bfloat16 (a copy of a sharded policy)",
+                                        cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
+                  if on]
     if unsupported:
         raise ConfigError(f"under torchrun, {', '.join(unsupported)} is not supported yet")
 

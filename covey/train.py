@@ -47,6 +47,7 @@ from covey.rewards.build import build_rewarder
 from covey.rewards.model import load_learned_rewards
 from covey.rollout.base import Rollout, concat_rollouts
 from covey.rollout.local import local_engine
+from covey.rollout.precision import LowPrecisionEngine, resolve_precision
 from covey.signals import TrainingStopped, fault_point, graceful_stop
 from covey.update import UpdateState, record_skip, update_critic, update_policy
 
@@ -492,9 +493,21 @@ def make_engine(run: Run):
     if r.engine == "vllm":
         from covey.rollout.vllm import VLLMEngine
         return VLLMEngine.from_config(run.cfg, run.policy, run.tokenizer)
+    precision = resolve_precision(r.precision, run.world.device) if run.world.size == 1 else "float32"
     engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=precision)
     return GatheredGeneration(engine, run.policy)
+
+
+def make_eval_engine(run: Run, engine):
+    """Held-out evaluation runs in the policy's own precision (what `covey eval` of the saved model
+    measures): the rollout engine itself, or, when that samples from a bf16 copy, a local engine on
+    the policy module (no second copy)."""
+    if not isinstance(getattr(engine, "engine", None), LowPrecisionEngine):
+        return engine
+    r = run.cfg.rollout
+    return GatheredGeneration(local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
+                                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), run.policy)
 
 
 def prepare_run_dir(cfg: Config) -> Path:
@@ -514,7 +527,7 @@ def print_header(cfg: Config, run_dir: Path, data) -> None:
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
 
 
-def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, data) -> dict:
+def start_or_resume(run: Run, resume_from: Path | None, engine, eval_engine, eval_prompts, data) -> dict:
     """Restore a checkpoint, or evaluate the untrained policy; returns the pre-training eval."""
     if resume_from is not None:
         with whole_tensors(run, gather=False):  # under FSDP: full states from disk into each rank's shards
@@ -527,23 +540,23 @@ def start_or_resume(run: Run, resume_from: Path | None, engine, eval_prompts, da
         print(f"covey: resumed from {resume_from} at step {run.step}")
         return resumed.eval_before
     run.logger.reset()
-    before = run_eval(run, engine, eval_prompts, data.eval)
+    before = run_eval(run, eval_engine, eval_prompts, data.eval)
     run.logger.log(0, {**before, "data/skipped_rows": data.skipped_rows})
     print(f"covey: held-out accuracy before training: {before['eval/accuracy']:.1%} "
           f"({before['eval/n']} problems, greedy)")
     return before
 
 
-def run_loop(run: Run, engine, rewarder, data, prompts, eval_prompts, before: dict, stop,
+def run_loop(run: Run, engines: tuple, rewarder, data, prompts, eval_prompts, before: dict, stop,
              last_saved: int | None) -> None:
     """Steps until train.steps or a stop signal; a checkpoint every save_every steps and at the end."""
     from tqdm import tqdm
-    cfg = run.cfg
+    cfg, (engine, eval_engine) = run.cfg, engines
     bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
     while run.step < cfg.train.steps and not out_of_time(run) and not stop.agreed():
         metrics = train_step(run, engine, rewarder, data, prompts)
         if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
-            metrics.update(run_eval(run, engine, eval_prompts, data.eval))
+            metrics.update(run_eval(run, eval_engine, eval_prompts, data.eval))
         run.logger.log(run.step, metrics)
         fault_point("step-logged", run.step)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
@@ -587,14 +600,15 @@ def train(cfg: Config) -> dict:
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
     engine = make_engine(run)
+    eval_engine = make_eval_engine(run, engine)
 
     with graceful_stop() as stop:
-        before = start_or_resume(run, resume_from, engine, eval_prompts, data)
+        before = start_or_resume(run, resume_from, engine, eval_engine, eval_prompts, data)
         decorrelate_ranks(world, cfg.train.seed, run.step)
-        run_loop(run, engine, rewarder, data, prompts, eval_prompts, before, stop,
+        run_loop(run, (engine, eval_engine), rewarder, data, prompts, eval_prompts, before, stop,
                  last_saved=run.step if resume_from is not None else None)
 
-    after = run_eval(run, engine, eval_prompts, data.eval)
+    after = run_eval(run, eval_engine, eval_prompts, data.eval)
     run.logger.log(run.step, {**after, "final": 1})
     final_dir = save_on_main(run, save_final)
     summary = {"accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],

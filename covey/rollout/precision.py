@@ -1,0 +1,89 @@
+"""Sampling from a bfloat16 copy of an fp32 policy (rollout.precision).
+
+A decode step multiplies a few rows by every weight matrix, so it is bound by reading
+the weights and by small matrix products. A bf16 copy halves the bytes read, and on
+hardware with native bf16 (a CPU with AMX or AVX512-BF16, a CUDA GPU) runs the products
+several times faster (docs/benchmark.md). Training, the reference and held-out
+evaluation stay in the policy's own precision; only the rollouts are sampled from the
+copy, which is refreshed from the policy after every update (`sync_weights`).
+
+The samples then come from pi_bf16, a rounding of pi_old: slightly off-policy, as with
+vLLM's kernels. With one update per rollout the ratio is still taken against pi_old
+(exactly 1 at the first update), so the loss is the on-policy one evaluated on samples
+from a distribution within bf16 rounding of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True on x86 CPUs with AMX-BF16 or AVX512-BF16 (Linux flags); elsewhere bf16 may be emulated (~40x slower)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_precision(setting: str, device: torch.device | str = "cpu") -> str:
+    """rollout.precision -> float32 | bfloat16. auto: bfloat16 only where the hardware computes it natively."""
+    if setting not in PRECISIONS:
+        raise ValueError(f"rollout.precision={setting!r}: one of {', '.join(PRECISIONS)}")
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if device.type == "cpu" and cpu_has_native_bf16() else "float32"
+
+
+def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy whose floating-point parameters are `dtype`; buffers keep theirs.
+
+    Buffers such as rotary inverse frequencies stay fp32: rounded to bf16 they would shift
+    every position's rotation, an error the rounding of the weights does not make.
+    Tied parameters stay tied (deepcopy keeps the sharing).
+    """
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return twin.eval()
+
+
+@torch.no_grad()
+def copy_weights(dst: nn.Module, src: nn.Module) -> None:
+    """dst's parameters <- src's, rounded to dst's dtype (same module structure)."""
+    for (name, d), s in zip(dst.named_parameters(), src.parameters(), strict=True):
+        if d.shape != s.shape:
+            raise ValueError(f"copy_weights: {name} is {tuple(d.shape)} in the copy, {tuple(s.shape)} in the source")
+        d.copy_(s.detach())
+
+
+class LowPrecisionEngine:
+    """A local engine (hf or fast) that samples from a reduced-precision copy of the policy."""
+
+    def __init__(self, engine_cls, model: nn.Module, tokenizer, dtype: torch.dtype, **engine_kwargs):
+        self.copy = low_precision_copy(model, dtype)
+        self.engine = engine_cls(self.copy, tokenizer, **engine_kwargs)
+
+    def __getattr__(self, name):  # takes_seeds, eos, ... of the wrapped engine
+        return getattr(self.engine, name)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        copy_weights(self.copy, model)
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs)
