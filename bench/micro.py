@@ -92,6 +92,7 @@ def main() -> None:
     prompts = format_prompts(tok, train)
     torch.manual_seed(0)
     group = FastEngine(model, tok, max_new_tokens=64).generate(prompts[:1], 8)
+    group = group.select(torch.arange(len(group)))  # normal tensors: the engine returns inference tensors
     print(f"micro-batch response lengths: {group.response_mask.sum(1).long().tolist()}")
     rows = generation_rows(model, tok, prompts[8:12], args.repeats)
     rows += train_rows(model, group, args.repeats)

@@ -88,7 +88,7 @@ class TaskConfig:
     """Number of held-out problems (disjoint from training)."""
     system_prompt: str = ""
     """Optional system message prepended to every prompt."""
-    template: str = "What is {a} {op} {b}? Give the final answer as a number."
+    template: str = "What is {a} {op} {b}?"
     """Arithmetic question text with {a}, {op}, {b} placeholders."""
 
 
@@ -96,11 +96,11 @@ class TaskConfig:
 class RolloutConfig:
     engine: str = "fast"
     """Generation engine: fast (own loop: prompt encoded once per group) | hf (model.generate) | vllm (GPU)."""
-    prompts_per_step: int = 4
+    prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
     """G: samples per prompt."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = 32
     """Longest response in tokens; longer ones are truncated and flagged."""
     temperature: float = 0.7
     """Sampling temperature (log-probs are computed at the same temperature)."""

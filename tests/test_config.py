@@ -17,7 +17,7 @@ def test_overrides_and_short_keys():
     ("algo.estimator=foo", "algo.estimator='foo' is not one of"),
     ("algo.dual_clip=0.5", "algo.dual_clip must be > 1"),
     ("rollout.group_size=1", "rollout.group_size must be >= 2"),
-    ("algo.minibatches=3", "must divide prompts_per_step*group_size=32"),
+    ("algo.minibatches=3", "must divide prompts_per_step*group_size=64"),
     ("task.template=What is {a} {op}?", "must contain {a}, {op}, {b}"),
     ("task.multistep_template=Start with {start}.", "task.multistep_template='Start with {start}.' must contain {start}, {steps}"),
     ("task.multistep_template=Start with {x}.", "is not a valid template"),
@@ -52,9 +52,10 @@ def test_presets_load(tmp_path):
 
 
 def test_derived_sizes():
-    cfg = load_config(None, ["algo.epochs=2", "algo.minibatches=4", "algo.micro_batch_size=3"])
+    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=8", "algo.epochs=2",
+                             "algo.minibatches=4", "algo.micro_batch_size=3"])
     sizes = derived_sizes(cfg)
-    assert sizes["sequences_per_minibatch"] == 8
+    assert sizes["sequences_per_minibatch"] == 8  # 4 prompts x 8 samples / 4 mini-batches
     assert sizes["micro_batches_per_minibatch"] == 3  # ceil(8 / 3)
     assert sizes["optimizer_steps_per_rollout"] == 8
     assert sizes["reuses_old_logprobs"]

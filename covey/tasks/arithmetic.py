@@ -13,7 +13,7 @@ from covey.tasks.base import Example
 
 KINDS = ("add", "sub", "mul", "mixed")
 _OPS = {"add": "+", "sub": "-", "mul": "*"}
-DEFAULT_TEMPLATE = "What is {a} {op} {b}? Give the final answer as a number."
+DEFAULT_TEMPLATE = "What is {a} {op} {b}?"
 
 
 def _digit_range(digits: int) -> tuple[int, int]:
