@@ -16,6 +16,7 @@ from torch import Tensor
 
 from covey import algos, distributed
 from covey.models import response_values
+from covey.hf_compat import cache_of, with_cache
 from covey.packing import pack, unpack
 from covey.rollout.base import Rollout
 
@@ -112,10 +113,10 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     with autocast_context(precision):
         out = model(input_ids=ids[first, :width], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                     use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values  # resp_len > 1: at least one token is fed to pass 2
+        cache = cache_of(out)  # resp_len > 1: at least one token is fed to pass 2
         cache.batch_select_indices(packing.prompt_of_bin)
         rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
-                     past_key_values=cache, use_cache=True).logits
+                     **with_cache(cache), use_cache=True).logits
     head = out.logits[:, -1:][inverse]  # (n, 1, V): scores response token 0
     logp = torch.cat([algos.selective_log_softmax(head, responses[:, :1], temperature=temperature),
                       unpack(algos.selective_log_softmax(rest, packing.targets, temperature=temperature),

@@ -237,14 +237,15 @@ class LearnedReward:
 
     def _prefix_values(self, head_ids: list[int], pieces: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Values of completions of one prompt: the prompt runs once, the completions on its cache."""
+        from covey.hf_compat import cache_of, with_cache
         backbone, n, width = self.model.backbone, len(pieces), len(head_ids)
-        cache = backbone(input_ids=torch.tensor([head_ids]), use_cache=True).past_key_values
+        cache = cache_of(backbone(input_ids=torch.tensor([head_ids]), use_cache=True))
         cache.batch_repeat_interleave(n)
         enc = _right_padded(self.tokenizer, [ids for ids, _ in pieces], [points for _, points in pieces])
         mask = torch.cat([enc.attention_mask.new_ones(n, width), enc.attention_mask], dim=1)
         positions = width + torch.arange(enc.input_ids.shape[1]).expand(n, -1)
         hidden = backbone(input_ids=enc.input_ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True).last_hidden_state
+                          **with_cache(cache), use_cache=True).last_hidden_state
         values = self.model.head(hidden.float()).squeeze(-1)
         return self._read(values.gather(1, enc.positions), enc)
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache, DynamicLayer
 
+from covey.hf_compat import with_cache
 from covey.rollout.base import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 
@@ -171,7 +172,7 @@ class FastEngine:
         cache = buffer_cache(self.model, capacity)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         **with_cache(cache), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
         if self.share_prefix:
             cache.batch_select_indices(index)
@@ -203,6 +204,6 @@ class FastEngine:
                 cache.batch_select_indices(keep)
                 rows, mask, start, step = rows[keep], mask[keep], start[keep], step[keep]
             out = self.model(input_ids=step.unsqueeze(1), attention_mask=mask[:, :width + t + 1],
-                             position_ids=(start + t).unsqueeze(1), past_key_values=cache, use_cache=True)
+                             position_ids=(start + t).unsqueeze(1), **with_cache(cache), use_cache=True)
             logits = out.logits[:, -1].float()
         return tokens.cpu()
