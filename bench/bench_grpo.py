@@ -30,9 +30,10 @@ from common import matmul_peak, summarize  # noqa: E402
 from covey.cpu import MALLOC_ENV  # noqa: E402
 
 RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc malloc reuse as `covey` sets it)
-    "covey": ("run_covey.py", [], [], True),                       # covey's defaults (fast engine, fp32 training,
-                                                                   # rollout.precision=auto: bf16 sampling if native)
-    "covey-fp32": ("run_covey.py", [], ["rollout.precision=float32"], True),  # everything fp32
+    "covey": ("run_covey.py", [], [], True),                       # covey's defaults: fast engine, fp32 weights,
+                                                                   # bf16 sampling and autocast where bf16 is native
+    "covey-fp32": ("run_covey.py", [], ["rollout.precision=float32", "model.autocast=none"], True),  # all fp32
+    "covey-fp32-train": ("run_covey.py", [], ["model.autocast=none"], True),  # fp32 passes, bf16 sampling if native
     "covey-plain-malloc": ("run_covey.py", [], [], False),          # without covey/cpu.py's malloc variables
     "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"], True),  # HF generate instead of the fast engine
     "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"], True),

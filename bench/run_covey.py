@@ -59,6 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     from covey import train as covey_train
     from covey.config import load_config
+    from covey.forward import resolve_autocast
 
     patch_flop_counter(covey_train)
     out_dir = tempfile.mkdtemp(prefix="bench-covey-")
@@ -73,7 +74,7 @@ def main() -> None:
                           completion_tokens=round(r["response/len_mean"] * n_seq),
                           train_flops=r["bench/train_flops"])
                for r in rows if "time/step" in r and "time/generate" in r]
-    precision = "bfloat16 (autocast)" if cfg.model.autocast == "bfloat16" else cfg.model.dtype
+    precision = "bfloat16 (autocast)" if resolve_autocast(cfg.model.autocast) == "bfloat16" else cfg.model.dtype
     write_result(args.result, args.name, records, {"precision": precision, "overrides": args.overrides})
 
 

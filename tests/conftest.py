@@ -16,6 +16,15 @@ def run_from_the_repo_root():
     os.chdir(before)
 
 
+@pytest.fixture(autouse=True)
+def no_native_bf16(monkeypatch):
+    """`auto` precisions resolve to fp32 in every test, so a test's numbers do not depend on whether the
+    machine running it has bf16 instructions. Tests of bf16 ask for it by name or patch this back.
+    (Subprocesses do not see the patch: tests that compare them with this process set fp32 by key.)"""
+    from covey import hardware
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + tokenizer saved as an HF folder (seconds to build)."""

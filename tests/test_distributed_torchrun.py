@@ -39,8 +39,9 @@ def overrides(model_dir, out_dir, run_name, preset_keys):
         model_dir, out_dir, **{"train.run_name": run_name, "rollout.seeding": "per_prompt", "optim.lr": 1e-3,
                                "reward.functions": "tests.test_distributed_torchrun:digit_share:1.0",
                                "reward.correctness": 0.0, "algo.minibatches": 1, "train.eval_every": 0,
-                               # torchrun samples in fp32; `auto` would pick bf16 in one process on an AMX CPU
-                               "rollout.precision": "float32", **preset_keys})
+                               # fp32: bf16 rounds differently at 1 and 2 processes (and the
+                               # subprocesses would resolve `auto` from the CPU's own flags)
+                               "rollout.precision": "float32", "model.autocast": "none", **preset_keys})
 
 
 def run_torchrun(args: list[str]) -> None:

@@ -7,11 +7,9 @@ from covey.config import ConfigError, load_config, validate_world
 from covey.data import format_prompts, load_task_data
 from covey.models import load_policy
 from covey.rewards.build import build_rewarder
-from covey.rollout import precision
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
-from covey.rollout.precision import (LowPrecisionEngine, copy_weights, cpu_has_native_bf16, low_precision_copy,
-                                     resolve_precision)
+from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
 from covey.train import build_run, make_engine, make_eval_engine, train_step
 from tests.conftest import tiny_overrides
 
@@ -19,31 +17,6 @@ from tests.conftest import tiny_overrides
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return load_policy(tiny_model_dir)
-
-
-def write_cpuinfo(path, flags: str) -> str:
-    path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {flags}\n\n"
-                    f"processor\t: 1\nflags\t\t: {flags}\n")
-    return str(path)
-
-
-def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
-    assert cpu_has_native_bf16(write_cpuinfo(tmp_path / "amx", "fpu sse avx2 avx512f amx_bf16 amx_tile"))
-    assert cpu_has_native_bf16(write_cpuinfo(tmp_path / "avx512", "fpu avx2 avx512f avx512_bf16"))
-    # avx512f alone runs bf16 matmuls by conversion (slow): not native
-    assert not cpu_has_native_bf16(write_cpuinfo(tmp_path / "zen3", "fpu sse avx avx2 fma avx512f"))
-    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
-
-
-def test_auto_picks_bf16_only_where_it_is_native(monkeypatch):
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    assert resolve_precision("auto", "cpu") == "bfloat16"
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-    assert resolve_precision("auto", "cpu") == "float32"
-    assert resolve_precision("bfloat16", "cpu") == "bfloat16"  # explicit settings are obeyed
-    assert resolve_precision("float32", "cpu") == "float32"
-    with pytest.raises(ValueError, match="rollout.precision='fp8'"):
-        resolve_precision("fp8")
 
 
 def test_copy_rounds_parameters_keeps_buffers_and_ties(tiny):

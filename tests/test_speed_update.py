@@ -20,10 +20,10 @@ def test_by_prompt_puts_groups_together_stably():
 def one_update(model, rollout, cfg, order_fn, monkeypatch):
     """Parameters after one SGD(lr=1) step of update_policy with micro-batches in `order_fn`'s order."""
     model = copy.deepcopy(model)
-    monkeypatch.setattr(update, "by_prompt", order_fn)
-    update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, cfg, 0.0, UpdateState(),
-                  torch.Generator().manual_seed(0))
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:  # undoes only this patch (not conftest's)
+        patch.setattr(update, "by_prompt", order_fn)
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, cfg, 0.0, UpdateState(),
+                      torch.Generator().manual_seed(0))
     return dict(model.named_parameters())
 
 

@@ -16,24 +16,13 @@ from a distribution within bf16 rounding of it.
 from __future__ import annotations
 
 import copy
-import functools
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from covey import hardware
+
 PRECISIONS = ("auto", "float32", "bfloat16")
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True on x86 CPUs with AMX-BF16 or AVX512-BF16 (Linux flags); elsewhere bf16 may be emulated (~40x slower)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def resolve_precision(setting: str, device: torch.device | str = "cpu") -> str:
@@ -42,10 +31,7 @@ def resolve_precision(setting: str, device: torch.device | str = "cpu") -> str:
         raise ValueError(f"rollout.precision={setting!r}: one of {', '.join(PRECISIONS)}")
     if setting != "auto":
         return setting
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if device.type == "cpu" and cpu_has_native_bf16() else "float32"
+    return "bfloat16" if hardware.native_bf16(device) else "float32"
 
 
 def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
