@@ -52,6 +52,7 @@ def on_device(part: Rollout, device: torch.device) -> Rollout:
 
 
 AUTOCAST = ("none", "bfloat16", "auto")
+BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/packing.py)
 
 
 def resolve_autocast(setting: str, device: torch.device | str = "cpu") -> str:
@@ -120,7 +121,8 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     first, inverse = shared
     width, n = ids.shape[1] - resp_len, ids.shape[0]
     prompt_mask, responses = mask[first, :width], ids[:, width:]
-    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0)
+    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
+                   width_multiple=BF16_WIDTH_MULTIPLE if resolve_autocast(precision, ids.device) == "bfloat16" else 1)
     attention = packing.attention
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))

@@ -57,15 +57,19 @@ def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[l
 
 
 def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tensor, prompt_mask: Tensor,
-         pad_id: int) -> Packing:
+         pad_id: int, width_multiple: int = 1) -> Packing:
     """Lay out responses (n, L') of real lengths (n,) whose first token sits at position starts (n,).
 
     `prompt_mask` (U, P) is the mask of each distinct prompt, `prompt_of_row` (n,) indexes it.
+    The packed width is padded up to a multiple of `width_multiple`: oneDNN's bf16 kernels keep
+    memory for every matrix shape they have seen, so a width that differs at every micro-batch
+    grew a bf16 run's resident memory by gigabytes (LOG.md, 2026-11-25); a few widths do not.
     """
     fed = (lengths - 1).clamp(min=0).tolist()
     owner_of_row = prompt_of_row.tolist()
     bins = plan_bins(fed, owner_of_row, max(max(fed, default=0), MIN_CAPACITY))
     width = max((sum(fed[r] for r in b) for b in bins), default=0)
+    width = -(-width // width_multiple) * width_multiple
     k, device = len(bins), responses.device
     input_ids = torch.full((k, width), pad_id, dtype=responses.dtype, device=device)
     targets, position_ids = torch.full_like(input_ids, pad_id), torch.zeros_like(input_ids)
