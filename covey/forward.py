@@ -64,6 +64,14 @@ def resolve_autocast(setting: str, device: torch.device | str = "cpu") -> str:
     return "bfloat16" if hardware.native_bf16(device) else "none"
 
 
+def half_precision(model) -> bool:
+    """True for a model whose weights are bf16 or fp16 (model.dtype), which computes in that precision."""
+    try:
+        return model.dtype in (torch.bfloat16, torch.float16)
+    except (AttributeError, StopIteration):  # no dtype, or no parameters of its own
+        return False
+
+
 def autocast_context(precision: str, device: torch.device | str = "cpu"):
     """Autocast on the device the inputs are on (torch.autocast("cpu") would leave CUDA passes in fp32)."""
     device = torch.device(device)
@@ -121,8 +129,9 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     first, inverse = shared
     width, n = ids.shape[1] - resp_len, ids.shape[0]
     prompt_mask, responses = mask[first, :width], ids[:, width:]
+    low = resolve_autocast(precision, ids.device) == "bfloat16" or half_precision(model)
     packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
-                   width_multiple=BF16_WIDTH_MULTIPLE if resolve_autocast(precision, ids.device) == "bfloat16" else 1)
+                   width_multiple=BF16_WIDTH_MULTIPLE if low else 1)
     attention = packing.attention
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))

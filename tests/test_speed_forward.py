@@ -120,3 +120,17 @@ def test_batched_reference_logprobs_unchanged(tiny, monkeypatch):
     monkeypatch.setattr(forward, "packs", lambda model: False)
     plain = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision, weights, multiple", [
+    ("none", torch.float32, 1), ("bfloat16", torch.float32, forward.BF16_WIDTH_MULTIPLE),
+    ("none", torch.bfloat16, forward.BF16_WIDTH_MULTIPLE)])
+def test_packed_width_is_bucketed_whenever_the_pass_runs_in_bf16(tiny_model_dir, monkeypatch, precision, weights,
+                                                                 multiple):
+    """bf16 autocast or bf16 weights: oneDNN would keep memory for every width (covey/packing.py)."""
+    model, tokenizer = load_policy(tiny_model_dir, dtype=weights)
+    seen = []
+    monkeypatch.setattr(forward, "pack", lambda *a, **k: seen.append(k["width_multiple"]) or packing.pack(*a, **k))
+    with torch.no_grad():
+        forward.policy_logprobs(model, grouped_rollout(tokenizer), 1.0, precision=precision)
+    assert seen == [multiple]
