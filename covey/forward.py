@@ -57,11 +57,7 @@ BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shap
 
 def resolve_autocast(setting: str, device: torch.device | str = "cpu") -> str:
     """model.autocast -> none | bfloat16. auto: bfloat16 only where the device computes it natively."""
-    if setting not in AUTOCAST:
-        raise ValueError(f"model.autocast={setting!r}: one of {', '.join(AUTOCAST)}")
-    if setting != "auto":
-        return setting
-    return "bfloat16" if hardware.native_bf16(device) else "none"
+    return hardware.resolve_auto("model.autocast", setting, AUTOCAST, "none", device)
 
 
 def half_precision(model) -> bool:
@@ -129,7 +125,8 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     first, inverse = shared
     width, n = ids.shape[1] - resp_len, ids.shape[0]
     prompt_mask, responses = mask[first, :width], ids[:, width:]
-    low = resolve_autocast(precision, ids.device) == "bfloat16" or half_precision(model)
+    precision = resolve_autocast(precision, ids.device)  # once: it picks the width multiple and the autocast
+    low = precision == "bfloat16" or half_precision(model)
     packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
                    width_multiple=BF16_WIDTH_MULTIPLE if low else 1)
     attention = packing.attention

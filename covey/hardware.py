@@ -30,3 +30,13 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def resolve_auto(key: str, setting: str, choices: tuple[str, ...], off: str, device: torch.device | str) -> str:
+    """A precision setting (`key` names it in errors) as given, or for `auto`: bfloat16 where `device`
+    computes it natively, `off` elsewhere."""
+    if setting not in choices:
+        raise ValueError(f"{key}={setting!r}: one of {', '.join(choices)}")
+    if setting != "auto":
+        return setting
+    return "bfloat16" if native_bf16(device) else off

@@ -27,11 +27,7 @@ PRECISIONS = ("auto", "float32", "bfloat16")
 
 def resolve_precision(setting: str, device: torch.device | str = "cpu") -> str:
     """rollout.precision -> float32 | bfloat16. auto: bfloat16 only where the hardware computes it natively."""
-    if setting not in PRECISIONS:
-        raise ValueError(f"rollout.precision={setting!r}: one of {', '.join(PRECISIONS)}")
-    if setting != "auto":
-        return setting
-    return "bfloat16" if hardware.native_bf16(device) else "float32"
+    return hardware.resolve_auto("rollout.precision", setting, PRECISIONS, "float32", device)
 
 
 def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
