@@ -202,10 +202,11 @@ class RMConfig:
     result (the error only arithmetic spots). Teaches the RM to check numbers, not style."""
     corruptions_per_prompt: int = 1
     """prm data: copies of the reference solution with one injected error, per prompt."""
-    corruption_kinds: str = "result,operand,operator,carry,unrelated"
+    corruption_kinds: str = "result,operand,operator,carry,unrelated,stopped"
     """prm data: errors to inject (comma list): result (wrong result), operand (misread number),
     operator (wrong operation), carry (previous result copied wrong), unrelated (a right equation
-    on small numbers that has nothing to do with the problem)."""
+    on small numbers that has nothing to do with the problem), stopped (right steps that end before
+    the answer)."""
     eval_fraction: float = 0.2
     """Held-out share of the data (split by prompt) for pair / step accuracy."""
     train_epochs: int = 2

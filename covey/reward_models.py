@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from covey.rewards.model import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
-                                 encode, read_rm_meta, read_values)
+                                 encode, end_marker_text, read_rm_meta, read_values)
 from covey.rewards.answers import NUMBER_RE, extract_answer, math_equal, normalize_number
 from covey.rewards.rules import correctness_reward
 from covey.tasks.multistep import (corrupt_solution, label_steps, parse_corruptions, reference_steps,
@@ -296,8 +296,11 @@ class RMTrainer:
     """Optimises one reward model; also measures pair / step accuracy."""
 
     def __init__(self, model, tokenizer, objective: str, *, lr: float, batch_size: int, max_length: int,
-                 margin: float = 0.0, separator: str = "\n", seed: int = 0):
+                 margin: float = 0.0, separator: str = "\n", seed: int = 0, precision: str = "none",
+                 end_marker: bool = False):
         self.model, self.tokenizer, self.objective = model, tokenizer, objective
+        self.end_text = end_marker_text(tokenizer, end_marker) if objective == "prm" else ""
+        self.precision = precision  # model.autocast: bf16 autocast of the forward passes where native
         self.batch_size, self.max_length, self.margin = batch_size, max_length, margin
         self.separator = decode_separator(separator)
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
@@ -314,13 +317,18 @@ class RMTrainer:
 
     def _values(self, prompts: list, completions: list[str], separator: str | None):
         """(values at the read-outs (n, S), the encoded batch); through the frozen-layer cache if filled."""
-        enc = encode(self.tokenizer, prompts, completions, self.max_length, separator)
-        if not self.hidden_cache:
-            return read_values(self.model, enc), enc
-        hidden = torch.nn.utils.rnn.pad_sequence([self.hidden_cache[repr(row)] for row in zip(prompts, completions)],
-                                                 batch_first=True)
-        values = self.model.values_from_hidden(hidden, enc.attention_mask, self.cached_layers)
-        return values.gather(1, enc.positions), enc
+        enc = encode(self.tokenizer, prompts, completions, self.max_length, separator, self.end_text)
+        with self._autocast():
+            if not self.hidden_cache:
+                return read_values(self.model, enc).float(), enc
+            hidden = torch.nn.utils.rnn.pad_sequence([self.hidden_cache[repr(row)] for row in zip(prompts, completions)],
+                                                     batch_first=True)
+            values = self.model.values_from_hidden(hidden, enc.attention_mask, self.cached_layers)
+        return values.float().gather(1, enc.positions), enc
+
+    def _autocast(self):
+        from covey.forward import autocast_context
+        return autocast_context(self.precision, self.model.head.weight.device)
 
     def cache_frozen_layers(self, examples: list) -> int:
         """Run the frozen lower layers once per input row and keep their output, so every epoch
@@ -330,8 +338,9 @@ class RMTrainer:
             return 0
         for start in range(0, len(examples), self.batch_size):
             prompts, texts, separator = self._rows(examples[start:start + self.batch_size])
-            enc = encode(self.tokenizer, prompts, texts, self.max_length, separator)
-            hidden = self.model.hidden_below(enc.input_ids, enc.attention_mask, self.cached_layers)
+            enc = encode(self.tokenizer, prompts, texts, self.max_length, separator, self.end_text)
+            with torch.no_grad(), self._autocast():
+                hidden = self.model.hidden_below(enc.input_ids, enc.attention_mask, self.cached_layers)
             for i, row in enumerate(zip(prompts, texts)):
                 self.hidden_cache[repr(row)] = hidden[i, :int(enc.attention_mask[i].sum())].clone()
         return self.cached_layers
@@ -448,6 +457,15 @@ def _load_start_model(spec: str):
     return ValueModel.from_policy_path(path), load_tokenizer(path)
 
 
+def _end_marker(base_model: str, objective: str) -> bool:
+    """Whether the PRM reads its last step on an end marker: always for a new PRM; a saved one
+    being continued keeps what it was trained with (folders from before the marker had none)."""
+    if objective != "prm":
+        return False
+    meta_file = Path(base_model) / RM_META_FILE
+    return json.loads(meta_file.read_text()).get("end_marker", False) if meta_file.is_file() else True
+
+
 def save_reward_model(out: Path, model, tokenizer, meta: dict, train: list, held: list) -> Path:
     """Write weights, tokenizer, meta and the data atomically (a temporary sibling renamed)."""
     out = Path(out)
@@ -495,9 +513,10 @@ def train_reward_model(cfg, log=print) -> dict:
     log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
     model, tokenizer = _load_start_model(rm.base_model)
     freeze_lower_layers(model, rm.train_layers)
+    end_marker = _end_marker(rm.base_model, rm.objective)
     trainer = RMTrainer(model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
                         max_length=rm.max_length, margin=rm.margin, separator=cfg.reward.step_separator,
-                        seed=cfg.train.seed)
+                        seed=cfg.train.seed, precision=cfg.model.autocast, end_marker=end_marker)
     key = "rm/pair_accuracy" if rm.objective == "bt" else "rm/step_accuracy"
     before = trainer.evaluate(held)
     log(f"covey train-rm: held-out {key.split('/')[1]} before training {before[key]:.1%}")
@@ -510,6 +529,7 @@ def train_reward_model(cfg, log=print) -> dict:
         from covey.data import load_task_data
         after.update(step_accuracy_by_category(load_task_data(cfg).train, held, step_hits, trainer.separator))
     meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
+            "end_marker": end_marker,
             "base_model": rm.base_model, "n_train": len(train), "n_counterfactual": len(extra), "n_eval": len(held),
             "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
     save_reward_model(Path(rm.output), model, tokenizer, meta, train, held)
@@ -529,7 +549,8 @@ def evaluate_reward_model(cfg, folder: str | Path, data: str | Path | None = Non
     data = Path(data) if data else Path(folder) / "eval_data.jsonl"
     examples = load_rm_data(data, objective, scorer.separator)
     trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=0.0, batch_size=cfg.rm.batch_size,
-                        max_length=scorer.max_length, separator=scorer.separator)
+                        max_length=scorer.max_length, separator=scorer.separator, precision=cfg.model.autocast,
+                        end_marker=bool(scorer.end_text))
     step_hits: list = []
     out = {"model": str(folder), "data": str(data), **trainer.evaluate(examples, step_hits)}
     if objective == "prm" and cfg.task.name == "multistep":
@@ -681,7 +702,8 @@ def make_refreshers(cfg, learned) -> list[RewardModelRefresher]:
             freeze_lower_layers(scorer.model, cfg.rm.train_layers)
         trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=cfg.rm.learning_rate,
                             batch_size=cfg.rm.batch_size, max_length=scorer.max_length, margin=cfg.rm.margin,
-                            separator=scorer.separator, seed=cfg.train.seed)
+                            separator=scorer.separator, seed=cfg.train.seed, precision=cfg.model.autocast,
+                            end_marker=bool(scorer.end_text))
         replay = ReplayBuffer(cfg.rm.replay_capacity, seed=cfg.train.seed)
         seed_file = Path(getattr(scorer, "path", "")) / "train_data.jsonl"
         if cfg.reward.iterative_every and seed_file.is_file():

@@ -15,7 +15,7 @@ from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, 
                                  pairs_from_group, pairwise_agreement, process_step_inputs, prm_loss, replay_count,
                                  save_rm_data, split_by_prompt, swap_final_answer, train_reward_model)
 from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
-                                 encode, step_spans, step_token_ends)
+                                 encode, end_marker_text, step_spans, step_token_ends)
 from covey.rollout.base import Rollout
 from covey.tasks.multistep import generate_multistep, label_steps, reference_steps, split_steps
 from tests.conftest import tiny_overrides
@@ -70,6 +70,22 @@ def test_read_out_positions_are_each_steps_last_token():
                    for p, end in zip(enc.positions[0].tolist(), ["= 19", "= 57", "Answer: 57"]))
     short = encode(tok, ["What?"], [text], max_length=10, separator="\n")  # the first step is cut off
     assert short.position_mask[0].tolist() == [False, True, True] and short.counts == [3]
+
+
+def test_end_marker_moves_the_last_read_out_onto_eos():
+    """With the end marker a PRM reads its last step on the EOS token after it, so "stopped here"
+    and "goes on" read different tokens; the other steps and the step count stay the same."""
+    tok = tiny_tokenizer()
+    eos = end_marker_text(tok, True)
+    assert eos == tok.eos_token and end_marker_text(tok, False) == ""
+    text = "12 + 7 = 19\n19 * 3 = 57\n\n"  # trailing blank lines go first: still two steps
+    plain = encode(tok, ["What?"], [text], max_length=384, separator="\n")
+    marked = encode(tok, ["What?"], [text], max_length=384, separator="\n", end_text=eos)
+    assert marked.counts == plain.counts == [2]
+    first, last = marked.positions[0].tolist()
+    assert first == plain.positions[0, 0] and marked.input_ids[0, last] == tok.eos_token_id
+    assert last == int(marked.attention_mask[0].sum()) - 1
+    assert encode(tok, ["What?"], ["  "], 384, "\n", eos).counts == [0]  # no step: no marker either
 
 
 def test_step_token_ends_map_steps_to_policy_tokens():
@@ -262,6 +278,7 @@ def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
     generated = load_rm_data(folder.parent / "generated.jsonl", "prm")  # rm.save_data: the same rows, reusable
     assert sorted(map(repr, generated)) == sorted(map(repr, rows))
     assert len(rows) == 40 and any(1 in r.labels for r in rows) and any(0 in r.labels for r in rows)
+    assert meta["end_marker"] and ProcessRewardModel.load(folder).end_text  # a new PRM reads the end; kept on reload
     for key in ("rm/step_accuracy", "rm/step_balanced_accuracy", "rm/positive_step_frac"):
         assert 0.0 <= meta["after"][key] <= 1.0
     prm = ProcessRewardModel.load(folder)
@@ -482,6 +499,33 @@ def test_fit_with_the_frozen_layer_cache_matches_fit_without_it(monkeypatch):
     assert cached_losses == pytest.approx(plain_losses, abs=1e-5) and cached_losses[-1] < cached_losses[0]
     assert cached_acc == plain_acc
     torch.testing.assert_close(cached_head, plain_head, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_autocast_values_match_fp32_and_training_still_learns():
+    """model.autocast=bfloat16 runs the RM's passes in bf16 (native on AVX512-BF16 / AMX / GPUs):
+    values stay within bf16 rounding of fp32 on both paths (whole inputs and the frozen-layer
+    cache), come back as fp32, and a bf16 fit still lowers the loss."""
+    from covey.reward_models import RMTrainer
+    examples = [StepExample(ex.prompt, sol, label_steps(ex, sol)[1])
+                for ex in generate_multistep(6, seed=2) for sol in corrupted_solutions(ex, random.Random(0))]
+    model, tok = _tiny_value_model(train_layers=1)
+    plain = RMTrainer(model, tok, "prm", lr=1e-2, batch_size=4, max_length=128, seed=0)
+    bf16 = RMTrainer(model, tok, "prm", lr=1e-2, batch_size=4, max_length=128, seed=0, precision="bfloat16")
+    rows = plain._rows(examples[:4])
+    with torch.no_grad():
+        reference, enc = plain._values(*rows)
+        whole, _ = bf16._values(*rows)
+        bf16.cache_frozen_layers(examples[:4])
+        cached, _ = bf16._values(*rows)
+        bf16.hidden_cache, bf16.cached_layers = {}, 0
+    assert whole.dtype == cached.dtype == torch.float32
+    real = enc.position_mask
+    scale = reference[real].abs().max()
+    for values in (whole, cached):  # bf16 keeps 8 bits of mantissa: ~1% of the values' scale
+        assert (values[real] - reference[real]).abs().max() < 0.05 * scale
+    losses = []
+    bf16.fit(examples, epochs=3, log=lambda epoch, loss: losses.append(loss))
+    assert losses[-1] < losses[0]
 
 
 def test_step_accuracy_by_category_by_hand():

@@ -54,6 +54,8 @@ def test_reference_solution_is_all_correct_and_scores_one():
     ("12 + 7 = 20\n20 * 3 = 60\n60 - 5 = 55\nAnswer: 55", [0, 0, 0, 0]),  # error propagates
     ("12 + 7 = 20\n19 * 3 = 57\n57 - 5 = 52\nAnswer: 52", [0, 1, 1, 1]),  # restated right value
     ("12 + 7 = 19\n19 * 4 = 76\n76 - 5 = 71", [1, 0, 0]),                  # wrong operand
+    ("12 + 7 = 19\n19 * 3 = 57", [1, 0]),                   # right, but it stops before the last step
+    ("12 + 7 = 19\n19 * 3 = 57\n\n", [1, 0]),               # ... also with trailing blank lines
     ("12 - 7 = 5\n5 * 3 = 15", [0, 0]),                                    # wrong operator
     ("Let's compute.\n12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52", [0, 1, 1, 1]),  # chatter scores 0
     ("Step 1: 12 + 7 = 19\n2. 19 × 3 = 57\n57 − 5 = 52.", [1, 1, 1]),       # prefixes, ×, unicode minus
@@ -88,7 +90,7 @@ class ScriptedRng:
     def __init__(self, k, n):
         self.k, self.n = k, n
 
-    def randrange(self, _):
+    def randrange(self, *_):
         return self.k
 
     def choice(self, seq):
@@ -109,6 +111,8 @@ class ScriptedRng:
     ("carry", 1, 2, ["12 + 7 = 19", "21 * 3 = 63", "63 - 5 = 58", "Answer: 58"], [1, 0, 0, 0]),
     # step 1 replaced by 3 * 3 = 9 (operands = n, operator = the last of + - *): 9 * 3 = 27, 27 - 5 = 22
     ("unrelated", 0, 3, ["3 * 3 = 9", "9 * 3 = 27", "27 - 5 = 22", "Answer: 22"], [0, 0, 0, 0]),
+    # the first k = 2 reference steps, then nothing: the last of them ends the text too early
+    ("stopped", 2, 0, ["12 + 7 = 19", "19 * 3 = 57"], [1, 0]),
 ])
 def test_corrupt_solution_by_hand(kind, k, n, lines, labels):
     text = corrupt_solution(EX, ScriptedRng(k, n), kind)
@@ -141,7 +145,9 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
     ("12 + 8 = 20", ["first_error:operand"]),
     ("2 + 3 = 5", ["first_error:unrelated"]),                             # both operands wrong
     ("13 + 8 = 21", ["first_error:unrelated"]),
-    ("I think\n12 + 7 = 19", ["first_error:other", "correct"]),          # chatter, then a right step
+    ("I think\n12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52",
+     ["first_error:other"] + ["correct"] * 3),                             # chatter, then right steps
+    ("12 + 7 = 19\n19 * 3 = 57", ["correct", "first_error:stopped"]),      # ends before the last step
     ("12 + 7 = 19\n19 * 3 = 57\n57 - 5 = 52\n52 + 1 = 53", ["correct"] * 3 + ["first_error:other"]),  # extra step
 ])
 def test_step_categories(completion, categories):

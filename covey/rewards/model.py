@@ -69,6 +69,11 @@ def step_spans(text: str, separator: str = "\n") -> list[tuple[int, int]]:
     return spans
 
 
+def end_marker_text(tokenizer, end_marker: bool) -> str:
+    """The end marker's text (the tokenizer's EOS token), or "" when off or the tokenizer has none."""
+    return (getattr(tokenizer, "eos_token", None) or "") if end_marker else ""
+
+
 @dataclass
 class Encoded:
     """A right-padded batch and the token positions whose values are read.
@@ -104,15 +109,27 @@ def read_points(offsets: list, start_char: int, completion: str, separator: str 
     return [_last_token_before(offsets, start_char + end) for _, end in step_spans(completion, separator)]
 
 
+def with_end(completion: str, end_text: str) -> str:
+    """The completion as a PRM with an end marker reads it: `end_text` (the tokenizer's EOS) right
+    after the last step, so that step's read-out sits on the marker and sees that the solution ends
+    there (a solution that stops before its answer ends on a wrong step, `label_steps`).
+    Trailing whitespace goes first, so the steps stay the pieces of `split_steps`."""
+    if not end_text or not completion.strip():
+        return completion
+    return completion.rstrip() + end_text
+
+
 def encode(tokenizer, prompts: list, completions: list[str], max_length: int,
-           separator: str | None = None) -> Encoded:
+           separator: str | None = None, end_text: str = "") -> Encoded:
     """Tokenise prompt + completion; read-outs at the last token (separator None) or at step ends.
 
     Inputs longer than `max_length` keep their last `max_length` tokens (the
     completion matters most); a step whose end falls in the cut part is masked.
+    `end_text`: see `with_end`.
     """
     rows, reads = [], []
     for prompt, completion in zip(prompts, completions):
+        completion = with_end(completion, end_text)
         head = prompt_text(tokenizer, prompt)
         enc = tokenizer(head + completion, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
@@ -139,10 +156,11 @@ def _right_padded(tokenizer, rows: list[list[int]], reads: list[list[int]]) -> E
 
 
 def completion_piece(tokenizer, head_ids: list[int], head: str, completion: str, max_length: int,
-                     separator: str | None) -> tuple[list[int], list[int]] | None:
+                     separator: str | None, end_text: str = "") -> tuple[list[int], list[int]] | None:
     """(completion token ids, read-outs among them) when `head + completion` tokenises as the head's
     tokens followed by the completion's and fits `max_length`: then the head's KV cache can serve every
     completion of a prompt. None otherwise (a token merging across the boundary, a cut input)."""
+    completion = with_end(completion, end_text)
     joint = tokenizer(head + completion, add_special_tokens=False)["input_ids"]
     enc = tokenizer(completion, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
@@ -171,10 +189,11 @@ class LearnedReward:
     objective = "bt"
 
     def __init__(self, model, tokenizer, *, max_length: int = 384, separator: str = "\n",
-                 batch_size: int = 16):
+                 batch_size: int = 16, end_marker: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
         self.separator = decode_separator(separator)
+        self.end_text = end_marker_text(tokenizer, end_marker)
         self.share_prompt = True  # False: every input runs whole (the reference path, for tests)
         self.lock = threading.Lock()
 
@@ -189,6 +208,7 @@ class LearnedReward:
                                    f"expected '{cls.objective}'")
         kwargs.setdefault("max_length", meta.get("max_length", 384))
         kwargs.setdefault("separator", meta.get("separator", "\n"))
+        kwargs.setdefault("end_marker", meta.get("end_marker", False))  # folders from before it: none
         model = ValueModel.from_pretrained(path)
         model.eval()
         out = cls(model, load_tokenizer(str(path)), **kwargs)
@@ -205,8 +225,10 @@ class LearnedReward:
             whole = []
             for head, rows in self._by_prompt(prompts).items():
                 head_ids = list(self.tokenizer(head, add_special_tokens=False)["input_ids"])
+                end = self.end_text if separator is not None else ""
                 pieces = ({i: completion_piece(self.tokenizer, head_ids, head, completions[i], self.max_length,
-                                               separator) for i in rows} if self.share_prompt else dict.fromkeys(rows))
+                                               separator, end) for i in rows}
+                          if self.share_prompt else dict.fromkeys(rows))
                 whole += [i for i in rows if pieces[i] is None]
                 shared = [i for i in rows if pieces[i] is not None]
                 for start in range(0, len(shared), self.batch_size):
@@ -217,7 +239,7 @@ class LearnedReward:
             for start in range(0, len(whole), self.batch_size):
                 batch = whole[start:start + self.batch_size]
                 enc = encode(self.tokenizer, [prompts[i] for i in batch], [completions[i] for i in batch],
-                             self.max_length, separator)
+                             self.max_length, separator, self.end_text if separator is not None else "")
                 for i, v in zip(batch, self._read(read_values(self.model, enc), enc)):
                     out[i] = v
             self.model.train(was_training)

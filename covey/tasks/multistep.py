@@ -119,7 +119,7 @@ def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tupl
 
 # ------------------------------------------------------------ wrong solutions
 
-CORRUPTIONS = ("result", "operand", "operator", "carry", "unrelated")
+CORRUPTIONS = ("result", "operand", "operator", "carry", "unrelated", "stopped")
 
 
 def parse_corruptions(spec: str) -> tuple[str, ...]:
@@ -141,13 +141,19 @@ def corrupt_solution(example: Example, rng: random.Random, kind: str) -> str:
     operand, consistent result ("19 * 4 = 76"); operator: the wrong operation
     ("19 + 3 = 22"); carry: the previous result copied wrong ("21 * 3 = 63");
     unrelated: a right equation on small numbers that has nothing to do with the
-    problem ("2 + 3 = 5", what a policy copies from an example in the prompt).
-    Only `result` needs arithmetic to spot; the others need the prompt or the
-    previous line, which is what a policy gets wrong too.
+    problem ("2 + 3 = 5", what a policy copies from an example in the prompt);
+    stopped: right steps that end before the last one, no answer given (what a
+    policy rewarded step by step learns to write). Only `result` needs arithmetic
+    to spot; the others need the prompt, the previous line or the end of the text,
+    which is what a policy gets wrong too.
     """
     if kind not in CORRUPTIONS:
         raise ValueError(f"unknown corruption {kind!r}; choose from {', '.join(CORRUPTIONS)}")
     ops = [(op, int(y)) for op, y in example.meta["ops"]]
+    if kind == "stopped" and len(ops) == 1:
+        kind = "result"  # a one-step solution cannot stop before its last step
+    if kind == "stopped":
+        return "\n".join(reference_steps(example.meta["start"], ops[:rng.randrange(1, len(ops))]))
     k = rng.randrange(len(ops))
     lines = reference_steps(example.meta["start"], ops[:k])
     value = int(lines[-1].rsplit("=", 1)[1]) if lines else int(example.meta["start"])
@@ -203,17 +209,21 @@ def label_steps(example: Example, completion: str, separator: str = "\n") -> tup
     after a mistake later steps are wrong unless they restate the right values.
     A non-equation step is correct only if it is the last step and states the
     right final answer ("Answer: 52"); chatter and extra equations score 0.
+    The last step must also finish the solution: an equation that ends the text
+    is correct only if it is the reference's last step. A solution that stops
+    early therefore ends on a wrong step; without this rule, rewarding steps
+    pays a policy for writing one right equation and stopping (docs/rewards.md).
     """
     expected = [_parse_equation(line) for line in reference_steps(example.meta["start"], example.meta["ops"])]
     steps = split_steps(completion, separator)
     labels, k = [], 0
     for i, step in enumerate(steps):
         eq = _parse_equation(step)
+        last = i == len(steps) - 1
         if eq is not None:
-            labels.append(int(k < len(expected) and eq == expected[k]))
+            labels.append(int(k < len(expected) and eq == expected[k] and (not last or k == len(expected) - 1)))
             k += 1
         else:
-            last = i == len(steps) - 1
             labels.append(int(last and math_equal(extract_answer(step), example.answer)))
     return steps, labels
 
@@ -240,7 +250,8 @@ def step_categories(example: Example, completion: str, separator: str = "\n") ->
 
 def _error_kind(step: tuple | None, reference: tuple | None) -> str:
     """unrelated when both operands are wrong, else which field of 'a op b = c' departs from the
-    reference step first: carry, operator, operand, result."""
+    reference step first: carry, operator, operand, result; stopped for the right step on which
+    a solution ends too early."""
     if step is None or reference is None:
         return "other"
     if step[0] != reference[0] and step[2] != reference[2]:
@@ -248,4 +259,4 @@ def _error_kind(step: tuple | None, reference: tuple | None) -> str:
     for kind, mine, right in zip(("carry", "operator", "operand", "result"), step, reference):
         if mine != right:
             return kind
-    return "other"
+    return "stopped"
