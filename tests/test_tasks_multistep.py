@@ -132,6 +132,9 @@ def test_corrupt_solution_first_error_is_labelled_and_later_steps_follow_it():
         values = [int(line.rsplit("=", 1)[1]) for line in text.split("\n")[:-1]]
         for line, before in zip(text.split("\n")[k + 1:-1], values[k:]):
             assert int(line.split()[0]) == before  # every later step starts from the previous result
+    one_step = generate_multistep(1, seed=3, min_ops=1, max_ops=1)[0]
+    text = corrupt_solution(one_step, random.Random(0), "stopped")  # nothing to stop before: a wrong result
+    assert label_steps(one_step, text)[1] == [0, 0] and step_categories(one_step, text)[0] == "first_error:result"
     with pytest.raises(ValueError, match="unknown corruption 'typo'"):
         corrupt_solution(EX, random.Random(0), "typo")
 
