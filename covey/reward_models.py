@@ -746,10 +746,26 @@ def process_step_inputs(rollout, tokenizer, prompts, examples, prm, source: str,
     metrics = {"steps/per_sample": float(step_mask.sum(1).float().mean()),
                "steps/score_mean": float(step_scores[step_mask].mean()) if step_mask.any() else 0.0}
     if exact is not None and source == "prm":
-        hits = [(p > 0.5) == bool(y) for s, labels in zip(scores, exact) for p, y in zip(s, labels)]
-        metrics["prm/step_accuracy"] = sum(hits) / max(len(hits), 1)
+        metrics.update(prm_batch_metrics(scores, exact))
     inputs = {"step_scores": step_scores.to(rollout.scores.dtype), "step_ends": step_ends, "step_mask": step_mask}
     return inputs, metrics
+
+
+def prm_batch_metrics(probabilities: list[list[float]], labels: list[list[int]]) -> dict:
+    """The PRM against the exact step labels on a batch (a step is called right when p > 0.5):
+    accuracy, precision (share of the steps it calls right that are right) and the false-positive
+    rate (share of wrong steps called right). When right steps are rare, precision is what decides
+    whether its step rewards teach: a 10% false-positive rate against 10% right steps puts half of
+    the reward on wrong steps while accuracy still reads 90%."""
+    pairs = [(p > 0.5, bool(y)) for ps, ys in zip(probabilities, labels) for p, y in zip(ps, ys)]
+    called_right = [y for called, y in pairs if called]
+    wrong = [called for called, y in pairs if not y]
+    out = {"prm/step_accuracy": sum(called == y for called, y in pairs) / max(len(pairs), 1)}
+    if called_right:
+        out["prm/step_precision"] = sum(called_right) / len(called_right)
+    if wrong:
+        out["prm/step_false_positive_rate"] = sum(wrong) / len(wrong)
+    return out
 
 
 def add_outcome_to_last_step(step_scores: torch.Tensor, step_mask: torch.Tensor, outcome: torch.Tensor,

@@ -302,6 +302,18 @@ def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_di
     assert all(row.prompt in prompts and 0 in row.labels for row in train[len(before):])
 
 
+def test_prm_batch_metrics_by_hand():
+    from covey.reward_models import prm_batch_metrics
+    # 6 steps: labels 1 0 0 | 0 0 1; PRM p: .9 .8 .1 | .2 .6 .4 -> called right: steps 1, 2, 5.
+    # accuracy: steps 1, 3, 4 agree -> 3/6; precision: of 3 called right, 1 is right -> 1/3;
+    # false positives: of 4 wrong steps (2, 3, 4, 5), 2 are called right (2, 5) -> 1/2.
+    out = prm_batch_metrics([[0.9, 0.8, 0.1], [0.2, 0.6, 0.4]], [[1, 0, 0], [0, 0, 1]])
+    assert out == pytest.approx({"prm/step_accuracy": 0.5, "prm/step_precision": 1 / 3,
+                                 "prm/step_false_positive_rate": 0.5})
+    # nothing called right, no wrong step: only the accuracy is defined
+    assert prm_batch_metrics([[0.1]], [[1]]) == {"prm/step_accuracy": 0.0}
+
+
 def test_process_step_inputs_exact_labels_feed_grpo_process():
     tok = tiny_tokenizer()
     ex = generate_multistep(1, seed=5, min_ops=2, max_ops=2)[0]
