@@ -462,8 +462,9 @@ def _end_marker(base_model: str, objective: str) -> bool:
     being continued keeps what it was trained with (folders from before the marker had none)."""
     if objective != "prm":
         return False
-    meta_file = Path(base_model) / RM_META_FILE
-    return json.loads(meta_file.read_text()).get("end_marker", False) if meta_file.is_file() else True
+    if not (Path(base_model) / RM_META_FILE).is_file():
+        return True
+    return read_rm_meta(base_model).get("end_marker", False)
 
 
 def save_reward_model(out: Path, model, tokenizer, meta: dict, train: list, held: list) -> Path:

@@ -88,6 +88,18 @@ def test_end_marker_moves_the_last_read_out_onto_eos():
     assert encode(tok, ["What?"], ["  "], 384, "\n", eos).counts == [0]  # no step: no marker either
 
 
+def test_a_continued_prm_keeps_its_end_marker_setting(tmp_path):
+    from covey.reward_models import _end_marker
+    old, new = tmp_path / "old", tmp_path / "new"
+    for folder, meta in ((old, {"objective": "prm"}), (new, {"objective": "prm", "end_marker": True})):
+        folder.mkdir()
+        (folder / "covey_rm.json").write_text(json.dumps(meta))
+    assert _end_marker(str(old), "prm") is False  # saved before the marker: read as it was trained
+    assert _end_marker(str(new), "prm") is True
+    assert _end_marker(str(tmp_path / "a-policy"), "prm") is True  # a new PRM from a policy backbone
+    assert _end_marker(str(new), "bt") is False  # an outcome RM reads the last token anyway
+
+
 def test_step_token_ends_map_steps_to_policy_tokens():
     tok = tiny_tokenizer()
     ids = tok("12 + 7 = 19\n19 * 3 = 57\nAnswer: 57", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -219,13 +219,13 @@ class LearnedReward:
         """Read-out values per completion. Completions of one prompt share one pass over the prompt
         (its KV cache, expanded); those that cannot (see `completion_piece`) run whole, padded."""
         out: list[list[float] | None] = [None] * len(completions)
+        end = self.end_text if separator is not None else ""  # the marker is for step read-outs only
         with self.lock, torch.inference_mode():
             was_training = self.model.training
             self.model.eval()
             whole = []
             for head, rows in self._by_prompt(prompts).items():
                 head_ids = list(self.tokenizer(head, add_special_tokens=False)["input_ids"])
-                end = self.end_text if separator is not None else ""
                 pieces = ({i: completion_piece(self.tokenizer, head_ids, head, completions[i], self.max_length,
                                                separator, end) for i in rows}
                           if self.share_prompt else dict.fromkeys(rows))
@@ -239,7 +239,7 @@ class LearnedReward:
             for start in range(0, len(whole), self.batch_size):
                 batch = whole[start:start + self.batch_size]
                 enc = encode(self.tokenizer, [prompts[i] for i in batch], [completions[i] for i in batch],
-                             self.max_length, separator, self.end_text if separator is not None else "")
+                             self.max_length, separator, end)
                 for i, v in zip(batch, self._read(read_values(self.model, enc), enc)):
                     out[i] = v
             self.model.train(was_training)
