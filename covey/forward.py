@@ -93,10 +93,9 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     with autocast_context(precision, ids.device):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=resp_len + 1, use_cache=False)
-    logits = out.logits[:, :-1].float()
-    targets = ids[:, -resp_len:]
-    logp = algos.selective_log_softmax(logits, targets, temperature=temperature)
-    entropy = algos.entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
+    logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
+                                               with_entropy=with_entropy)
     return logp, entropy, resp_len
 
 
@@ -140,14 +139,14 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
         rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
                      **with_cache(cache), use_cache=True).logits
     head = out.logits[:, -1:][inverse]  # (n, 1, V): scores response token 0
-    logp = torch.cat([algos.selective_log_softmax(head, responses[:, :1], temperature=temperature),
-                      unpack(algos.selective_log_softmax(rest, packing.targets, temperature=temperature),
-                             packing, n, resp_len - 1)], dim=1)
+    head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature,
+                                                         with_entropy=with_entropy)
+    rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature,
+                                                         with_entropy=with_entropy)
+    logp = torch.cat([head_logp, unpack(rest_logp, packing, n, resp_len - 1)], dim=1)
     entropy = None
     if with_entropy:
-        entropy = torch.cat([algos.entropy_from_logits(head, temperature=temperature),
-                             unpack(algos.entropy_from_logits(rest, temperature=temperature),
-                                    packing, n, resp_len - 1)], dim=1)
+        entropy = torch.cat([head_entropy, unpack(rest_entropy, packing, n, resp_len - 1)], dim=1)
     return logp, entropy, resp_len
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from covey.algos import entropy_from_logits, selective_log_softmax
+from covey.algos import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
 
 F64 = torch.float64
 
@@ -61,6 +61,46 @@ def test_entropy_by_hand_and_against_reference():
                           torch.autograd.grad((ref * w).sum(), logits)[0])
 
 
+def test_fused_pair_by_hand():
+    # logits [0, ln 3] -> p = [1/4, 3/4]; chosen 1: log 0.75; H = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335
+    logits = torch.tensor([[[0.0, math.log(3)]]], dtype=F64)
+    logp, entropy = logprobs_and_entropy(logits, torch.tensor([[1]]))
+    assert logp.item() == pytest.approx(math.log(0.75))
+    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    logp_only, none = logprobs_and_entropy(logits, torch.tensor([[1]]), with_entropy=False)
+    assert none is None and logp_only.item() == pytest.approx(math.log(0.75))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_pair_values_and_gradients_match_full_log_softmax(chunk, temperature):
+    # one pass gives both outputs; the gradient of any mix of them (or of one alone) is autograd's
+    logits, tokens = case(seed=4)
+    logp, entropy = logprobs_and_entropy(logits, tokens, temperature, chunk)
+    lp = torch.log_softmax(logits / temperature, -1)
+    ref_logp, ref_entropy = lp.gather(-1, tokens[..., None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
+    assert torch.allclose(logp, ref_logp) and torch.allclose(entropy, ref_entropy)
+    w1, w2 = torch.randn(logp.shape, dtype=F64), torch.randn(logp.shape, dtype=F64)
+    for mine, ref in (((logp * w1).sum() + (entropy * w2).sum(), (ref_logp * w1).sum() + (ref_entropy * w2).sum()),
+                      ((logp * w1).sum(), (ref_logp * w1).sum()),
+                      ((entropy * w2).sum(), (ref_entropy * w2).sum())):
+        g, = torch.autograd.grad(mine, logits, retain_graph=True)
+        rg, = torch.autograd.grad(ref, logits, retain_graph=True)
+        assert torch.allclose(g, rg)
+    assert torch.autograd.gradcheck(lambda x: logprobs_and_entropy(x, tokens[:2, :3], 0.9, 2),
+                                    (logits[:2, :3].detach().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_float32_logits_are_not_changed_in_place(temperature):
+    # the blocks are worked on in place: at temperature 1 a float32 block must still be copied first
+    logits, tokens = case(dtype=torch.float32)
+    before = logits.detach().clone()
+    logp, entropy = logprobs_and_entropy(logits, tokens, temperature, chunk_size=5)
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.equal(logits.detach(), before)
+
+
 def test_bfloat16_logits_compute_in_float32():
     logits, tokens = case(dtype=torch.bfloat16)
     out = selective_log_softmax(logits, tokens)
@@ -89,7 +129,8 @@ def test_no_full_vocabulary_copy_is_saved():
     logits, tokens = case(shape=(4, 8, 50), dtype=torch.float32)
     rows = 4 * 8
     for fn in (lambda x: selective_log_softmax(x, tokens, temperature=0.7, chunk_size=4),
-               lambda x: entropy_from_logits(x, temperature=0.7, chunk_size=4)):
+               lambda x: entropy_from_logits(x, temperature=0.7, chunk_size=4),
+               lambda x: logprobs_and_entropy(x, tokens, temperature=1.0, chunk_size=4)):
         assert max(saved_numels(fn, logits)) <= rows   # only (N, L) tensors besides the logits
     # the naive version saves a full (N, L, V) log-softmax: the check above would catch it
     naive = saved_numels(lambda x: torch.log_softmax(x / 0.7, -1).gather(-1, tokens[..., None]), logits)

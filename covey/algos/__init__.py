@@ -17,7 +17,7 @@ from covey.algos.advantages import (
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, step_totals
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
-from covey.algos.logits import entropy_from_logits, full_kl, selective_log_softmax
+from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
 from covey.algos.losses import (
     LOG_RATIO_CLAMP, POLICY_LOSSES, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss, ppo_clip_loss,
     value_loss,
@@ -33,7 +33,7 @@ __all__ = [
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLossOptions",
     "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
-    "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl",
+    "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
     "masked_mean", "masked_std", "pg_loss", "policy_loss", "ppo_clip_loss", "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",

@@ -54,61 +54,74 @@ def _check(temperature: float, chunk_size: int) -> None:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
-class _ChosenLogProb(torch.autograd.Function):
-    """log softmax(z)[token] = z[token] - logsumexp(z); d/dz_j = [j == token] - p_j."""
+def _scaled(block: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """A fresh float copy of block / temperature (callers work on it in place; no division at 1)."""
+    z = block.to(dtype, copy=True)
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """Chosen-token log-prob and, optionally, entropy from one pass over each block.
+
+    With t = z - max(z), s = sum_j exp(t_j) and p = exp(t) / s:
+      log p[token] = t[token] - log s          d/dz_j = [j == token] - p_j
+      H = log s - sum_j p_j t_j                dH/dz_j = -p_j (z_j - sum_k p_k z_k)
+    Sharing t and exp(t) between the two saves a vocabulary-wide logsumexp pass; the
+    backward recomputes p once per block and adds only the terms whose output is used.
+    """
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature, chunk_size):
+    def forward(ctx, logits, tokens, temperature, chunk_size, with_entropy):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: its term is skipped
         tok = tokens.reshape(-1, 1).long()
-        out = _new(logits, tok.shape[0])
-        lse = torch.empty_like(out)
+        logp = _new(logits, tok.shape[0])
+        lse = torch.empty_like(logp)
+        mean_z = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for s, e, block in _blocks(logits, chunk_size):
-            z = block.to(out.dtype) / temperature
-            lse[s:e] = torch.logsumexp(z, -1)
-            out[s:e] = z.gather(-1, tok[s:e]).squeeze(-1) - lse[s:e]
-        ctx.save_for_backward(logits, tok, lse)
+            t = _scaled(block, logp.dtype, temperature)
+            top = t.amax(-1, keepdim=True)
+            t.sub_(top)
+            chosen = t.gather(-1, tok[s:e]).squeeze(-1)
+            if with_entropy:
+                exp_t = torch.exp(t)
+                total = exp_t.sum(-1)
+                mean_t = torch.linalg.vecdot(exp_t, t) / total
+                entropy[s:e] = total.log() - mean_t
+                mean_z[s:e] = top.squeeze(-1) + mean_t
+            else:
+                total = t.exp_().sum(-1)
+            log_total = total.log()
+            lse[s:e] = top.squeeze(-1) + log_total
+            logp[s:e] = chosen - log_total
+        ctx.save_for_backward(logits, tok, lse, mean_z)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out.view(tokens.shape)
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        entropy = entropy.view(tokens.shape) if with_entropy else entropy
+        return logp.view(tokens.shape), entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
-        logits, tok, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, tok, lse, mean_z = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat_grad = grad.view(-1, logits.shape[-1])
-        g = grad_out.reshape(-1, 1).to(lse.dtype)
+        g_lp = grad_logp.reshape(-1, 1).to(lse.dtype) if grad_logp is not None else None
+        g_h = grad_entropy.reshape(-1, 1).to(lse.dtype) if grad_entropy is not None and mean_z.numel() else None
         for s, e, block in _blocks(logits, ctx.chunk_size):
-            p = torch.exp(block.to(lse.dtype) / ctx.temperature - lse[s:e, None])
-            gz = (-p * g[s:e]).scatter_add_(-1, tok[s:e], g[s:e])
-            flat_grad[s:e] = gz / ctx.temperature
-        return grad, None, None, None
-
-
-class _Entropy(torch.autograd.Function):
-    """H = logsumexp(z) - sum_j p_j z_j; dH/dz_j = -p_j (z_j - sum_k p_k z_k)."""
-
-    @staticmethod
-    def forward(ctx, logits, temperature, chunk_size):
-        lse = _new(logits, _positions(logits))
-        mean_z = torch.empty_like(lse)
-        for s, e, block in _blocks(logits, chunk_size):
-            z = block.to(lse.dtype) / temperature
-            lse[s:e] = torch.logsumexp(z, -1)
-            mean_z[s:e] = (torch.exp(z - lse[s:e, None]) * z).sum(-1)
-        ctx.save_for_backward(logits, lse, mean_z)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return (lse - mean_z).view(logits.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, lse, mean_z = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        flat_grad = grad.view(-1, logits.shape[-1])
-        g = grad_out.reshape(-1, 1).to(lse.dtype)
-        for s, e, block in _blocks(logits, ctx.chunk_size):
-            z = block.to(lse.dtype) / ctx.temperature
-            p = torch.exp(z - lse[s:e, None])
-            flat_grad[s:e] = -p * (z - mean_z[s:e, None]) * g[s:e] / ctx.temperature
-        return grad, None, None
+            p = _scaled(block, lse.dtype, ctx.temperature)
+            if g_h is not None:
+                coef = (p - mean_z[s:e, None]).mul_(g_h[s:e])        # g_H (z_j - E_p[z])
+                if g_lp is not None:
+                    coef.add_(g_lp[s:e])
+            p.sub_(lse[s:e, None]).exp_()
+            if g_h is not None:
+                p.mul_(coef).neg_()
+            else:  # autograd calls backward only when at least one output is used
+                p.mul_(-g_lp[s:e])
+            if g_lp is not None:
+                p.scatter_add_(-1, tok[s:e], g_lp[s:e])
+            flat_grad[s:e] = p if ctx.temperature == 1.0 else p.div_(ctx.temperature)
+        return grad, None, None, None, None
 
 
 def _log_softmaxes(block, ref_block, dtype, temperature):
@@ -153,16 +166,26 @@ def selective_log_softmax(logits: Tensor, tokens: Tensor, temperature: float = 1
 
     Gradient flows to logits. tokens must be valid ids (pad masked positions with any valid id).
     """
-    _check(temperature, chunk_size)
-    if tokens.shape != logits.shape[:-1]:
-        raise ValueError(f"tokens {tuple(tokens.shape)} must match logits {tuple(logits.shape)} without V")
-    return _ChosenLogProb.apply(logits, tokens, float(temperature), int(chunk_size))
+    return logprobs_and_entropy(logits, tokens, temperature, chunk_size, with_entropy=False)[0]
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK) -> Tensor:
     """(N, L, V) -> (N, L) entropy of softmax(logits / temperature), in nats. Gradient flows."""
+    tokens = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return logprobs_and_entropy(logits, tokens, temperature, chunk_size)[1]
+
+
+def logprobs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
+                         with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """`selective_log_softmax` and `entropy_from_logits` in one pass over the vocabulary.
+
+    Gradient flows to logits from both; entropy is None when not asked for.
+    """
     _check(temperature, chunk_size)
-    return _Entropy.apply(logits, float(temperature), int(chunk_size))
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"tokens {tuple(tokens.shape)} must match logits {tuple(logits.shape)} without V")
+    logp, entropy = _LogProbEntropy.apply(logits, tokens, float(temperature), int(chunk_size), bool(with_entropy))
+    return logp, entropy if with_entropy else None
 
 
 def full_kl(logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, chunk_size: int = DEFAULT_CHUNK,
