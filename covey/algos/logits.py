@@ -103,10 +103,12 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, tok, lse, mean_z = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        flat_grad = grad.view(-1, logits.shape[-1])
         g_lp = grad_logp.reshape(-1, 1).to(lse.dtype) if grad_logp is not None else None
         g_h = grad_entropy.reshape(-1, 1).to(lse.dtype) if grad_entropy is not None and mean_z.numel() else None
+        if g_lp is None and g_h is None:
+            return None, None, None, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, logits.shape[-1])
         for s, e, block in _blocks(logits, ctx.chunk_size):
             p = _scaled(block, lse.dtype, ctx.temperature)
             if g_h is not None:
@@ -116,7 +118,7 @@ class _LogProbEntropy(torch.autograd.Function):
             p.sub_(lse[s:e, None]).exp_()
             if g_h is not None:
                 p.mul_(coef).neg_()
-            else:  # autograd calls backward only when at least one output is used
+            else:
                 p.mul_(-g_lp[s:e])
             if g_lp is not None:
                 p.scatter_add_(-1, tok[s:e], g_lp[s:e])
