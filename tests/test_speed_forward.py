@@ -134,3 +134,32 @@ def test_packed_width_is_bucketed_whenever_the_pass_runs_in_bf16(tiny_model_dir,
     with torch.no_grad():
         forward.policy_logprobs(model, grouped_rollout(tokenizer), 1.0, precision=precision)
     assert seen == [multiple]
+
+
+@pytest.mark.parametrize("precision, weights, expected", [
+    ("none", torch.float32, "sdpa"), ("bfloat16", torch.float32, "eager"), ("none", torch.bfloat16, "eager")])
+def test_bf16_packed_pass_on_cpu_runs_eager_attention_then_restores_the_model(tiny_model_dir, monkeypatch, precision,
+                                                                               weights, expected):
+    """CPU bf16: eager attention (faster than SDPA's flash kernel with a block mask); the model keeps SDPA after,
+    and the values match the padded pass within bf16 rounding."""
+    model, tokenizer = load_policy(tiny_model_dir, dtype=weights)
+    seen = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(model.config._attn_implementation))
+    part = grouped_rollout(tokenizer)
+    with torch.no_grad():
+        packed, _, width = forward.policy_logprobs(model, part, 1.0, precision=precision)
+        assert seen == [expected, expected] and model.config._attn_implementation == "sdpa"
+        monkeypatch.setattr(forward, "packs", lambda model: False)
+        padded, _, _ = forward.policy_logprobs(model, part, 1.0, precision=precision)
+    mask = part.response_mask[:, :width]
+    torch.testing.assert_close(packed * mask, padded * mask, atol=0.1, rtol=0.02)
+
+
+def test_attention_implementation_is_restored_after_an_error(tiny):
+    model, _ = tiny
+    with pytest.raises(RuntimeError, match="boom"):
+        with forward.attention_implementation(model, "eager"):
+            assert model.config._attn_implementation == "eager"
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
