@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from covey import algos, distributed, hardware
+from covey.attention import attention_implementation, fastest_attention, half_precision
 from covey.models import response_values
 from covey.hf_compat import cache_of, with_cache
 from covey.packing import pack, unpack
@@ -58,14 +59,6 @@ BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shap
 def resolve_autocast(setting: str, device: torch.device | str = "cpu") -> str:
     """model.autocast -> none | bfloat16. auto: bfloat16 only where the device computes it natively."""
     return hardware.resolve_auto("model.autocast", setting, AUTOCAST, "none", device)
-
-
-def half_precision(model) -> bool:
-    """True for a model whose weights are bf16 or fp16 (model.dtype), which computes in that precision."""
-    try:
-        return model.dtype in (torch.bfloat16, torch.float16)
-    except (AttributeError, StopIteration):  # no dtype, or no parameters of its own
-        return False
 
 
 def autocast_context(precision: str, device: torch.device | str = "cpu"):
@@ -112,28 +105,6 @@ def packs(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
 
 
-def packed_attention(model, low_precision: bool, device: torch.device) -> str:
-    """The attention of the packed pass: eager for bf16 on a CPU, else the model's own.
-
-    With a block mask, SDPA's CPU flash kernel ran a bf16 training micro-batch 15% slower than
-    eager attention (bf16 products, float32 softmax); in float32 it was 6% faster (LOG.md, 2026-11-25).
-    GPUs keep their fused kernels.
-    """
-    return "eager" if low_precision and torch.device(device).type == "cpu" else model.config._attn_implementation
-
-
-@contextlib.contextmanager
-def attention_implementation(model, name: str):
-    """Run the model's attention layers with `name` (they read the config at every call), then restore it."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-
-
 def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor],
                     temperature: float, with_entropy: bool, precision: str):
     """`policy_logprobs` with each distinct prompt encoded once and the responses packed without padding.
@@ -150,7 +121,7 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     low = precision == "bfloat16" or half_precision(model)
     packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
                    width_multiple=BF16_WIDTH_MULTIPLE if low else 1)
-    implementation = packed_attention(model, low, ids.device)
+    implementation = fastest_attention(model, low, ids.device)
     attention = packing.attention
     if implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))

@@ -92,3 +92,21 @@ def test_a_sharded_policy_cannot_be_copied():
     with pytest.raises(ConfigError, match="rollout.precision=bfloat16"):
         validate_world(cfg, 2)
     validate_world(load_config(None, ["rollout.prompts_per_step=4"]), 2)  # auto falls back to float32 there
+
+
+@pytest.mark.parametrize("engine_name", ["fast", "hf"])
+@pytest.mark.parametrize("precision, expected", [("bfloat16", "eager"), ("float32", "sdpa")])
+def test_cpu_sampling_from_a_bf16_copy_runs_eager_attention(tiny_model_dir, engine_name, precision, expected):
+    """SDPA's CPU flash kernel took 43% of a bf16 rollout (covey/attention.py): the bf16 copy decodes with eager
+    attention, an fp32 policy keeps SDPA, and the model's setting is restored after."""
+    model, tok = load_policy(tiny_model_dir)
+    engine = local_engine(engine_name, model, tok, max_new_tokens=3, precision=precision)
+    sampler = engine.copy if precision == "bfloat16" else model
+    seen = []
+    sampler.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(sampler.config._attn_implementation))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("What is 2 + 3?", "What is 7 * 6?")]
+    out = engine.generate(prompts, 2)
+    assert len(out) == 4 and seen and set(seen) == {expected}
+    assert sampler.config._attn_implementation == "sdpa"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from covey.attention import attention_implementation, fastest_attention, half_precision
 from covey.rollout.base import Rollout
 
 
@@ -64,13 +65,15 @@ class HFEngine:
         }
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
-            num_return_sequences=group_size, do_sample=not greedy,
-            pad_token_id=tok.pad_token_id, eos_token_id=self.eos,
-            **{k: v for k, v in sampling.items() if k != "do_sample"},
-        )
+        device = next(self.model.parameters()).device
+        with attention_implementation(self.model, fastest_attention(self.model, half_precision(self.model), device)):
+            out = self.model.generate(
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                num_return_sequences=group_size, do_sample=not greedy,
+                pad_token_id=tok.pad_token_id, eos_token_id=self.eos,
+                **{k: v for k, v in sampling.items() if k != "do_sample"},
+            )
         self.model.train(was_training)
         prompt_len = enc["input_ids"].shape[1]
         response_ids = out[:, prompt_len:].cpu()
