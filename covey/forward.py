@@ -17,7 +17,7 @@ from torch import Tensor
 from covey import algos, distributed, hardware
 from covey.attention import attention_implementation, fastest_attention, half_precision
 from covey.models import response_values
-from covey.hf_compat import cache_of, with_cache
+from covey.hf_compat import cache_of, last_positions, with_cache
 from covey.packing import pack, unpack
 from covey.rollout.base import Rollout
 
@@ -85,7 +85,7 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
         return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
     with autocast_context(precision, ids.device):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                    logits_to_keep=resp_len + 1, use_cache=False)
+                    logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
     # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
     logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
                                                with_entropy=with_entropy)
@@ -127,7 +127,7 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
     with autocast_context(precision, ids.device), attention_implementation(model, implementation):
         out = model(input_ids=ids[first, :width], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                    use_cache=True, logits_to_keep=1)
+                    use_cache=True, logits_to_keep=last_positions(1, width, ids.device))
         cache = cache_of(out)  # resp_len > 1: at least one token is fed to pass 2
         cache.batch_select_indices(packing.prompt_of_bin)
         rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,

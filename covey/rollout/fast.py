@@ -27,7 +27,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 from transformers.cache_utils import Cache, DynamicLayer
 
 from covey.attention import attention_implementation, fastest_attention, half_precision
-from covey.hf_compat import with_cache
+from covey.hf_compat import last_positions, with_cache
 from covey.rollout.base import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 
@@ -175,7 +175,8 @@ class FastEngine:
         cache = buffer_cache(self.model, capacity)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                         **with_cache(cache), use_cache=True, logits_to_keep=1)
+                         **with_cache(cache), use_cache=True,
+                         logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))
         logits = out.logits[:, -1].float()
         if self.share_prefix:
             cache.batch_select_indices(index)
