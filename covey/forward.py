@@ -18,7 +18,7 @@ from covey import algos, distributed, hardware
 from covey.attention import attention_implementation, fastest_attention, half_precision
 from covey.models import response_values
 from covey.hf_compat import cache_of, last_positions, with_cache
-from covey.packing import pack, unpack
+from covey.packing import pack, row_capacity, unpack
 from covey.rollout.base import Rollout
 
 
@@ -119,9 +119,10 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     prompt_mask, responses = mask[first, :width], ids[:, width:]
     precision = resolve_autocast(precision, ids.device)  # once: it picks the width multiple and the autocast
     low = precision == "bfloat16" or half_precision(model)
-    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
-                   width_multiple=BF16_WIDTH_MULTIPLE if low else 1)
     implementation = fastest_attention(model, low, ids.device)
+    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
+                   width_multiple=BF16_WIDTH_MULTIPLE if low else 1,
+                   min_capacity=row_capacity(implementation))
     attention = packing.attention
     if implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))

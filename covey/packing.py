@@ -11,7 +11,8 @@ That is the same computation as the padded pass, row by row, without the padding
 Only tokens 0..r-2 of a response of length r are fed: token 0 is scored by the prompt's
 last logits, token j > 0 by the output at token j-1, and nothing reads the last output.
 A packed row holds at most max(L'-1, MIN_CAPACITY) tokens, so the wasted attention over
-masked-out pairs stays small next to the linear layers.
+masked-out pairs stays small next to the linear layers; EAGER_CAPACITY with eager attention
+(covey/attention.py), which builds the masked score matrix of every row.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 MIN_CAPACITY = 1024  # tokens per packed row; below it the quadratic masked attention is cheap
+EAGER_CAPACITY = 128  # eager attention materialises the masked scores: short rows ran 5% faster (LOG.md)
 
 
 @dataclass
@@ -33,6 +35,11 @@ class Packing:
     targets: Tensor        # (K, T) the token each fed position predicts
     source: tuple[Tensor, Tensor]  # (bin, slot) of every fed position
     dest: tuple[Tensor, Tensor]    # (row, column) of the same positions in the (n, L'-1) output
+
+
+def row_capacity(attention: str) -> int:
+    """Tokens per packed row for an attention implementation (eager materialises the masked scores)."""
+    return EAGER_CAPACITY if attention == "eager" else MIN_CAPACITY
 
 
 def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[list[int]]:
@@ -57,17 +64,19 @@ def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[l
 
 
 def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tensor, prompt_mask: Tensor,
-         pad_id: int, width_multiple: int = 1) -> Packing:
+         pad_id: int, width_multiple: int = 1, min_capacity: int | None = None) -> Packing:
     """Lay out responses (n, L') of real lengths (n,) whose first token sits at position starts (n,).
 
     `prompt_mask` (U, P) is the mask of each distinct prompt, `prompt_of_row` (n,) indexes it.
+    A row holds at most max(longest response, `min_capacity`) tokens (default MIN_CAPACITY).
     The packed width is padded up to a multiple of `width_multiple`: oneDNN's bf16 kernels keep
     memory for every matrix shape they have seen, so a width that differs at every micro-batch
     grew a bf16 run's resident memory by gigabytes (LOG.md, 2026-11-25); a few widths do not.
     """
     fed = (lengths - 1).clamp(min=0).tolist()
     owner_of_row = prompt_of_row.tolist()
-    bins = plan_bins(fed, owner_of_row, max(max(fed, default=0), MIN_CAPACITY))
+    capacity = MIN_CAPACITY if min_capacity is None else min_capacity
+    bins = plan_bins(fed, owner_of_row, max(max(fed, default=0), capacity))
     width = max((sum(fed[r] for r in b) for b in bins), default=0)
     width = -(-width // width_multiple) * width_multiple
     k, device = len(bins), responses.device

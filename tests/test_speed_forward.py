@@ -49,12 +49,12 @@ def logprobs_and_grads(model, part, plain: bool, monkeypatch, temperature=0.7):
     return logp.detach() * mask, entropy.detach() * mask, grads
 
 
-@pytest.mark.parametrize("attention, capacity", [("sdpa", 256), ("sdpa", 1), ("eager", 256)])
+@pytest.mark.parametrize("attention, capacity", [("sdpa", 256), ("sdpa", 1), ("eager", 256), ("eager", 2)])
 def test_packed_pass_equals_padded_pass_values_and_gradients(tiny, monkeypatch, attention, capacity):
     """capacity 1: one response per packed row; eager: the additive form of the block mask."""
     model, tokenizer = tiny
     model.set_attn_implementation(attention)
-    monkeypatch.setattr(packing, "MIN_CAPACITY", capacity)
+    monkeypatch.setattr(packing, "MIN_CAPACITY" if attention == "sdpa" else "EAGER_CAPACITY", capacity)
     part = grouped_rollout(tokenizer)
     try:
         logp_s, ent_s, grads_s = logprobs_and_grads(model, part, False, monkeypatch)

@@ -2,7 +2,7 @@
 
 import torch
 
-from covey.packing import block_mask, pack, plan_bins, unpack
+from covey.packing import EAGER_CAPACITY, MIN_CAPACITY, block_mask, pack, plan_bins, row_capacity, unpack
 
 
 def test_bins_are_per_prompt_within_capacity_and_even():
@@ -43,3 +43,15 @@ def test_pack_layout_positions_targets_and_unpack():
     assert packed.position_ids.tolist() == [[5, 6, 5], [2, 3, 4]]
     values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     assert unpack(values, packed, 3, 3).tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 5.0, 6.0]]
+
+
+def test_row_capacity_keeps_rows_short_for_eager_attention():
+    # eager attention builds the masked (T, P + T) scores of a row: its rows hold fewer tokens
+    assert row_capacity("eager") == EAGER_CAPACITY < MIN_CAPACITY == row_capacity("sdpa")
+    responses = torch.tensor([[10, 11, 12, 0], [20, 21, 0, 0], [30, 31, 32, 33]])
+    lengths, starts = torch.tensor([3, 2, 4]), torch.tensor([5, 5, 5])
+    one_prompt, prompt_mask = torch.tensor([0, 0, 0]), torch.ones(1, 5, dtype=torch.long)
+    # fed 2 + 1 + 3 = 6 tokens: one row by default; capacity 3 (the longest fed) -> rows [3], [2, 1]
+    assert pack(responses, lengths, starts, one_prompt, prompt_mask, pad_id=0).input_ids.shape == (1, 6)
+    short = pack(responses, lengths, starts, one_prompt, prompt_mask, pad_id=0, min_capacity=1)
+    assert short.input_ids.tolist() == [[30, 31, 32], [10, 11, 20]]
