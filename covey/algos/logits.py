@@ -96,9 +96,10 @@ class _LogProbEntropy(torch.autograd.Function):
             logp[s:e] = chosen - log_total
         ctx.save_for_backward(logits, tok, lse, mean_z)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
-        entropy = entropy.view(tokens.shape) if with_entropy else entropy
-        return logp.view(tokens.shape), entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)  # an empty placeholder: autograd needs a tensor per output
+            return logp.view(tokens.shape), entropy
+        return logp.view(tokens.shape), entropy.view(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
