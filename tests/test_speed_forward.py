@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from covey import attention, forward, packing
+from covey import forward, packing
+from covey.attention import attention_implementation
 from covey.models import load_policy
 from covey.rollout.base import Rollout
 
@@ -159,7 +160,7 @@ def test_bf16_packed_pass_on_cpu_runs_eager_attention_then_restores_the_model(ti
 def test_attention_implementation_is_restored_after_an_error(tiny):
     model, _ = tiny
     with pytest.raises(RuntimeError, match="boom"):
-        with attention.attention_implementation(model, "eager"):
+        with attention_implementation(model, "eager"):
             assert model.config._attn_implementation == "eager"
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
