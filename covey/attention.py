@@ -39,3 +39,9 @@ def attention_implementation(model, name: str):
         yield
     finally:
         config._attn_implementation = before
+
+
+def sampling_attention(model):
+    """`attention_implementation` with the fastest kernel for passes in the model's own precision (generation)."""
+    device = next(model.parameters()).device
+    return attention_implementation(model, fastest_attention(model, half_precision(model), device))

@@ -26,7 +26,7 @@ from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache, DynamicLayer
 
-from covey.attention import attention_implementation, fastest_attention, half_precision
+from covey.attention import sampling_attention
 from covey.hf_compat import last_positions, with_cache
 from covey.rollout.base import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
@@ -152,9 +152,8 @@ class FastEngine:
         index = torch.arange(len(prompts)).repeat_interleave(group_size)
         was_training = self.model.training
         self.model.eval()
-        device = next(self.model.parameters()).device
         try:
-            with attention_implementation(self.model, fastest_attention(self.model, half_precision(self.model), device)):
+            with sampling_attention(self.model):
                 tokens = self._decode(enc["input_ids"], enc["attention_mask"], index,
                                       max_new_tokens or self.max_new_tokens, greedy,
                                       Uniforms(len(index), group_size, seeds))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from covey.attention import attention_implementation, fastest_attention, half_precision
+from covey.attention import sampling_attention
 from covey.rollout.base import Rollout
 
 
@@ -65,8 +65,7 @@ class HFEngine:
         }
         was_training = self.model.training
         self.model.eval()
-        device = next(self.model.parameters()).device
-        with attention_implementation(self.model, fastest_attention(self.model, half_precision(self.model), device)):
+        with sampling_attention(self.model):
             out = self.model.generate(
                 input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                 max_new_tokens=max_new_tokens or self.max_new_tokens,
