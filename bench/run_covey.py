@@ -62,12 +62,14 @@ def main() -> None:
     from covey.forward import resolve_autocast
 
     patch_flop_counter(covey_train)
-    out_dir = tempfile.mkdtemp(prefix="bench-covey-")
-    cfg = load_config(str(REPO / "configs" / "grpo.yaml"), overrides(args.steps, args.threads, out_dir,
-                                                                     args.overrides))
-    covey_train.train(cfg)
+    # The run folder (checkpoints and the saved model, ~2 GB) is only read for its metrics.
+    with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
+        cfg = load_config(str(REPO / "configs" / "grpo.yaml"), overrides(args.steps, args.threads, out_dir,
+                                                                         args.overrides))
+        covey_train.train(cfg)
+        metrics = (Path(out_dir) / "bench" / "metrics.jsonl").read_text().splitlines()
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    rows = [json.loads(line) for line in (Path(out_dir) / "bench" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in metrics]
     records = [StepRecord(step=r["step"], seconds=r["time/step"],
                           phases={"generate": r["time/generate"], "score": r["time/score"],
                                   "logprobs": r["time/logprobs"], "update": r["time/update"]},
