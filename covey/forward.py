@@ -19,6 +19,7 @@ from covey.attention import attention_implementation, fastest_attention, half_pr
 from covey.models import response_values
 from covey.hf_compat import cache_of, last_positions, with_cache
 from covey.packing import pack, row_capacity, unpack
+from covey.prompt_cache import EncodedPrompts, PromptView
 from covey.rollout.base import Rollout
 
 
@@ -74,15 +75,22 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 
 
 def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: bool = False,
-                    precision: str = "none") -> tuple[Tensor, Tensor | None, int]:
-    """Log-probs (n, L') of the sampled response tokens, optional entropy (n, L'), and L'."""
+                    precision: str = "none", prompts: tuple[EncodedPrompts, Tensor] | None = None,
+                    ) -> tuple[Tensor, Tensor | None, int]:
+    """Log-probs (n, L') of the sampled response tokens, optional entropy (n, L'), and L'.
+
+    `prompts`: (the encoded prompts of the whole step, the index of each row's prompt among
+    them), from `encode_prompts`; the packed pass then reads their cache instead of encoding them.
+    """
     ids, mask, resp_len = trim(part)
     device = model_device(model)
     ids, mask = ids.to(device), mask.to(device)
     # Under FSDP every rank must run the same number of forward passes (each all-gathers).
     if distributed.on_all_ranks(packs(model) and resp_len > 1):
-        shared = shared_prompts(ids[:, :ids.shape[1] - resp_len], mask[:, :ids.shape[1] - resp_len])
-        return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision)
+        width = ids.shape[1] - resp_len
+        view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
+        shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
+        return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision, view)
     with autocast_context(precision, ids.device):
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
@@ -105,21 +113,29 @@ def packs(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
 
 
-def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor],
-                    temperature: float, with_entropy: bool, precision: str):
+def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:
+    """(resolved autocast precision, whether the pass computes in bf16/fp16, attention implementation)."""
+    precision = resolve_autocast(precision, device)
+    low = precision == "bfloat16" or half_precision(model)
+    return precision, low, fastest_attention(model, low, device)
+
+
+def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor] | None,
+                    temperature: float, with_entropy: bool, precision: str, view: PromptView | None = None):
     """`policy_logprobs` with each distinct prompt encoded once and the responses packed without padding.
 
-    Pass 1 runs the U distinct prompts and keeps their KV cache; the cache is indexed out
-    to the packed rows (gradients flow back through the indexing into the one prompt pass)
-    and pass 2 runs the packed responses on top of it (covey/packing.py). Equal to the
-    padded pass up to float rounding (tests/test_speed_forward.py); 0 after a response's end.
+    Pass 1 runs the U distinct prompts (`shared`: the first row of each, the prompt of each row)
+    and keeps their KV cache, unless `view` brings it from a pass over the whole step's prompts
+    (covey/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
+    through the indexing into the prompt pass) and pass 2 runs the packed responses on top of
+    it (covey/packing.py). Equal to the padded pass up to float rounding
+    (tests/test_speed_forward.py); 0 after a response's end.
     """
-    first, inverse = shared
     width, n = ids.shape[1] - resp_len, ids.shape[0]
-    prompt_mask, responses = mask[first, :width], ids[:, width:]
-    precision = resolve_autocast(precision, ids.device)  # once: it picks the width multiple and the autocast
-    low = precision == "bfloat16" or half_precision(model)
-    implementation = fastest_attention(model, low, ids.device)
+    responses = ids[:, width:]
+    precision, low, implementation = pass_settings(model, precision, ids.device)
+    inverse = view.inverse if view is not None else shared[1]
+    prompt_mask = view.prompt_mask if view is not None else mask[shared[0], :width]
     packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
                    width_multiple=BF16_WIDTH_MULTIPLE if low else 1,
                    min_capacity=row_capacity(implementation))
@@ -127,13 +143,17 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     if implementation == "eager":  # eager adds the mask to the scores
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
     with autocast_context(precision, ids.device), attention_implementation(model, implementation):
-        out = model(input_ids=ids[first, :width], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                    use_cache=True, logits_to_keep=last_positions(1, width, ids.device))
-        cache = cache_of(out)  # resp_len > 1: at least one token is fed to pass 2
-        cache.batch_select_indices(packing.prompt_of_bin)
+        if view is None:
+            out = model(input_ids=ids[shared[0], :width], attention_mask=prompt_mask,
+                        position_ids=position_ids(prompt_mask), use_cache=True,
+                        logits_to_keep=last_positions(1, width, ids.device))
+            cache, last = cache_of(out), out.logits[:, -1:]
+        else:
+            cache, last = view.cache, view.head
+        cache.batch_select_indices(packing.prompt_of_bin)  # resp_len > 1: at least one token is fed to pass 2
         rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
                      **with_cache(cache), use_cache=True).logits
-    head = out.logits[:, -1:][inverse]  # (n, 1, V): scores response token 0
+    head = last[inverse]  # (n, 1, V): scores response token 0
     head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature,
                                                          with_entropy=with_entropy)
     rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature,
@@ -162,14 +182,39 @@ def pad_to(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
+def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none"
+                   ) -> tuple[EncodedPrompts, Tensor] | None:
+    """The distinct prompts of `rows` of the rollout in one pass, and the index of each rollout
+    row's prompt among them (-1 outside `rows`); None where the packed pass is not used: the
+    prompts are then encoded with each micro-batch (and under FSDP, where the deferred backward
+    of `EncodedPrompts` would add a second gradient reduction per step)."""
+    if not packs(model) or distributed.world_size() > 1 or len(rows) == 0:
+        return None
+    device = model_device(model)
+    ids, mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
+    keep = mask.bool().any(dim=0)
+    first_column = int(keep.int().argmax()) if keep.any() else ids.shape[1]
+    ids, mask = ids[:, first_column:].to(device), mask[:, first_column:].to(device)
+    first, inverse = shared_prompts(ids, mask)
+    precision, _, implementation = pass_settings(model, precision, device)
+    encoded = EncodedPrompts(model, ids[first], mask[first], autocast_context(precision, device),
+                             attention_implementation(model, implementation))
+    of_row = torch.full((len(rollout),), -1, dtype=torch.long)
+    of_row[rows] = inverse.cpu()
+    return encoded, of_row
+
+
 @torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
 def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
                      precision: str = "none") -> Tensor:
-    """No-grad log-probs for the whole rollout (old policy or reference), (N, L)."""
+    """No-grad log-probs for the whole rollout (old policy or reference), (N, L); its prompts encoded once."""
     width = rollout.response_ids.shape[1]
+    rows = torch.arange(len(rollout))
+    encoded = encode_prompts(model, rollout, rows, precision)
     chunks = []
-    for index in torch.arange(len(rollout)).split(micro_batch_size):
-        logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision)
+    for index in rows.split(micro_batch_size):
+        prompts = (encoded[0], encoded[1][index]) if encoded is not None else None
+        logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision, prompts=prompts)
         chunks.append(pad_to(logp.cpu(), width))  # the Rollout lives on the CPU
     return torch.cat(chunks) * rollout.response_mask
 

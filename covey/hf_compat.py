@@ -38,3 +38,17 @@ def last_positions(count: int, width: int, device) -> torch.Tensor:
     Indexing gathers a contiguous input instead.
     """
     return torch.arange(width - count, width, device=device)
+
+
+def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of every layer of a transformers Cache, (batch, kv_heads, positions, head_dim) each."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def cache_from(model, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A Cache for `model` (its layer kinds, e.g. sliding windows, from its config) holding `pairs` per layer."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    for index, (keys, values) in enumerate(pairs):
+        cache.update(keys, values, index)
+    return cache

@@ -15,7 +15,7 @@ import torch
 
 from covey import algos, distributed
 from covey.config import Config
-from covey.forward import critic_values, model_device, on_device, policy_logprobs
+from covey.forward import critic_values, encode_prompts, model_device, on_device, policy_logprobs
 from covey.rollout.base import Rollout
 
 
@@ -75,12 +75,16 @@ def policy_loss_options(cfg: Config) -> algos.PolicyLossOptions:
         dual_clip=a.dual_clip or None, ratio_level=a.ratio_level, ratio_against=a.ratio_against)
 
 
-def micro_policy_loss(policy, part: Rollout, norm, cfg: Config, kl_coef: float) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch (already scaled by the global normaliser) and its metrics."""
+def micro_policy_loss(policy, part: Rollout, norm, cfg: Config, kl_coef: float,
+                      prompts=None) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch (already scaled by the global normaliser) and its metrics.
+
+    `prompts`: the step's encoded prompts and this micro-batch's index into them (forward.encode_prompts).
+    """
     a = cfg.algo
     # Entropy is always reported; it enters the loss only when entropy_coef > 0.
-    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature,
-                                           with_entropy=True, precision=cfg.model.autocast)
+    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature, with_entropy=True,
+                                           precision=cfg.model.autocast, prompts=prompts)
     mask = part.response_mask[:, :width]
     old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
     ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
@@ -144,15 +148,23 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, k
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
         finite, step_loss = True, 0.0
+        # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
+        encoded = encode_prompts(policy, rollout, batch, cfg.model.autocast)
         for micro in by_prompt(batch, rollout.group_ids).split(a.micro_batch_size):
             part = on_device(rollout.select(micro), model_device(policy))
-            loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef)
+            prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
+            loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef, prompts)
             if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient
                 finite = False
                 break
             loss.backward()
+            if encoded is not None:
+                encoded[0].collect()
             step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
             avg.add(metrics, float(part.response_mask.sum()))
+        if finite and encoded is not None:
+            encoded[0].backward()  # the summed gradient of every micro-batch into the prompt pass
+        del encoded
         step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
                                        state, cfg.optim.max_skipped_steps, "policy", finite)
         avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)
