@@ -70,6 +70,23 @@ def autocast_context(precision: str, device: torch.device | str = "cpu"):
     return contextlib.nullcontext()
 
 
+def shared_weight_casts(precision: str, device: torch.device | str = "cpu"):
+    """Around the passes and backwards of one optimizer step: autocast casts each weight to bf16 once.
+
+    autocast caches the bf16 copy of a weight that requires grad until the outermost autocast
+    region exits, so each micro-batch's `autocast_context` made its own copies, and the step's
+    prompt pass (covey/prompt_cache.py), whose backward comes after the last micro-batch, kept a
+    second set alive. An enclosing region with autocast off keeps one set for the whole step
+    and leaves the backwards inside it outside autocast. Exit before the optimizer steps (the
+    copies would go stale), and run no no-grad pass of the same weights inside: autocast would
+    cache a copy without a gradient path and reuse it.
+    """
+    device = torch.device(device)
+    if resolve_autocast(precision, device) != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 

@@ -15,7 +15,8 @@ import torch
 
 from covey import algos, distributed
 from covey.config import Config
-from covey.forward import critic_values, encode_prompts, model_device, on_device, policy_logprobs
+from covey.forward import (critic_values, encode_prompts, model_device, on_device, policy_logprobs,
+                           shared_weight_casts)
 from covey.rollout.base import Rollout
 
 
@@ -140,6 +141,29 @@ def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: U
     return {"optim/grad_norm": float(norm)}
 
 
+def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, cfg: Config, kl_coef: float,
+                    avg: MetricAverager) -> tuple[bool, float]:
+    """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss)."""
+    a = cfg.algo
+    step_loss = 0.0
+    # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
+    encoded = encode_prompts(policy, rollout, batch, cfg.model.autocast)
+    for micro in by_prompt(batch, rollout.group_ids).split(a.micro_batch_size):
+        part = on_device(rollout.select(micro), model_device(policy))
+        prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
+        loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef, prompts)
+        if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient
+            return False, step_loss
+        loss.backward()
+        if encoded is not None:
+            encoded[0].collect()
+        step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
+        avg.add(metrics, float(part.response_mask.sum()))
+    if encoded is not None:
+        encoded[0].backward()  # the summed gradient of every micro-batch into the prompt pass
+    return True, step_loss
+
+
 def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, kl_coef: float,
                   state: UpdateState, generator: torch.Generator) -> dict:
     """mu epochs of clipped policy-gradient updates over the rollout."""
@@ -147,24 +171,8 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, k
     avg = MetricAverager()
     for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
         norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
-        finite, step_loss = True, 0.0
-        # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
-        encoded = encode_prompts(policy, rollout, batch, cfg.model.autocast)
-        for micro in by_prompt(batch, rollout.group_ids).split(a.micro_batch_size):
-            part = on_device(rollout.select(micro), model_device(policy))
-            prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
-            loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef, prompts)
-            if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient
-                finite = False
-                break
-            loss.backward()
-            if encoded is not None:
-                encoded[0].collect()
-            step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
-            avg.add(metrics, float(part.response_mask.sum()))
-        if finite and encoded is not None:
-            encoded[0].backward()  # the summed gradient of every micro-batch into the prompt pass
-        del encoded
+        with shared_weight_casts(cfg.model.autocast, model_device(policy)):
+            finite, step_loss = policy_gradient(policy, rollout, batch, norm, cfg, kl_coef, avg)
         step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
                                        state, cfg.optim.max_skipped_steps, "policy", finite)
         avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)

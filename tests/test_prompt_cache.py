@@ -2,6 +2,7 @@
 them in every micro-batch. In float64, so that a wrong column, prompt or missing gradient shows up as
 an error far above rounding (1e-10), not hidden inside float32 noise."""
 
+import contextlib
 import copy
 
 import pytest
@@ -118,3 +119,36 @@ def test_collect_adds_each_micro_batch_gradient_at_its_columns(tiny64):
     assert summed[[0, 2]].abs().sum() == 0  # other prompts untouched
     assert torch.all(summed[1, :, :2] == 1) and torch.all(summed[1, :, 2:] == 3)
     assert encoded.pending == []
+
+
+def test_one_bf16_cast_per_weight_for_the_whole_step(tiny_model_dir, monkeypatch):
+    """Under bf16 autocast, shared_weight_casts keeps autocast's weight copies across the step's
+    micro-batches (one cast of q_proj's weight instead of one per pass) and changes no gradient."""
+    model, tokenizer = load_policy(tiny_model_dir)
+    rollout = rollout_with_advantages(tokenizer)
+    rollout.advantages = rollout.advantages.float()
+    cfg = Config()
+    cfg.algo.micro_batch_size, cfg.optim.max_grad_norm, cfg.rollout.max_new_tokens = 2, 0.0, 7
+    cfg.model.autocast = "bfloat16"
+    weight_shape = list(model.model.layers[0].self_attn.q_proj.weight.shape)
+
+    def gradient_and_casts(shared: bool):
+        model.zero_grad(set_to_none=True)
+        norm = update.distributed.global_normalizer("token_mean", rollout.response_mask, 7)
+        context = forward.shared_weight_casts("bfloat16") if shared else contextlib.nullcontext()
+        with torch.profiler.profile(record_shapes=True) as prof, context:
+            finite, _ = update.policy_gradient(model, rollout, torch.arange(len(rollout)), norm, cfg, 0.0,
+                                               update.MetricAverager())
+        assert finite
+        casts = sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == weight_shape)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, casts
+
+    shared, shared_casts = gradient_and_casts(True)
+    separate, separate_casts = gradient_and_casts(False)
+    # 9 rows in micro-batches of 2: the prompt pass and 5 packed passes. Every square (64, 64) weight
+    # of the tiny model (q_proj and o_proj of 2 layers) is cast once per pass without the shared casts
+    # and once per step with them: at least 4 x 5 fewer casts of that shape
+    assert separate_casts - shared_casts >= 4 * 5
+    for name, grad in shared.items():
+        torch.testing.assert_close(grad, separate[name], atol=1e-6, rtol=1e-5, msg=name)
