@@ -100,9 +100,10 @@ def test_views_read_the_right_prompts_and_columns(tiny64):
     assert keys.shape[2] == 3
     torch.testing.assert_close(keys, full[[0, 2]][:, :, 2:])
     torch.testing.assert_close(view.head, encoded.tensors[-1][[0, 2]])
-    assert of_row.tolist() == sorted(of_row.tolist(), key=lambda u: rollout.group_ids.tolist().index(
-        rollout.group_ids[of_row.tolist().index(u)]))  # one index per group
-    assert len(set(of_row.tolist())) == 3
+    # one encoded prompt per group: the rows of a group share an index, different groups do not
+    by_group = {int(g): set(of_row[rollout.group_ids == g].tolist()) for g in rollout.group_ids.unique()}
+    assert all(len(indices) == 1 for indices in by_group.values())
+    assert len(set.union(*by_group.values())) == 3
 
 
 def test_collect_adds_each_micro_batch_gradient_at_its_columns(tiny64):
