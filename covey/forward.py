@@ -17,16 +17,21 @@ from torch import Tensor
 from covey import algos, distributed, hardware
 from covey.attention import attention_implementation, fastest_attention, half_precision
 from covey.models import response_values
-from covey.hf_compat import cache_of, last_positions, with_cache
+from covey.hf_compat import last_positions, with_cache
 from covey.packing import pack, row_capacity, unpack
-from covey.prompt_cache import EncodedPrompts, PromptView
+from covey.prompt_cache import EncodedPrompts, PromptView, run_prompts
 from covey.rollout.base import Rollout
+
+
+def first_prompt_column(prompt_mask: Tensor) -> int:
+    """The first column of left-padded prompts that is not padding in every row."""
+    keep = prompt_mask.bool().any(dim=0)
+    return int(keep.int().argmax()) if keep.any() else prompt_mask.shape[1]
 
 
 def trim(part: Rollout) -> tuple[Tensor, Tensor, int]:
     """(input_ids, attention_mask, L') with all-padding prompt/response columns removed."""
-    keep_prompt = part.prompt_mask.bool().any(dim=0)
-    first = int(keep_prompt.int().argmax()) if keep_prompt.any() else part.prompt_ids.shape[1]
+    first = first_prompt_column(part.prompt_mask)
     lengths = part.response_mask.sum(dim=1)
     resp_len = max(int(lengths.max()) if len(lengths) else 1, 1)
     ids = torch.cat([part.prompt_ids[:, first:], part.response_ids[:, :resp_len]], dim=1)
@@ -161,10 +166,7 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
         attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
     with autocast_context(precision, ids.device), attention_implementation(model, implementation):
         if view is None:
-            out = model(input_ids=ids[shared[0], :width], attention_mask=prompt_mask,
-                        position_ids=position_ids(prompt_mask), use_cache=True,
-                        logits_to_keep=last_positions(1, width, ids.device))
-            cache, last = cache_of(out), out.logits[:, -1:]
+            cache, last = run_prompts(model, ids[shared[0], :width], prompt_mask)
         else:
             cache, last = view.cache, view.head
         cache.batch_select_indices(packing.prompt_of_bin)  # resp_len > 1: at least one token is fed to pass 2
@@ -209,8 +211,7 @@ def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none
         return None
     device = model_device(model)
     ids, mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
-    keep = mask.bool().any(dim=0)
-    first_column = int(keep.int().argmax()) if keep.any() else ids.shape[1]
+    first_column = first_prompt_column(mask)  # as `trim` cuts each micro-batch: views take its last columns
     ids, mask = ids[:, first_column:].to(device), mask[:, first_column:].to(device)
     first, inverse = shared_prompts(ids, mask)
     precision, _, implementation = pass_settings(model, precision, device)

@@ -22,6 +22,14 @@ from torch import Tensor
 from covey.hf_compat import cache_from, cache_of, cache_tensors, last_positions
 
 
+def run_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor):
+    """The prompt pass: (KV cache, (U, 1, V) logits at each prompt's last position) of left-padded prompts."""
+    from covey.forward import position_ids  # forward imports this module
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                use_cache=True, logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))
+    return cache_of(out), out.logits[:, -1:]
+
+
 @dataclass
 class PromptView:
     """One micro-batch's prompts: a KV cache of its distinct prompts and their last logits."""
@@ -43,12 +51,10 @@ class EncodedPrompts:
     def __init__(self, model, prompt_ids: Tensor, prompt_mask: Tensor, autocast, attention):
         """`prompt_ids`/`prompt_mask` (U, P) are distinct and left-padded; `autocast` and `attention`
         are the contexts the passes run under (covey/forward.py picks them)."""
-        from covey.forward import position_ids  # forward imports this module
         self.model, self.mask, self.width = model, prompt_mask, prompt_ids.shape[1]
         with autocast, attention:
-            out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                        use_cache=True, logits_to_keep=last_positions(1, self.width, prompt_ids.device))
-        self.tensors = [t for pair in cache_tensors(cache_of(out)) for t in pair] + [out.logits[:, -1:]]
+            cache, last = run_prompts(model, prompt_ids, prompt_mask)
+        self.tensors = [t for pair in cache_tensors(cache) for t in pair] + [last]
         self.differentiable = self.tensors[-1].requires_grad
         self.grads: list[Tensor | None] = [None] * len(self.tensors)
         self.pending: list[PromptView] = []  # views handed out since the last `collect`
@@ -76,12 +82,10 @@ class EncodedPrompts:
                     continue
                 if self.grads[i] is None:
                     self.grads[i] = torch.zeros_like(self.tensors[i])
-                summed = self.grads[i][view.prompts]  # a copy (the prompts are distinct): add, write back
+                target = self.grads[i]
                 if i < len(self.tensors) - 1:  # keys/values: the view holds the last `width` columns
-                    summed[:, :, self.width - width:] += leaf.grad
-                else:
-                    summed += leaf.grad
-                self.grads[i][view.prompts] = summed
+                    target = target[:, :, self.width - width:]
+                target.index_add_(0, view.prompts, leaf.grad)
         self.pending = []
 
     def backward(self) -> None:
