@@ -1,20 +1,55 @@
 """A frozen reference whose weights stay on disk between its passes (peak memory, docs/benchmark.md).
 
 A reference that never changes (no refresh, no EMA, not a LoRA view, one process) holds
-exactly the weights of the model files it was loaded from. Its parameters are then
-memory-mapped from those safetensors files when a forward needs them (a pre-hook) and
-released after the step's reference pass (`release_weights`), so its 0.5 GB (135M in
-fp32) is not resident during the update, where a step peaks. Mapping takes milliseconds
-and the pages come from the page cache. Offloading is refused unless every parameter
-equals its file tensor bit for bit, so the reference's outputs do not change.
+exactly the weights of the model files it was loaded from. Its parameters are then read
+from those safetensors files when a forward needs them (a pre-hook) and released after the
+step's reference pass (`release_weights`), so its 0.5 GB (135M in fp32) is not resident
+during the update. Offloading is refused unless every parameter equals its file tensor bit
+for bit, so the reference's outputs do not change.
+
+The weights are read into ordinary heap tensors, not memory-mapped: the update's
+activations, freed by then, leave that much heap that glibc keeps (covey/cpu.py), and the
+reads land in it, while the pages of a mapped file count in the resident set on top of the
+heap. Mapped, the reference pass was where a step's RSS peaked: +0.5 GB over the update
+(LOG.md, 2026-11-25, sixteenth session). Reading 0.5 GB from the page cache takes ~0.1 s.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
 from torch import nn
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def read_safetensors(path: Path, names) -> dict[str, torch.Tensor]:
+    """The tensors `names` of a safetensors file, read (not mapped) into fresh tensors.
+
+    The format: an 8-byte little-endian header length, a JSON header giving each tensor's
+    dtype, shape and byte range, then the data.
+    """
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        out = {}
+        for name in names:
+            if name not in header:
+                continue
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(8 + header_len + begin)
+            if f.readinto(raw.numpy()) != end - begin:
+                raise OSError(f"{path}: {name}: file ends inside the tensor's data")
+            out[name] = raw.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+    return out
 
 
 class _Offload:
@@ -24,11 +59,9 @@ class _Offload:
         self.loaded = True
 
     def load(self) -> None:
-        from safetensors.torch import load_file
-
         tensors = {}
         for file in self.files:
-            tensors.update(load_file(str(file)))  # zero-copy views of the mapped file
+            tensors.update(read_safetensors(file, self.params))
         for name, param in self.params.items():
             param.data = tensors[name]
         self.loaded = True

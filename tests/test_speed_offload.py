@@ -1,10 +1,14 @@
-"""covey.offload: a frozen reference mapped from its model files for its passes only, same outputs."""
+"""covey.offload: a frozen reference read from its model files for its passes only, same outputs."""
 
+from pathlib import Path
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from covey.config import Config
 from covey.models import load_policy, load_reference
-from covey.offload import maybe_offload_reference, offload_reference, release_weights
+from covey.offload import maybe_offload_reference, offload_reference, read_safetensors, release_weights
 
 
 def logits(model, ids):
@@ -51,3 +55,46 @@ def test_only_a_reference_that_never_changes_in_one_process(tiny_model_dir):
     cfg.model.offload_reference = True
     assert maybe_offload_reference(load_reference(policy), cfg, world_size=1)
     assert not maybe_offload_reference(None, cfg, world_size=1)
+
+
+def mappings_of(folder) -> int:
+    """Memory mappings of the folder's safetensors files in this process (/proc/self/maps lines)."""
+    files = {str(f.resolve()) for f in Path(folder).glob("*.safetensors")}
+    assert files
+    return sum(line.split()[-1] in files for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_read_safetensors_equals_the_library_loader_bit_for_bit(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(5, 3, generator=g), "b.weight": torch.randn(4, generator=g).bfloat16(),
+               "c": torch.randn(2, 2, generator=g).double(), "steps": torch.arange(3), "flag": torch.tensor(True),
+               "empty": torch.zeros(0, 3)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    expected = load_file(str(path))
+    got = read_safetensors(path, [*tensors, "not-in-file"])
+    assert set(got) == set(tensors)  # names the file lacks are skipped
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+    assert read_safetensors(path, ["a.weight"]).keys() == {"a.weight"}
+
+
+def test_read_safetensors_names_a_truncated_file(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(64)}, str(path))
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(OSError, match="m.safetensors: w: file ends inside"):
+        read_safetensors(path, ["w"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_loaded_weights_are_read_not_mapped(tiny_model_dir):
+    """Mapped file pages count in the resident set on top of the heap (the step's peak RSS)."""
+    policy, _ = load_policy(tiny_model_dir)
+    offloaded = load_reference(policy)
+    assert offload_reference(offloaded, tiny_model_dir)
+    before = mappings_of(tiny_model_dir)  # the loader of the policy may keep its own mapping
+    logits(offloaded, torch.tensor([[5, 6, 7]]))
+    assert all(p.numel() > 0 for p in offloaded.parameters())
+    assert mappings_of(tiny_model_dir) == before
