@@ -36,7 +36,7 @@ class ModelConfig:
     critic_path: str = ""
     """Critic backbone for PPO; empty = initialise from the policy."""
     offload_reference: bool = True
-    """Map an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/offload.py)."""
+    """Read an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/offload.py)."""
     lora_rank: int = 0
     """LoRA adapter rank (PEFT); 0 = train every weight. With LoRA the reference is the base (adapters off)."""
     lora_alpha: int = 16

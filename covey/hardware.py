@@ -1,8 +1,8 @@
 """Where bfloat16 pays: the hardware that computes it natively (rollout.precision, model.autocast=auto).
 
 On an x86 CPU without AMX-BF16 or AVX512-BF16, torch emulates bf16 matrix products
-(about 1 GFLOP/s on a Zen 3 where fp32 runs at 180); with them, bf16 runs 4x faster than
-fp32 (818 against 193 GFLOP/s on a 2-core Zen 5: LOG.md, 2026-11-25).
+(about 1 GFLOP/s on a Zen 3 where fp32 runs at 180); with them, bf16 runs 2.3-4x faster than
+fp32 (424 against 184 GFLOP/s on a 2-core Zen 4, 818 against 193 on a Zen 5: LOG.md, 2026-11-25).
 """
 
 from __future__ import annotations
