@@ -11,6 +11,7 @@ Phases are timed by wrapping TRL's own methods; `update` is the rest of the step
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -126,6 +127,7 @@ def main() -> None:
     precision = "bfloat16 (autocast)" if args.bf16 else "float32"
     write_result(args.result, "trl", records, {"precision": precision, "micro_batch": args.micro_batch,
                                                 "gradient_checkpointing": args.gradient_checkpointing})
+    shutil.rmtree(config.output_dir, ignore_errors=True)  # save_strategy=no: an empty folder per run
 
 
 if __name__ == "__main__":
