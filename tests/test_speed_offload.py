@@ -98,3 +98,10 @@ def test_loaded_weights_are_read_not_mapped(tiny_model_dir):
     logits(offloaded, torch.tensor([[5, 6, 7]]))
     assert all(p.numel() > 0 for p in offloaded.parameters())
     assert mappings_of(tiny_model_dir) == before
+
+
+def test_read_safetensors_names_a_dtype_it_does_not_read(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(4).to(torch.float8_e4m3fn)}, str(path))
+    with pytest.raises(OSError, match="m.safetensors: w: dtype F8_E4M3 is not one covey reads"):
+        read_safetensors(path, ["w"])
