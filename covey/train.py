@@ -116,8 +116,33 @@ def make_optimizer(params, lr: float, cfg: Config) -> torch.optim.Optimizer:
     # Fused: one pass over each tensor instead of ~10 (0.7 s -> 0.2 s per step for 135M on one core);
     # the same update up to float rounding. Plain tensors only (not FSDP2's DTensors).
     fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(b1, b2), weight_decay=cfg.optim.weight_decay,
-                             fused=fused or None)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), weight_decay=cfg.optim.weight_decay,
+                                  fused=fused or None)
+    allocate_adamw_state(optimizer)
+    return optimizer
+
+
+def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Allocate the moments of a fused AdamW now, as its first step would (zeros, step 0).
+
+    Left to the first step, the moments (1 GiB for 135M parameters) land in the heap that the
+    first update's activations have just freed, so the second update grows the heap by about
+    as much again and faults its pages in: 0.37M page faults, 9.4 s against ~6 s for later
+    updates on a 2-core CPU (LOG.md, 2026-11-25, seventeenth session). Allocated before any
+    pass, they sit below the activations. The steps are bit-identical (tests/test_train_loop.py).
+    """
+    for group in optimizer.param_groups:
+        if not group["fused"]:  # torch's own lazy path for the rest (FSDP2's DTensors)
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)  # fused: a float32 tensor
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def make_scheduler(optimizer, warmup_steps: int):
@@ -427,6 +452,14 @@ def run_eval(run: Run, engine, prompts, examples) -> dict:
     return out
 
 
+def release_sampling_copy(engine) -> None:
+    """A bf16 sampling copy (covey/rollout/precision.py) is not read again before `sync_engine`
+    refreshes it: free it for the reference pass and the update, where a step's memory peaks."""
+    release = getattr(engine, "release_weights", None)
+    if release is not None:
+        release()
+
+
 def sync_engine(run: Run, engine) -> dict:
     """Push the updated weights to an engine that holds its own copy (vLLM); the HF engine shares the module."""
     t0 = time.perf_counter()
@@ -455,6 +488,7 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     """One step: sample -> score -> (log-probs -> advantages -> update) or (pairs -> DPO update)."""
     t0 = time.perf_counter()
     rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
+    release_sampling_copy(engine)
     if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
         return skip_empty_step(run, metrics, t0)
     if run.cfg.algo.name == "dpo_iterative":  # the one algorithm without advantages

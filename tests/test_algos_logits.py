@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from covey.algos import entropy_from_logits, logprobs_and_entropy, selective_log_softmax
+from covey.algos.logits import DEFAULT_CHUNK
 
 F64 = torch.float64
 
@@ -164,3 +165,19 @@ def test_non_contiguous_view_is_walked_not_copied(chunk):
         rg, = torch.autograd.grad((ref * w).sum(), copy)
         assert torch.allclose(out, ref) and torch.allclose(g[:, :-1], rg) and (g[:, -1] == 0).all()
         assert max(saved_numels(fn, view)) <= 12   # only (N, L) tensors are saved besides the view itself
+
+
+def test_block_size_changes_no_bit_of_the_results():
+    # each position's max, sums and gradient are computed within its own row, so how the rows are
+    # cut into blocks (DEFAULT_CHUNK is a speed setting) must not change a single bit
+    torch.manual_seed(7)
+    logits = (torch.randn(3, 40, 300) * 3).to(torch.bfloat16).requires_grad_(True)
+    tokens = torch.randint(0, 300, (3, 40))
+    for view, chosen in ((logits, tokens), (logits[:, :-1], tokens[:, 1:])):  # walked as one block / by sequence
+        results = []
+        for chunk in (1, 7, DEFAULT_CHUNK, 256):
+            logp, entropy = logprobs_and_entropy(view, chosen, 0.8, chunk)
+            grad, = torch.autograd.grad(logp.sum() + 0.5 * entropy.sum(), logits)
+            results.append((logp, entropy, grad))
+        for other in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -10,6 +10,7 @@ from covey.rewards.build import build_rewarder
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
+from covey import train as covey_train
 from covey.train import build_run, make_engine, make_eval_engine, train_step
 from tests.conftest import tiny_overrides
 
@@ -71,7 +72,28 @@ def test_copy_weights_requires_the_same_structure(tiny):
         copy_weights(torch.nn.Linear(2, 2), model)
 
 
-def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir, tmp_path):
+def test_a_released_copy_is_refilled_by_sync_or_by_the_next_rollout(tiny_model_dir):
+    model, tok = load_policy(tiny_model_dir)
+    prompts = ["What is 2 + 3?", "What is 7 * 6?"]
+    kept = local_engine("fast", model, tok, max_new_tokens=5, precision="bfloat16")
+    torch.manual_seed(3)
+    expected = kept.generate(prompts, 2)
+    engine = local_engine("fast", model, tok, max_new_tokens=5, precision="bfloat16")
+    engine.release_weights()
+    assert all(p.numel() == 0 for p in engine.copy.parameters())
+    assert engine.copy.lm_head.weight is engine.copy.model.embed_tokens.weight  # still tied
+    torch.manual_seed(3)
+    again = engine.generate(prompts, 2)  # no update in between: refilled from the policy as it is
+    assert torch.equal(again.response_ids, expected.response_ids)
+    engine.release_weights()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.5)
+    engine.sync_weights(model)
+    for p, q in zip(model.parameters(), engine.copy.parameters()):
+        assert torch.equal(p.detach().to(torch.bfloat16), q)
+
+
+def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir, tmp_path, monkeypatch):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.precision": "bfloat16"}))
     data = load_task_data(cfg)
     run = build_run(cfg, tmp_path / "t", len(data.train))
@@ -81,7 +103,12 @@ def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir,
     assert isinstance(engine.engine, LowPrecisionEngine)
     assert eval_engine.engine.model is run.policy  # held-out accuracy in the policy's own precision
     prompts = format_prompts(run.tokenizer, data.train)
+    held = []  # bf16 weights the copy holds while the policy updates: none, it was released after sampling
+    update = covey_train.update
+    monkeypatch.setattr(covey_train, "update", lambda *a: held.append(
+        sum(p.numel() for p in engine.engine.copy.parameters())) or update(*a))
     metrics = train_step(run, engine, build_rewarder(cfg), data, prompts)
+    assert held == [0]
     assert metrics["time/sync_weights"] >= 0
     for p, q in zip(run.policy.parameters(), engine.engine.copy.parameters()):  # refreshed after the update
         assert torch.equal(p.detach().to(torch.bfloat16), q)

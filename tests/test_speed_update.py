@@ -40,3 +40,39 @@ def test_grouped_micro_batches_give_the_same_step_as_interleaved_ones(tiny_model
     for name, param in grouped.items():
         torch.testing.assert_close(param, interleaved[name], atol=1e-6, rtol=1e-5, msg=name)
     assert any(not torch.equal(p, q) for p, q in zip(grouped.values(), model.parameters()))  # it did move
+
+
+def test_adamw_moments_allocated_up_front_give_the_same_steps():
+    # allocate_adamw_state must leave AdamW exactly where its own lazy start would: same state
+    # entries (dtypes, devices), and bit-equal parameters and moments after several steps
+    from covey.train import allocate_adamw_state
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(7)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    runs = []
+    for up_front in (False, True):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.99), weight_decay=0.01, fused=True)
+        if up_front:
+            allocate_adamw_state(opt)
+            assert all(int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((params, opt.state))
+    (lazy, lazy_state), (primed, primed_state) = runs
+    for a, b in zip(lazy, primed):
+        assert torch.equal(a, b)
+        assert lazy_state[a].keys() == primed_state[b].keys()
+        for key in lazy_state[a]:
+            x, y = lazy_state[a][key], primed_state[b][key]
+            assert (x.dtype, x.device) == (y.dtype, y.device) and torch.equal(x, y)
+
+
+def test_adamw_state_is_left_alone_where_not_fused():
+    from covey.train import allocate_adamw_state
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=False)
+    allocate_adamw_state(opt)
+    assert len(opt.state) == 0
