@@ -45,8 +45,8 @@ RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc m
 }
 
 
-def run_child(name: str, steps: int, threads: int, log_dir: Path) -> dict:
-    result = log_dir / f"{name}.json"
+def run_child(name: str, steps: int, threads: int, log_dir: Path, tag: str = "") -> dict:
+    result = log_dir / f"{name}{tag}.json"
     script, flags, overrides, malloc_keep = RUNS[name]
     # the `covey` command restarts itself with these variables (covey/cpu.py); a child script must get them here
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
@@ -56,15 +56,29 @@ def run_child(name: str, steps: int, threads: int, log_dir: Path) -> dict:
            "--result", str(result), *flags, *overrides]
     print(f"bench: {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    with open(log_dir / f"{name}.log", "w") as log:
+    with open(log_dir / f"{name}{tag}.log", "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent, env=env)
     if done.returncode != 0:
-        tail = (log_dir / f"{name}.log").read_text()[-3000:]
+        tail = (log_dir / f"{name}{tag}.log").read_text()[-3000:]
         raise SystemExit(f"bench: {name} failed (exit {done.returncode}):\n{tail}")
     data = json.loads(result.read_text())
     data["wall_s"] = time.perf_counter() - t0
     data["name"] = name
     return data
+
+
+def pooled(rounds: list[dict]) -> dict:
+    """One run's rounds as one result: the timed steps (2..N) of every round, the highest peak RSS."""
+    steps = [step for r in rounds for step in r["steps"][1:]]
+    return {**rounds[0], "steps": [rounds[0]["steps"][0], *steps],
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds)}
+
+
+def round_medians(results: dict[str, list[dict]]) -> str:
+    """Each round's own median s/step per run, to show how far the machine drifted between rounds."""
+    parts = [f"{name} " + " / ".join(f"{summarize(r)['median_s']:.1f}" for r in rounds)
+             for name, rounds in results.items()]
+    return "median s/step of each round: " + "; ".join(parts)
 
 
 def machine() -> str:
@@ -115,27 +129,38 @@ def main() -> None:
     parser.add_argument("--runs", default="covey,trl", help=f"comma-separated, from: {', '.join(RUNS)}")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every run")
     parser.add_argument("--out", default="", help="results prefix (default: a temporary folder)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the list this many times, interleaved (covey, trl, covey, trl, ...), and pool "
+                             "each run's timed steps: a machine whose speed drifts then slows every run alike")
     args = parser.parse_args()
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     unknown = [n for n in names if n not in RUNS]
-    if unknown or args.steps < 2:
-        raise SystemExit(f"bench: unknown runs {unknown} or --steps < 2")
+    if unknown or args.steps < 2 or args.rounds < 1:
+        raise SystemExit(f"bench: unknown runs {unknown}, --steps < 2 or --rounds < 1")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-")) / "bench"
     out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = out.parent / (out.name + "-logs")
     log_dir.mkdir(exist_ok=True)
     before = peaks(args.threads)
-    results = [run_child(name, args.steps, args.threads, log_dir) for name in names]
+    by_name: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(args.rounds):
+        for name in names:
+            by_name[name].append(run_child(name, args.steps, args.threads, log_dir,
+                                           f"-round{i + 1}" if args.rounds > 1 else ""))
     after = peaks(args.threads)
     peak = {k: max(before[k], after[k]) for k in before}
+    results = [pooled(rounds) for rounds in by_name.values()]
     rows = [summarize(r) for r in results]
+    pooling = f"; {args.rounds} interleaved rounds pooled" if args.rounds > 1 else ""
     text = (f"{machine()}\nmatmul peak (n^3 with n <= 2048, best of 6, before/after): fp32 {before['float32']:.0f}/{after['float32']:.0f}, "
             f"bf16 {before['bfloat16']:.0f}/{after['bfloat16']:.0f} GFLOP/s; threads={args.threads}; "
-            f"medians over steps 2..{args.steps}\n\n" + table(rows, peak))
+            f"medians over steps 2..{args.steps}{pooling}\n\n" + table(rows, peak))
+    if args.rounds > 1:
+        text += "\n\n" + round_medians(by_name)
     print(text)
     out.with_suffix(".md").write_text(text + "\n")
     out.with_suffix(".json").write_text(json.dumps({"peak_before": before, "peak_after": after, "summary": rows,
-                                                    "runs": results, "argv": sys.argv}, indent=1))
+                                                    "runs": results, "rounds": by_name, "argv": sys.argv}, indent=1))
     print(f"bench: wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
 
