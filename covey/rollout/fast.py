@@ -10,7 +10,9 @@ SmolLM2-135M decode step at N=32 in docs/benchmark.md):
 - rows that finished are dropped from the batch at once, and decoding stops as soon as
   every row has;
 - a token is drawn by inverse CDF from one uniform per row (`torch.multinomial` draws V
-  exponentials per row: ~30 ms per step at N=32 on one core, as long as the forward).
+  exponentials per row: ~30 ms per step at N=32 on one core, as long as the forward);
+- a bf16 Llama on a CPU decodes with `lean_step` (covey/rollout/lean_decode.py), the same
+  operations as HF's forward without its per-module Python and mask building.
 
 The distribution sampled from is HF's: the same temperature, top-k and top-p warpers
 (transformers' own classes) applied to the same logits. So samples follow the same
@@ -30,6 +32,7 @@ from covey.attention import sampling_attention
 from covey.hf_compat import last_positions, with_cache
 from covey.rollout.base import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
+from covey.rollout.lean_decode import lean_step, supports_lean_step
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
 
@@ -121,12 +124,13 @@ class FastEngine:
     takes_seeds = True  # per-prompt seeds in one batched call (rollout.seeding=per_prompt)
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True):
+                 top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.warpers = hf_warpers(temperature, top_k, top_p)
         self.share_prefix = share_prefix  # False: encode G copies like `generate` (for tests)
+        self.lean = lean  # False: every step through the model's forward (for tests)
         self.eos = eos_ids(model, tokenizer)
 
     def sync_weights(self, model) -> None:
@@ -190,6 +194,7 @@ class FastEngine:
         n, width = len(index), prompt_ids.shape[1]
         pad, eos = self.tokenizer.pad_token_id, torch.tensor(self.eos, device=device)
         cache, logits = self._prefill(prompt_ids, prompt_mask, index, width + max_new)
+        lean = self.lean and supports_lean_step(self.model)
         mask = torch.cat([prompt_mask[index], prompt_mask.new_ones(n, max_new)], dim=1)
         start = prompt_mask[index].sum(-1)         # position of each row's first new token
         tokens = torch.full((n, max_new), pad, dtype=torch.long, device=device)
@@ -206,7 +211,13 @@ class FastEngine:
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 rows, mask, start, step = rows[keep], mask[keep], start[keep], step[keep]
-            out = self.model(input_ids=step.unsqueeze(1), attention_mask=mask[:, :width + t + 1],
-                             position_ids=(start + t).unsqueeze(1), **with_cache(cache), use_cache=True)
-            logits = out.logits[:, -1].float()
+            logits = self._next_logits(step, start + t, mask[:, :width + t + 1], cache, lean)
         return tokens.cpu()
+
+    def _next_logits(self, step: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache, lean: bool) -> Tensor:
+        """(n, V) float32 logits after one new token per row."""
+        if lean:
+            return lean_step(self.model, step, positions, key_mask, cache).float()
+        out = self.model(input_ids=step.unsqueeze(1), attention_mask=key_mask, position_ids=positions.unsqueeze(1),
+                         **with_cache(cache), use_cache=True)
+        return out.logits[:, -1].float()
