@@ -1,4 +1,4 @@
-"""A frozen reference whose weights stay on disk between its passes (peak memory, docs/benchmark.md).
+"""A frozen reference: weights on disk between its passes, and held in the precision they compute in.
 
 A reference that never changes (no refresh, no EMA, not a LoRA view, one process) holds
 exactly the weights of the model files it was loaded from. Its parameters are then read
@@ -13,6 +13,11 @@ reads land in it, while the pages of a mapped file count in the resident set on 
 heap. Mapped, the reference pass was where a step's RSS peaked: +0.5 GB over the update
 (LOG.md, 2026-11-25, sixteenth session). Reading the 0.5 GB from the page cache into the
 kept heap takes 75 ms; mapping it and touching every page took 45 ms.
+
+Under bf16 autocast a frozen reference's Linear weights are held in bf16
+(`hold_linear_weights_in`): autocast rounds an fp32 weight to bf16 at every call (135M
+weights at each of the reference pass's five forwards, ~0.25 s a step on 2 cores) and uses a
+bf16 one as it is, so the log-probs are the same bits and the weights half the memory.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
-def read_safetensors(path: Path, names) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, names, dtypes: dict | None = None) -> dict[str, torch.Tensor]:
     """The tensors `names` of a safetensors file, read (not mapped) into fresh tensors.
+
+    `dtypes`: name -> dtype to convert a tensor to as soon as it is read (one tensor's
+    file-precision copy alive at a time).
 
     The format: an 8-byte little-endian header length, a JSON header giving each tensor's
     dtype, shape and byte range, then the data.
@@ -51,7 +59,8 @@ def read_safetensors(path: Path, names) -> dict[str, torch.Tensor]:
             f.seek(8 + header_len + begin)
             if f.readinto(raw.numpy()) != end - begin:
                 raise OSError(f"{path}: {name}: file ends inside the tensor's data")
-            out[name] = raw.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+            tensor = raw.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+            out[name] = tensor.to((dtypes or {}).get(name, tensor.dtype))
     return out
 
 
@@ -62,9 +71,9 @@ class _Offload:
         self.loaded = True
 
     def load(self) -> None:
-        tensors = {}
+        tensors, dtypes = {}, {name: param.dtype for name, param in self.params.items()}
         for file in self.files:
-            tensors.update(read_safetensors(file, self.params))
+            tensors.update(read_safetensors(file, self.params, dtypes))
         for name, param in self.params.items():
             param.data = tensors[name]
         self.loaded = True
@@ -121,3 +130,35 @@ def maybe_offload_reference(reference: nn.Module | None, cfg, world_size: int) -
         return False
     from covey.models import resolve_model_path
     return offload_reference(reference, resolve_model_path(cfg.model.path))
+
+
+def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Convert, in place, every nn.Linear weight and bias that no other kind of module shares to `dtype`.
+
+    A tied weight (SmolLM2's output layer is its input embedding) stays as it is: the
+    embedding lookup reads it at full precision. Returns how many tensors were converted.
+    """
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    converted = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            for param in module.parameters(recurse=False):
+                if id(param) not in shared and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+                    converted += 1
+    return converted
+
+
+def maybe_hold_reference_in_bf16(reference: nn.Module | None, cfg, world_size: int) -> bool:
+    """bf16 Linear weights for an unchanging reference of one process whose passes run under bf16 autocast.
+
+    Not for a reference that is refreshed or mixed from the policy (its weights must stay
+    exact copies), a LoRA view (its modules are the policy's), or FSDP shards.
+    """
+    from covey.forward import model_device, resolve_autocast
+
+    a = cfg.algo
+    if (reference is None or cfg.model.lora_rank or a.ref_refresh_every or a.ref_ema or world_size != 1
+            or resolve_autocast(cfg.model.autocast, model_device(reference)) != "bfloat16"):
+        return False
+    return hold_linear_weights_in(reference, torch.bfloat16) > 0

@@ -41,7 +41,7 @@ from covey.gradvar import measure_grad_variance
 from covey.lora import add_adapters, frozen_reference
 from covey.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
 from covey.models import ValueModel, load_policy, param_memory_mb
-from covey.offload import maybe_offload_reference, release_weights
+from covey.offload import maybe_hold_reference_in_bf16, maybe_offload_reference, release_weights
 from covey.reward_models import add_outcome_to_last_step, make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
 from covey.rewards.model import load_learned_rewards
@@ -169,7 +169,8 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               if uses_critic(cfg) else None)
     # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
     policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
-    maybe_offload_reference(reference, cfg, world.size)  # weights mapped from disk for its pass only
+    maybe_offload_reference(reference, cfg, world.size)  # weights read from disk for its pass only
+    maybe_hold_reference_in_bf16(reference, cfg, world.size)  # autocast's weight casts, made once
     optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
     critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
     run = Run(cfg=cfg, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,

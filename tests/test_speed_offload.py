@@ -8,7 +8,10 @@ from safetensors.torch import load_file, save_file
 
 from covey.config import Config
 from covey.models import load_policy, load_reference
-from covey.offload import maybe_offload_reference, offload_reference, read_safetensors, release_weights
+from covey.forward import batched_logprobs
+from covey.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
+                           offload_reference, read_safetensors, release_weights)
+from covey.rollout.base import Rollout
 
 
 def logits(model, ids):
@@ -105,3 +108,85 @@ def test_read_safetensors_names_a_dtype_it_does_not_read(tmp_path):
     save_file({"w": torch.zeros(4).to(torch.float8_e4m3fn)}, str(path))
     with pytest.raises(OSError, match="m.safetensors: w: dtype F8_E4M3 is not one covey reads"):
         read_safetensors(path, ["w"])
+
+
+# ---------------------------------------------------------------- a bf16 reference under bf16 autocast
+
+
+def reference_logprobs(model, rollout):
+    return batched_logprobs(model, rollout, temperature=1.0, micro_batch_size=2, precision="bfloat16")
+
+
+def small_rollout(tokenizer) -> Rollout:
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 500, (4, 6), generator=g)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, :2] = 0  # a left-padded prompt
+    responses = torch.randint(3, 500, (4, 5), generator=g)
+    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
+    return Rollout(prompt_ids=prompts, prompt_mask=prompt_mask, response_ids=responses,
+                   response_mask=response_mask, group_ids=torch.tensor([0, 0, 1, 1]),
+                   truncated=torch.zeros(4, dtype=torch.bool), completions=[""] * 4, example_index=[0, 0, 1, 1])
+
+
+def test_bf16_linear_weights_give_the_same_bits_under_autocast(tiny_model_dir):
+    """autocast rounds an fp32 Linear weight to bf16 at each call; holding it rounded changes no output bit."""
+    policy, tok = load_policy(tiny_model_dir)
+    kept, lowered = load_reference(policy), load_reference(policy)
+    converted = hold_linear_weights_in(lowered, torch.bfloat16)
+    layers = policy.config.num_hidden_layers
+    assert converted == 7 * layers  # q, k, v, o, gate, up, down per layer; no biases
+    assert lowered.lm_head.weight is lowered.model.embed_tokens.weight  # still tied
+    assert lowered.lm_head.weight.dtype == torch.float32  # the lookup reads the embedding in fp32
+    assert lowered.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    rollout = small_rollout(tok)
+    a, b = reference_logprobs(kept, rollout), reference_logprobs(lowered, rollout)
+    assert torch.equal(a, b)
+    assert a.abs().sum() > 0
+
+
+def test_offloaded_bf16_reference_reads_its_files_rounded(tiny_model_dir):
+    policy, tok = load_policy(tiny_model_dir)
+    kept, offloaded = load_reference(policy), load_reference(policy)
+    cfg = Config()
+    cfg.model.path, cfg.model.autocast = tiny_model_dir, "bfloat16"
+    assert maybe_offload_reference(offloaded, cfg, world_size=1)
+    assert maybe_hold_reference_in_bf16(offloaded, cfg, world_size=1)
+    rollout = small_rollout(tok)
+    assert torch.equal(reference_logprobs(offloaded, rollout), reference_logprobs(kept, rollout))
+    up = offloaded.model.layers[1].mlp.up_proj.weight
+    assert up.dtype == torch.bfloat16 and torch.equal(up, kept.model.layers[1].mlp.up_proj.weight.bfloat16())
+    release_weights(offloaded)
+    assert up.numel() == 0 and up.dtype == torch.bfloat16
+
+
+def test_bf16_reference_only_for_an_unchanging_one_under_bf16_autocast(tiny_model_dir):
+    policy, _ = load_policy(tiny_model_dir)
+
+    def lowered(world_size=1, **changes) -> bool:
+        cfg = Config()
+        cfg.model.path, cfg.model.autocast = tiny_model_dir, "bfloat16"
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        reference = load_reference(policy)
+        done = maybe_hold_reference_in_bf16(reference, cfg, world_size)
+        dtypes = {p.dtype for p in reference.parameters()}
+        assert dtypes == ({torch.float32, torch.bfloat16} if done else {torch.float32})
+        return done
+
+    assert lowered()
+    assert not lowered(model__autocast="none")
+    assert not lowered(algo__ref_ema=0.1)  # mixed from the policy each step: must stay exact
+    assert not lowered(algo__ref_refresh_every=5)
+    assert not lowered(world_size=2)
+    assert not maybe_hold_reference_in_bf16(None, Config(), 1)
+
+
+def test_read_safetensors_converts_as_it_reads(tmp_path):
+    path = tmp_path / "m.safetensors"
+    w = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    save_file({"w": w, "b": torch.ones(2)}, str(path))
+    got = read_safetensors(path, ["w", "b"], {"w": torch.bfloat16})
+    assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], w.bfloat16())
+    assert got["b"].dtype == torch.float32
