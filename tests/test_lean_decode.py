@@ -105,5 +105,8 @@ def test_only_eager_plain_llamas_take_the_lean_step(tiny_model_dir):
     assert not supports_lean_step(fp32)  # float32 on a CPU runs SDPA: the HF forward
     bf16 = low_precision_copy(fp32, torch.bfloat16)
     assert supports_lean_step(bf16)
+    bf16.config.rope_parameters = {**bf16.config.rope_parameters, "rope_type": "dynamic"}
+    assert not supports_lean_step(bf16)  # its inv_freq changes with the sequence length
+    bf16 = low_precision_copy(fp32, torch.bfloat16)
     bf16.config.attention_bias = True
     assert not supports_lean_step(bf16)

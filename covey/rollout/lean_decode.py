@@ -32,7 +32,9 @@ def supports_lean_step(model) -> bool:
     if type(model).__name__ != "LlamaForCausalLM":
         return False
     config = model.config
-    rope = getattr(config, "rope_parameters", None) or {}
+    # rotary tables from the module's inv_freq hold for every rope type fixed at load time;
+    # only "default" is accepted (dynamic types rescale inv_freq as sequences grow)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     device = next(model.parameters()).device
     return (config.hidden_act == "silu" and not config.attention_bias and not config.mlp_bias
             and getattr(config, "pretraining_tp", 1) == 1 and rope.get("rope_type", "default") == "default"
