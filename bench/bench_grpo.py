@@ -37,6 +37,8 @@ RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc m
     "covey-plain-malloc": ("run_covey.py", [], [], False),          # without covey/cpu.py's malloc variables
     "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"], True),  # HF generate instead of the fast engine
     "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"], True),
+    "covey-mb16": ("run_covey.py", [], ["algo.micro_batch_size=16"], True),  # fewer, larger passes:
+    "covey-mb32": ("run_covey.py", [], ["algo.micro_batch_size=32"], True),  # speed against memory
     "trl": ("run_trl.py", [], [], False),                          # the setting: 32 samples per forward
     "trl-malloc": ("run_trl.py", [], [], True),                    # TRL given covey's malloc variables too
     "trl-mb8": ("run_trl.py", ["--micro-batch", "8"], [], False),   # covey's micro-batch (less memory)

@@ -190,3 +190,14 @@ def test_read_safetensors_converts_as_it_reads(tmp_path):
     got = read_safetensors(path, ["w", "b"], {"w": torch.bfloat16})
     assert got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], w.bfloat16())
     assert got["b"].dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_bf16_reference_gives_the_same_bits_on_cuda(tiny_model_dir):
+    """CUDA autocast, like the CPU's, uses a bf16 weight as it is and rounds an fp32 one to the same bits."""
+    policy, tok = load_policy(tiny_model_dir, device="cuda")
+    kept, lowered = load_reference(policy), load_reference(policy)
+    assert hold_linear_weights_in(lowered, torch.bfloat16) > 0
+    rollout = small_rollout(tok)
+    a, b = reference_logprobs(kept, rollout), reference_logprobs(lowered, rollout)
+    assert torch.equal(a, b) and a.abs().sum() > 0
