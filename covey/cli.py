@@ -148,7 +148,24 @@ def entry() -> int:
     env = malloc_env(os.environ)
     if env is not None:
         os.execve(sys.executable, [sys.executable, "-m", "covey.cli", *sys.argv[1:]], env)
-    return main()
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_without_teardown(code)
+    return code
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a torchrun rank that has finished (process group destroyed, files closed) without
+    interpreter finalization.
+
+    Now and then a rank aborted there, after the run had saved its model ("terminate called
+    without an active exception", SIGABRT: seen twice in the two-process test, LOG.md), which
+    turned a finished run into a failed one. The likely cause is gloo work objects freed during
+    teardown (pytorch/pytorch#179291). covey's own files are closed after every write.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

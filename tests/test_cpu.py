@@ -48,6 +48,19 @@ def test_entry_restarts_once_with_the_variables(monkeypatch):
     assert cli.entry() == 0 and len(calls) == 1  # switched off: main() runs in this process
 
 
+def test_a_torchrun_rank_ends_without_interpreter_teardown(monkeypatch):
+    """A finished rank leaves through os._exit with main()'s code (cli.exit_without_teardown)."""
+    exits = []
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setenv("COVEY_MALLOC_KEEP", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cli.entry()
+    assert exits == [3]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert cli.entry() == 3 and exits == [3]  # one process: an ordinary return
+
+
 @glibc
 def test_the_command_line_restarts_with_the_variables_and_runs():
     # The real restart: `entry()` re-executes `python -m covey.cli ...`, whose own `entry()`
