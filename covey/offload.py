@@ -122,11 +122,16 @@ def release_weights(model: nn.Module | None) -> None:
         state.release()
 
 
+def unchanging_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
+    """The reference is the start model of one process and stays it: no refresh, no EMA, not a LoRA view."""
+    a = cfg.algo
+    return (reference is not None and not cfg.model.lora_rank and not a.ref_refresh_every and not a.ref_ema
+            and world_size == 1)
+
+
 def maybe_offload_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
     """model.offload_reference, where the reference is the unchanging start model of one process."""
-    a = cfg.algo
-    if (reference is None or not cfg.model.offload_reference or cfg.model.lora_rank or a.ref_refresh_every
-            or a.ref_ema or world_size != 1):
+    if not cfg.model.offload_reference or not unchanging_reference(reference, cfg, world_size):
         return False
     from covey.models import resolve_model_path
     return offload_reference(reference, resolve_model_path(cfg.model.path))
@@ -157,8 +162,7 @@ def maybe_hold_reference_in_bf16(reference: nn.Module | None, cfg, world_size: i
     """
     from covey.forward import model_device, resolve_autocast
 
-    a = cfg.algo
-    if (reference is None or cfg.model.lora_rank or a.ref_refresh_every or a.ref_ema or world_size != 1
+    if (not unchanging_reference(reference, cfg, world_size)
             or resolve_autocast(cfg.model.autocast, model_device(reference)) != "bfloat16"):
         return False
     return hold_linear_weights_in(reference, torch.bfloat16) > 0

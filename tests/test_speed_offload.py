@@ -11,7 +11,7 @@ from covey.models import load_policy, load_reference
 from covey.forward import batched_logprobs
 from covey.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
                            offload_reference, read_safetensors, release_weights)
-from covey.rollout.base import Rollout
+from tests.test_speed_forward import grouped_rollout
 
 
 def logits(model, ids):
@@ -117,18 +117,6 @@ def reference_logprobs(model, rollout):
     return batched_logprobs(model, rollout, temperature=1.0, micro_batch_size=2, precision="bfloat16")
 
 
-def small_rollout(tokenizer) -> Rollout:
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, 500, (4, 6), generator=g)
-    prompt_mask = torch.ones_like(prompts)
-    prompt_mask[0, :2] = 0  # a left-padded prompt
-    responses = torch.randint(3, 500, (4, 5), generator=g)
-    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
-    return Rollout(prompt_ids=prompts, prompt_mask=prompt_mask, response_ids=responses,
-                   response_mask=response_mask, group_ids=torch.tensor([0, 0, 1, 1]),
-                   truncated=torch.zeros(4, dtype=torch.bool), completions=[""] * 4, example_index=[0, 0, 1, 1])
-
-
 def test_bf16_linear_weights_give_the_same_bits_under_autocast(tiny_model_dir):
     """autocast rounds an fp32 Linear weight to bf16 at each call; holding it rounded changes no output bit."""
     policy, tok = load_policy(tiny_model_dir)
@@ -139,7 +127,7 @@ def test_bf16_linear_weights_give_the_same_bits_under_autocast(tiny_model_dir):
     assert lowered.lm_head.weight is lowered.model.embed_tokens.weight  # still tied
     assert lowered.lm_head.weight.dtype == torch.float32  # the lookup reads the embedding in fp32
     assert lowered.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
-    rollout = small_rollout(tok)
+    rollout = grouped_rollout(tok)
     a, b = reference_logprobs(kept, rollout), reference_logprobs(lowered, rollout)
     assert torch.equal(a, b)
     assert a.abs().sum() > 0
@@ -152,7 +140,7 @@ def test_offloaded_bf16_reference_reads_its_files_rounded(tiny_model_dir):
     cfg.model.path, cfg.model.autocast = tiny_model_dir, "bfloat16"
     assert maybe_offload_reference(offloaded, cfg, world_size=1)
     assert maybe_hold_reference_in_bf16(offloaded, cfg, world_size=1)
-    rollout = small_rollout(tok)
+    rollout = grouped_rollout(tok)
     assert torch.equal(reference_logprobs(offloaded, rollout), reference_logprobs(kept, rollout))
     up = offloaded.model.layers[1].mlp.up_proj.weight
     assert up.dtype == torch.bfloat16 and torch.equal(up, kept.model.layers[1].mlp.up_proj.weight.bfloat16())
@@ -198,6 +186,6 @@ def test_bf16_reference_gives_the_same_bits_on_cuda(tiny_model_dir):
     policy, tok = load_policy(tiny_model_dir, device="cuda")
     kept, lowered = load_reference(policy), load_reference(policy)
     assert hold_linear_weights_in(lowered, torch.bfloat16) > 0
-    rollout = small_rollout(tok)
+    rollout = grouped_rollout(tok)
     a, b = reference_logprobs(kept, rollout), reference_logprobs(lowered, rollout)
     assert torch.equal(a, b) and a.abs().sum() > 0
