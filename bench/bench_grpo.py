@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import matmul_peak, summarize  # noqa: E402
 
-from covey.cpu import MALLOC_ENV  # noqa: E402
+from covey.runtime.cpu import MALLOC_ENV  # noqa: E402
 
 RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc malloc reuse as `covey` sets it)
     "covey": ("run_covey.py", [], [], True),                       # covey's defaults: fast engine, fp32 weights,

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from covey import forward
-from covey.data import format_prompts
-from covey.models import load_policy
+from covey.passes import logprobs as forward
+from covey.tasks.data import format_prompts
+from covey.models.load import load_policy
 from covey.rollout.fast import FastEngine
 from covey.rollout.hf import HFEngine
 from covey.tasks.arithmetic import arithmetic_splits

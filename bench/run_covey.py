@@ -57,9 +57,9 @@ def main() -> None:
     parser.add_argument("--name", default="covey")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    from covey import train as covey_train
+    from covey.train import loop as covey_train
     from covey.config import load_config
-    from covey.forward import resolve_autocast
+    from covey.runtime.precision import resolve_autocast
 
     patch_flop_counter(covey_train)
     # The run folder (checkpoints and the saved model, ~2 GB) is only read for its metrics.

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from covey import advantages_cmd
+from covey.cli import advantages as advantages_cmd
 
 REF_001 = ["--rewards", "0.8,0.6", "--lengths", "3,4", "--token-credit", "discounted", "--gamma", "0.99",
            "--normalize", "global_token", "--eps", "0"]
@@ -98,6 +98,6 @@ def test_add_parser_wires_into_a_parent_cli(capsys):
 
 
 def test_module_entry_point_exit_code():
-    proc = subprocess.run([sys.executable, "-m", "covey.advantages_cmd", "--rewards", "1", "--lengths", "1,2"],
+    proc = subprocess.run([sys.executable, "-m", "covey.cli.advantages", "--rewards", "1", "--lengths", "1,2"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "covey advantages: error: 1 rewards but 2 lengths"

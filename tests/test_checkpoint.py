@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from covey.checkpoint import CheckpointError, config_differences, list_checkpoints, save_checkpoint
-from covey.cli import main
+from covey.train.checkpoint import CheckpointError, config_differences, list_checkpoints, save_checkpoint
+from covey.cli.main import main
 from covey.config import as_dict, load_config
-from covey.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
-from covey.train import build_run
+from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
+from covey.train.loop import build_run
 from tests.conftest import tiny_overrides
 
 
@@ -56,7 +56,7 @@ def test_save_every_zero_still_checkpoints_the_end(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("variant", [
     {},  # GRPO
-    {"algo.name": "ppo", "algo.estimator": "gae", "algo.kl_in": "reward", "algo.kl_estimator": "k1",
+    {"algo.estimator": "gae", "algo.kl_in": "reward", "algo.kl_estimator": "k1",
      "algo.loss_agg": "token_mean", "algo.normalize": "global_token", "algo.epochs": 2, "algo.minibatches": 2},
     {"algo.dynamic_sampling": "true", "algo.ref_refresh_every": 2, "algo.kl_target": 0.05},
 ], ids=["grpo", "ppo-critic", "dynamic-sampling-ref-refresh"])

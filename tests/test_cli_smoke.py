@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from covey.cli import main
+from covey.cli.main import main
 from tests.conftest import tiny_overrides
 
 PRESETS = sorted(p.stem for p in Path("configs").glob("*.yaml"))

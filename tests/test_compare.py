@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from covey.cli import main
-from covey.compare import (Budget, CompareSpec, budget_overrides, parse_budget, run_compare, run_status,
+from covey.cli.main import main
+from covey.report.compare import (Budget, CompareSpec, budget_overrides, parse_budget, run_compare, run_status,
                            subprocess_runner, train_argv)
 from covey.config import ConfigError
-from covey.report import FIGURES
+from covey.report.report import FIGURES
 from tests.conftest import tiny_overrides
 from tests.report_fixtures import assert_valid_png, write_run
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from covey.cli import main
+from covey.cli.main import main
 from covey.config import load_config
-from covey.gradvar import add_minibatch_gradient, measure_grad_variance
-from covey.models import load_policy
+from covey.train.gradvar import add_minibatch_gradient, measure_grad_variance
+from covey.models.load import load_policy
 from covey.rollout.hf import HFEngine
 from tests.conftest import tiny_overrides
 

@@ -1,4 +1,4 @@
-"""covey.cpu: glibc malloc variables and the restart that applies them; the thread setting."""
+"""covey.runtime.cpu: glibc malloc variables and the restart that applies them; the thread setting."""
 
 import json
 import os
@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from covey import cli
+from covey.cli import main as cli
 from covey.config import load_config
-from covey.cpu import MALLOC_ENV, apply_cpu_settings, malloc_env
+from covey.runtime.cpu import MALLOC_ENV, apply_cpu_settings, malloc_env
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                            reason="the MALLOC_* variables are glibc's")
@@ -67,7 +67,7 @@ def test_the_command_line_restarts_with_the_variables_and_runs():
     # finds the variables set and runs the command. Without them it would restart forever
     # (and time out), so a normal exit also shows they reached the new process.
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "COVEY_MALLOC_KEEP"}
-    code = ("import sys, covey.cli as c; sys.argv = ['covey', 'advantages', '--estimator', 'grpo', "
+    code = ("import sys, covey.cli.main as c; sys.argv = ['covey', 'advantages', '--estimator', 'grpo', "
             "'--rewards', '1,0', '--lengths', '1,1', '--json']; sys.exit(c.entry())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

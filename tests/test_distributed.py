@@ -1,4 +1,4 @@
-"""covey.distributed in one process: the split of a global batch and split-independent sampling.
+"""covey.runtime.dist in one process: the split of a global batch and split-independent sampling.
 
 The multi-process behaviour itself is tested end to end in test_distributed_torchrun.py.
 """
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from covey.config import ConfigError, load_config, validate_world
-from covey.data import PromptStream
-from covey.distributed import (SilentLogger, World, draw_share, global_normalizer, prompt_seed, rank_share,
+from covey.tasks.data import PromptStream
+from covey.runtime.dist import (SilentLogger, World, draw_share, global_normalizer, prompt_seed, rank_share,
                                reduce_metrics, sample_groups, uneven_share, unsharded)
-from covey.models import load_policy
+from covey.models.load import load_policy
 from covey.rollout.hf import HFEngine
 from tests.conftest import tiny_overrides
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from covey.cli import main
-from covey.metrics import read_metrics
+from covey.cli.main import main
+from covey.runtime.metrics import read_metrics
 from tests.conftest import tiny_overrides
 
 GOOD = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from covey.checkpoint import list_checkpoints
-from covey.cli import main
-from covey.metrics import read_metrics
+from covey.train.checkpoint import list_checkpoints
+from covey.cli.main import main
+from covey.runtime.metrics import read_metrics
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from tests.conftest import tiny_overrides
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from covey import hardware
-from covey.forward import autocast_context, resolve_autocast
-from covey.hardware import cpu_has_native_bf16
+from covey.runtime import precision as hardware
+from covey.runtime.precision import autocast_context, resolve_autocast
+from covey.runtime.precision import cpu_has_native_bf16
 from covey.rollout.precision import resolve_precision
 
 
@@ -58,9 +58,9 @@ def test_autocast_context_runs_linear_layers_in_the_resolved_precision(monkeypat
 def test_bf16_autocast_reaches_the_policy_passes_and_a_training_step(tiny_model_dir, tmp_path):
     import json
 
-    from covey import forward
-    from covey.cli import main
-    from covey.models import load_policy
+    from covey.passes import logprobs as forward
+    from covey.cli.main import main
+    from covey.models.load import load_policy
     from tests.test_speed_forward import grouped_rollout
     from tests.conftest import tiny_overrides
 

@@ -1,4 +1,4 @@
-"""covey.hf_compat: the KV-cache name the installed transformers declares, used without a warning; logits_to_keep
+"""covey.models.hf_compat: the KV-cache name the installed transformers declares, used without a warning; logits_to_keep
 as indices."""
 
 import warnings
@@ -6,8 +6,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from covey.hf_compat import CACHE_KEY, cache_of, last_positions, with_cache
-from covey.models import tiny_llama
+from covey.models.hf_compat import CACHE_KEY, cache_of, last_positions, with_cache
+from covey.models.load import tiny_llama
 
 
 def test_cache_round_trip_matches_a_full_pass_without_deprecation_warnings():

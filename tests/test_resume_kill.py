@@ -3,7 +3,7 @@
 Every run here is a real `python -m covey.cli train` subprocess on the tiny model,
 with a checkpoint after every step. Kills land at named points (inside a
 checkpoint write, between the write and the rename, before pruning, between
-logging a step and checkpointing it; `covey.signals.fault_point`) and at random
+logging a step and checkpointing it; `covey.runtime.signals.fault_point`) and at random
 times while checkpoint writes are slowed down. After each kill the run is
 resumed until it completes; metrics.jsonl (all fields but time/memory/throughput),
 samples.jsonl and the final weights must then equal the uninterrupted run's.
@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from covey.metrics import NONDETERMINISTIC_PREFIXES
-from covey.signals import DELAY_ENV, KILL_AT_ENV
+from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES
+from covey.runtime.signals import DELAY_ENV, KILL_AT_ENV
 from tests.conftest import tiny_overrides
 
 STEPS = 5
@@ -194,7 +194,7 @@ def measure(trials: int, model_dir: str, out: Path) -> str:
 if __name__ == "__main__":
     import tempfile
 
-    from covey.models import build_tiny_model
+    from covey.models.load import build_tiny_model
     with tempfile.TemporaryDirectory() as tmp:
         print(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 8, str(build_tiny_model(Path(tmp) / "tiny")),
                       Path(tmp)))

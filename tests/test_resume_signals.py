@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from covey.checkpoint import list_checkpoints
-from covey.cli import main
-from covey.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
+from covey.train.checkpoint import list_checkpoints
+from covey.cli.main import main
+from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
 from tests.conftest import tiny_overrides
 
 PLAN = {"calls": 0, "signals": ()}
@@ -82,7 +82,7 @@ def test_second_signal_abandons_the_step(tiny_model_dir, tmp_path):
 def _agree_worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from covey.signals import StopFlag
+    from covey.runtime.signals import StopFlag
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     flag = StopFlag()
     first = flag.agreed()  # nobody signalled

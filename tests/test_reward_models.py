@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from covey import algos
-from covey.cli import main
+from covey.cli.main import main
 from covey.config import load_config
-from covey.models import tiny_tokenizer
-from covey.reward_models import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
+from covey.models.load import tiny_tokenizer
+from covey.rm.trainer import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
                                  corrupted_solutions, counterfactual_pairs, counterfactual_steps, load_rm_data,
                                  pairs_from_group, pairwise_agreement, process_step_inputs, prm_loss, replay_count,
                                  save_rm_data, split_by_prompt, swap_final_answer, train_reward_model)
-from covey.rewards.model import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
+from covey.rewards.learned import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
                                  encode, end_marker_text, step_spans, step_token_ends)
-from covey.rollout.base import Rollout
+from covey.batch import Rollout
 from covey.tasks.multistep import generate_multistep, label_steps, reference_steps, split_steps
 from tests.conftest import tiny_overrides
 
@@ -89,7 +89,7 @@ def test_end_marker_moves_the_last_read_out_onto_eos():
 
 
 def test_a_continued_prm_keeps_its_end_marker_setting(tmp_path):
-    from covey.reward_models import _end_marker
+    from covey.rm.trainer import _end_marker
     old, new = tmp_path / "old", tmp_path / "new"
     for folder, meta in ((old, {"objective": "prm"}), (new, {"objective": "prm", "end_marker": True})):
         folder.mkdir()
@@ -315,7 +315,7 @@ def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_di
 
 
 def test_prm_batch_metrics_by_hand():
-    from covey.reward_models import prm_batch_metrics
+    from covey.rm.trainer import prm_batch_metrics
     # 6 steps: labels 1 0 0 | 0 0 1; PRM p: .9 .8 .1 | .2 .6 .4 -> called right: steps 1, 2, 5.
     # accuracy: steps 1, 3, 4 agree -> 3/6; precision: of 3 called right, 1 is right -> 1/3;
     # false positives: of 4 wrong steps (2, 3, 4, 5), 2 are called right (2, 5) -> 1/2.
@@ -386,7 +386,7 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
 
 
 def test_process_supervision_with_the_outcome_on_the_last_step_runs_in_the_loop(tiny_model_dir, tmp_path, monkeypatch):
-    import covey.train as train_module
+    import covey.train.loop as train_module
     seen = []
     real = train_module.add_outcome_to_last_step
 
@@ -419,7 +419,7 @@ def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
 
 
 def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
-    from covey.reward_models import generate_rm_data
+    from covey.rm.trainer import generate_rm_data
     # model.path does not exist: with rm.samples_per_prompt=0 the policy is never loaded
     cfg = load_config(None, [f"model.path={tmp_path / 'absent'}", "rm.objective=prm", "task.name=multistep",
                              "task.train_size=10", "rm.num_examples=1000", "rm.samples_per_prompt=0",
@@ -481,8 +481,8 @@ def test_iterative_refresh_is_refused_under_torchrun():
 
 
 def _tiny_value_model(train_layers):
-    from covey.models import ValueModel, tiny_llama
-    from covey.reward_models import freeze_lower_layers
+    from covey.models.load import ValueModel, tiny_llama
+    from covey.rm.trainer import freeze_lower_layers
     tok = tiny_tokenizer()
     model = ValueModel(tiny_llama(len(tok), num_layers=4, seed=3).model)
     torch.nn.init.normal_(model.head.weight, std=0.5)  # a non-zero head, so values differ per position
@@ -506,7 +506,7 @@ def test_frozen_prefix_split_forward_equals_the_full_forward():
 
 
 def test_fit_with_the_frozen_layer_cache_matches_fit_without_it(monkeypatch):
-    from covey.reward_models import RMTrainer
+    from covey.rm.trainer import RMTrainer
     examples = [StepExample(ex.prompt, sol, label_steps(ex, sol)[1])
                 for ex in generate_multistep(6, seed=2) for sol in corrupted_solutions(ex, random.Random(0))]
     runs = []
@@ -529,7 +529,7 @@ def test_bf16_autocast_values_match_fp32_and_training_still_learns():
     """model.autocast=bfloat16 runs the RM's passes in bf16 (native on AVX512-BF16 / AMX / GPUs):
     values stay within bf16 rounding of fp32 on both paths (whole inputs and the frozen-layer
     cache), come back as fp32, and a bf16 fit still lowers the loss."""
-    from covey.reward_models import RMTrainer
+    from covey.rm.trainer import RMTrainer
     examples = [StepExample(ex.prompt, sol, label_steps(ex, sol)[1])
                 for ex in generate_multistep(6, seed=2) for sol in corrupted_solutions(ex, random.Random(0))]
     model, tok = _tiny_value_model(train_layers=1)
@@ -553,7 +553,7 @@ def test_bf16_autocast_values_match_fp32_and_training_still_learns():
 
 
 def test_step_accuracy_by_category_by_hand():
-    from covey.reward_models import step_accuracy_by_category
+    from covey.rm.trainer import step_accuracy_by_category
     ex = generate_multistep(1, seed=5, min_ops=2, max_ops=2)[0]
     first, second = reference_steps(ex.meta["start"], ex.meta["ops"])
     right = f"{first}\n{second}"
@@ -569,7 +569,7 @@ def test_step_accuracy_by_category_by_hand():
 
 
 def test_evaluate_reports_hits_per_step():
-    from covey.reward_models import RMTrainer
+    from covey.rm.trainer import RMTrainer
     model, tok = _tiny_value_model(train_layers=0)
     torch.nn.init.zeros_(model.head.weight)  # logit 0 everywhere: every step is predicted wrong
     rows = [StepExample("q", "1 + 1 = 2\n2 + 2 = 5", [1, 0]), StepExample("q", "a\nb\nc", [0, 0, 1])]
@@ -623,7 +623,7 @@ def test_prompt_shared_scoring_equals_whole_inputs(objective, tiny_rm, tiny_prm,
 
 
 def test_outcome_on_the_last_step_makes_a_whole_right_answer_beat_a_right_first_step():
-    from covey.reward_models import add_outcome_to_last_step
+    from covey.rm.trainer import add_outcome_to_last_step
     # Group of 3: a whole right solution (steps 1, 1, answer 1; outcome 1), a stop after one
     # right step (1; outcome 0) and an empty response (no step).
     scores = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from covey.rewards import answers
+from covey.tasks import answers
 from covey.rewards.rules import (
     RULE_REWARDS,
     completion_text,

@@ -2,7 +2,7 @@
 
 import torch
 
-from covey.rollout.base import concat_rollouts
+from covey.batch import concat_rollouts
 from covey.rollout.hf import HFEngine, response_mask_from_ids
 
 EOS, PAD = 2, 2
@@ -26,7 +26,7 @@ def test_mask_first_of_several_eos_ids():
 
 
 def test_engine_groups_and_padding(tiny_model_dir):
-    from covey.models import load_policy
+    from covey.models.load import load_policy
     model, tok = load_policy(tiny_model_dir)
     engine = HFEngine(model, tok, max_new_tokens=6)
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def test_engine_groups_and_padding(tiny_model_dir):
 
 
 def test_concat_keeps_groups_distinct(tiny_model_dir):
-    from covey.models import load_policy
+    from covey.models.load import load_policy
     model, tok = load_policy(tiny_model_dir)
     engine = HFEngine(model, tok, max_new_tokens=4)
     a = engine.generate(["x"], 2)
@@ -54,8 +54,8 @@ def test_concat_keeps_groups_distinct(tiny_model_dir):
 
 
 def test_informative_groups_keeps_only_groups_with_reward_spread():
-    from covey.train import informative_groups
-    from covey.rollout.base import Rollout
+    from covey.train.loop import informative_groups
+    from covey.batch import Rollout
     r = Rollout(prompt_ids=torch.zeros(6, 1, dtype=torch.long), prompt_mask=torch.ones(6, 1, dtype=torch.long),
                 response_ids=torch.zeros(6, 1, dtype=torch.long), response_mask=torch.ones(6, 1),
                 group_ids=torch.tensor([7, 7, 3, 3, 9, 9]), truncated=torch.zeros(6, dtype=torch.bool),

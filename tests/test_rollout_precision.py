@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from covey.config import ConfigError, load_config, validate_world
-from covey.data import format_prompts, load_task_data
-from covey.models import load_policy
+from covey.tasks.data import format_prompts, load_task_data
+from covey.models.load import load_policy
 from covey.rewards.build import build_rewarder
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
-from covey import train as covey_train
-from covey.train import build_run, make_engine, make_eval_engine, train_step
+from covey.train import loop as covey_train
+from covey.train.loop import build_run, make_engine, make_eval_engine, train_step
 from tests.conftest import tiny_overrides
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from covey.models import load_policy
+from covey.models.load import load_policy
 from covey.rollout import fast
 from covey.rollout.fast import FastEngine, sample_inverse_cdf
 from covey.rollout.hf import HFEngine

@@ -1,12 +1,14 @@
-"""Packed, prefix-shared training forward (covey.forward.packed_logprobs) equals the padded pass."""
+"""Packed, prefix-shared training forward (covey.passes.logprobs.packed_logprobs) equals the padded pass."""
 
 import pytest
 import torch
 
-from covey import forward, packing
-from covey.attention import attention_implementation
-from covey.models import load_policy
-from covey.rollout.base import Rollout
+from covey.passes import logprobs as forward
+
+from covey.passes import packing
+from covey.models.attention import attention_implementation
+from covey.models.load import load_policy
+from covey.batch import Rollout
 
 
 def grouped_rollout(tokenizer, groups: int = 2, group_size: int = 3, width: int = 7, seed: int = 0) -> Rollout:

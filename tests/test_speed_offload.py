@@ -1,4 +1,4 @@
-"""covey.offload: a frozen reference read from its model files for its passes only, same outputs."""
+"""covey.models.offload: a frozen reference read from its model files for its passes only, same outputs."""
 
 from pathlib import Path
 
@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from covey.config import Config
-from covey.models import load_policy, load_reference
-from covey.forward import batched_logprobs
-from covey.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
+from covey.models.load import load_policy, load_reference
+from covey.passes.logprobs import batched_logprobs
+from covey.models.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
                            offload_reference, read_safetensors, release_weights)
 from tests.test_speed_forward import grouped_rollout
 

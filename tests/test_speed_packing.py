@@ -1,8 +1,8 @@
-"""covey.packing: bin plan, block-diagonal mask and layout, checked on small hand-made cases."""
+"""covey.passes.packing: bin plan, block-diagonal mask and layout, checked on small hand-made cases."""
 
 import torch
 
-from covey.packing import EAGER_CAPACITY, MIN_CAPACITY, block_mask, pack, plan_bins, row_capacity, unpack
+from covey.passes.packing import EAGER_CAPACITY, MIN_CAPACITY, block_mask, pack, plan_bins, row_capacity, unpack
 
 
 def test_bins_are_per_prompt_within_capacity_and_even():

@@ -1,13 +1,13 @@
-"""Micro-batch ordering (covey.update.by_prompt) groups a mini-batch by prompt without changing the update."""
+"""Micro-batch ordering (covey.train.update.by_prompt) groups a mini-batch by prompt without changing the update."""
 
 import copy
 
 import torch
 
-from covey import update
+from covey.train import update
 from covey.config import Config
-from covey.models import load_policy
-from covey.update import UpdateState, by_prompt, update_policy
+from covey.models.load import load_policy
+from covey.train.update import UpdateState, by_prompt, update_policy
 from tests.test_speed_forward import grouped_rollout
 
 
@@ -45,7 +45,7 @@ def test_grouped_micro_batches_give_the_same_step_as_interleaved_ones(tiny_model
 def test_adamw_moments_allocated_up_front_give_the_same_steps():
     # allocate_adamw_state must leave AdamW exactly where its own lazy start would: same state
     # entries (dtypes, devices), and bit-equal parameters and moments after several steps
-    from covey.train import allocate_adamw_state
+    from covey.train.loop import allocate_adamw_state
     torch.manual_seed(0)
     start = [torch.randn(5, 3), torch.randn(7)]
     grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
@@ -71,7 +71,7 @@ def test_adamw_moments_allocated_up_front_give_the_same_steps():
 
 
 def test_adamw_state_is_left_alone_where_not_fused():
-    from covey.train import allocate_adamw_state
+    from covey.train.loop import allocate_adamw_state
     param = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([param], lr=0.1, fused=False)
     allocate_adamw_state(opt)

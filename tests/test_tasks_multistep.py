@@ -159,7 +159,7 @@ def test_step_categories(completion, categories):
 
 def test_task_config_sets_the_multistep_difficulty():
     from covey.config import load_config
-    from covey.data import load_task_data
+    from covey.tasks.data import load_task_data
     base = ["task.name=multistep", "task.train_size=40", "task.eval_size=20"]
     # the defaults draw exactly the problems of multistep_splits' own defaults (saved PRM data stays valid)
     assert load_task_data(load_config(None, base)).eval == multistep_splits(40, 20, seed=0)[1]

@@ -1,12 +1,12 @@
-"""The PPO critic's update (covey.update.update_critic) fits fixed returns."""
+"""The PPO critic's update (covey.train.update.update_critic) fits fixed returns."""
 
 import pytest
 import torch
 
 from covey.config import Config
-from covey.forward import batched_values
-from covey.models import ValueModel, load_policy
-from covey.update import UpdateState, update_critic
+from covey.passes.logprobs import batched_values
+from covey.models.load import ValueModel, load_policy
+from covey.train.update import UpdateState, update_critic
 from tests.test_speed_forward import grouped_rollout
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from covey.config import load_config
-from covey.models import load_policy
+from covey.models.load import load_policy
 from covey.rollout.vllm import (SampledRollout, VLLMEngine, WeightSyncTimeout, lora_rank_for_vllm,
                                 outputs_to_rollout, run_with_timeout, weight_buckets)
-from covey.train import correct_sampler_mismatch
+from covey.train.loop import correct_sampler_mismatch
 from tests.conftest import tiny_overrides
 
 
@@ -40,7 +40,7 @@ def test_no_module_imports_vllm_unless_the_engine_is_built():
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name == 'vllm' or name.startswith('vllm.'): raise ImportError('vllm imported')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import covey.cli, covey.train, covey.distributed, covey.lora, covey.rollout.vllm\n")
+            "import covey.cli.main, covey.train.loop, covey.runtime.dist, covey.models.lora, covey.rollout.vllm\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -133,7 +133,7 @@ def test_engine_sleeps_wakes_and_pushes_the_policy(fake_vllm, tiny_model_dir):
 
 
 def test_lora_adapters_reach_vllm_as_a_new_request(fake_vllm, monkeypatch, tiny_model_dir):
-    from covey.lora import add_adapters
+    from covey.models.lora import add_adapters
     request_module = types.ModuleType("vllm.lora.request")
     request_module.LoRARequest = lambda name, int_id, path: SimpleNamespace(name=name, int_id=int_id, path=path)
     monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
@@ -176,7 +176,7 @@ def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     """A tiny random Llama with head_dim 64 (attention kernels want it), saved as an HF folder."""
-    from covey.models import tiny_llama, tiny_tokenizer
+    from covey.models.load import tiny_llama, tiny_tokenizer
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
     folder = tmp_path_factory.mktemp("vllm") / "model"
@@ -188,7 +188,7 @@ def vllm_model_dir(tmp_path_factory):
 @pytest.mark.gpu
 def test_vllm_sampling_logprobs_match_the_trainer_and_follow_a_sync(vllm_model_dir, tmp_path):
     pytest.importorskip("vllm")
-    from covey.forward import batched_logprobs
+    from covey.passes.logprobs import batched_logprobs
     cfg = load_config(None, tiny_overrides(vllm_model_dir, tmp_path, **{"rollout.engine": "vllm",
                                                                           "rollout.vllm_gpu_memory_utilization": 0.2}))
     policy, tokenizer = load_policy(vllm_model_dir, device="cuda")
@@ -211,7 +211,7 @@ def test_train_two_steps_with_vllm_and_truncated_is(vllm_model_dir, tmp_path):
     pytest.importorskip("vllm")
     import json
 
-    from covey.cli import main
+    from covey.cli.main import main
     keys = {"rollout.engine": "vllm", "algo.tis_cap": 2, "rollout.vllm_gpu_memory_utilization": 0.2}
     assert main(["train", *tiny_overrides(vllm_model_dir, tmp_path, **keys)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sample
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten
 from covey.algos.advantages import (
-    ESTIMATORS, compute_advantages, grpo, grpo_process, remax, rloo, spread_over_tokens, steps_to_tokens,
+    ESTIMATORS, Estimator, compute_advantages, grpo, grpo_process, remax, rloo, spread_over_tokens, steps_to_tokens,
 )
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, step_totals
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
@@ -30,7 +30,7 @@ from covey.algos.tis import truncated_is_weights
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
-    "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "FixedKLController", "GroupStats",
+    "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "Estimator", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLossOptions",
     "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",

@@ -10,6 +10,7 @@ Formulas, option names, defaults and sources: docs/algorithms.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -162,16 +163,32 @@ def grpo_process(inp: AdvantageInput, opts: AdvantageOptions):
     return adv, returns, advantage_metrics(adv, returns, p.mask, stats)
 
 
-Estimator = Callable[[AdvantageInput, AdvantageOptions], "tuple[Tensor, Tensor, dict]"]
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator and what it needs from the rest of a step.
+
+    The run's plan derives from these traits which models exist and which inputs are gathered;
+    nothing outside this registry branches on an estimator's name.
+    """
+    fn: Callable[[AdvantageInput, AdvantageOptions], "tuple[Tensor, Tensor, dict]"]
+    needs_values: bool = False       # a critic's value per token (GAE): the run trains a critic
+    greedy_baseline: bool = False    # the reward of one greedy answer per prompt (ReMax)
+    step_scores: bool = False        # a reward per reasoning step (process supervision)
+    min_group_size: int = 1          # samples per prompt the baseline needs (2 for a group baseline)
+    per_token_rewards: bool = False  # returns from per-token rewards, so a KL penalty can go in the reward
+
+    def __call__(self, inp: AdvantageInput, opts: AdvantageOptions):
+        return self.fn(inp, opts)
+
 
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": grpo,
-    "grpo_process": grpo_process,
-    "rloo": rloo,
-    "remax": remax,
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-    "gae": gae,
+    "grpo": Estimator(grpo, min_group_size=2),
+    "grpo_process": Estimator(grpo_process, step_scores=True, min_group_size=2),
+    "rloo": Estimator(rloo, min_group_size=2),
+    "remax": Estimator(remax, greedy_baseline=True),
+    "reinforce_pp": Estimator(reinforce_pp, per_token_rewards=True),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, min_group_size=2, per_token_rewards=True),
+    "gae": Estimator(gae, needs_values=True, per_token_rewards=True),
 }
 
 

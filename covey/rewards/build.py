@@ -30,7 +30,7 @@ def build_rewarder(cfg, learned=None) -> Rewarder:
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
     """
-    from covey.rewards.model import load_learned_rewards
+    from covey.rewards.learned import load_learned_rewards
     from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
     r = cfg.reward
     learned = learned if learned is not None else load_learned_rewards(cfg)

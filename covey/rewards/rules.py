@@ -18,7 +18,7 @@ import inspect
 import re
 from typing import Any, Callable, Sequence
 
-from covey.rewards.answers import (  # noqa: F401  (re-exported: the public rule API)
+from covey.tasks.answers import (  # noqa: F401  (re-exported: the public rule API)
     extract_answer,
     find_marked_answer,
     last_number,

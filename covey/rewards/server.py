@@ -250,8 +250,7 @@ def add_parser(sub) -> None:
 
 
 def serve_command(args) -> int:
-    from covey.cli import _split_config
-    from covey.config import load_config
+    from covey.config import load_config, split_config
     from covey.rewards.build import build_rewarder
 
     token = os.environ.get(args.token_env, "")
@@ -259,7 +258,7 @@ def serve_command(args) -> int:
         raise ServeError(f"set {args.token_env} to the bearer token clients must send")
     if args.max_batch < 1 or args.max_body_mb <= 0 or args.request_timeout <= 0:
         raise ServeError("--max-batch, --max-body-mb and --request-timeout must be > 0")
-    config_path, overrides = _split_config(args.args)
+    config_path, overrides = split_config(args.args)
     cfg = load_config(config_path, overrides)
     limits = ServerLimits(int(args.max_body_mb * MiB), args.max_batch, args.request_timeout)
     try:

@@ -28,9 +28,9 @@ from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache, DynamicLayer
 
-from covey.attention import sampling_attention
-from covey.hf_compat import last_positions, with_cache
-from covey.rollout.base import Rollout
+from covey.models.attention import sampling_attention
+from covey.models.hf_compat import last_positions, with_cache
+from covey.batch import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 

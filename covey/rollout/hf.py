@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from covey.attention import sampling_attention
-from covey.rollout.base import Rollout
+from covey.models.attention import sampling_attention
+from covey.batch import Rollout
 
 
 def eos_ids(model, tokenizer) -> list[int]:

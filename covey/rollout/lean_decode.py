@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from covey.attention import fastest_attention, half_precision
+from covey.models.attention import fastest_attention, half_precision
 
 
 def supports_lean_step(model) -> bool:

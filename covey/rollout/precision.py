@@ -23,7 +23,7 @@ import copy
 import torch
 from torch import nn
 
-from covey import hardware
+from covey.runtime import precision as hardware
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 

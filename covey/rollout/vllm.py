@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from covey.rollout.base import Rollout
+from covey.batch import Rollout
 from covey.rollout.hf import eos_ids
 
 # vLLM serves LoRA adapters of these ranks (max_lora_rank must be one of them).
@@ -189,7 +189,7 @@ class VLLMEngine:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'covey[vllm]'") from None
         import torch.distributed as dist
 
-        from covey.models import resolve_model_path
+        from covey.models.load import resolve_model_path
         r, m = cfg.rollout, cfg.model
         rank = dist.get_rank() if dist.is_initialized() else 0
         kwargs = dict(model=resolve_model_path(m.path), dtype=m.dtype, tensor_parallel_size=1,
@@ -244,7 +244,7 @@ class VLLMEngine:
         """LoRA: vLLM keeps its base; the adapters go through a folder and a new LoRARequest id."""
         from vllm.lora.request import LoRARequest
 
-        from covey.distributed import full_state_dict
+        from covey.runtime.dist import full_state_dict
         state = full_state_dict(self.policy, on_every_rank=True)  # each rank feeds its own vLLM
         self.lora_version += 1
         folder = Path(self.lora_dir.name) / f"v{self.lora_version}"

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from covey.errors import first_line
+from covey.runtime.errors import first_line
 from covey.tasks.base import Example
 
 ON_ERROR = ("raise", "skip")

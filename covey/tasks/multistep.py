@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 
-from covey.rewards.answers import extract_answer, math_equal, normalize_number
+from covey.tasks.answers import extract_answer, math_equal, normalize_number
 from covey.tasks.base import Example
 
 OPS = ("+", "-", "*")

@@ -1,0 +1,104 @@
+"""The Rollout: the typed batch that travels between the stages of a step.
+
+Shapes follow DESIGN.md: N = B*G sequences, P prompt tokens (left-padded),
+L response tokens (right-padded). `response_mask` is 1 on the response tokens
+up to and including EOS; tokens after EOS are padding and carry 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor        # (N, P) left-padded
+    prompt_mask: Tensor       # (N, P) 1 on real prompt tokens
+    response_ids: Tensor      # (N, L) right-padded with pad_token_id
+    response_mask: Tensor     # (N, L) float, 1 up to and including EOS
+    group_ids: Tensor         # (N,) long, index of the prompt in the step
+    truncated: Tensor         # (N,) bool, no EOS within max_new_tokens
+    completions: list[str]    # decoded responses (special tokens removed)
+    example_index: list[int]  # (N,) index into the step's example list
+    scores: Tensor | None = None       # (N,) total reward
+    reward_parts: dict = field(default_factory=dict)  # name -> (N,) tensor
+    old_logp: Tensor | None = None     # (N, L)
+    ref_logp: Tensor | None = None     # (N, L)
+    values: Tensor | None = None       # (N, L) critic values at sampling time
+    advantages: Tensor | None = None   # (N, L)
+    returns: Tensor | None = None      # (N, L)
+    baseline_scores: Tensor | None = None  # (N,) ReMax greedy rewards
+    valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def select(self, index: Tensor) -> "Rollout":
+        """Rows `index` of every per-sequence field (lists included)."""
+        out = {}
+        idx_list = index.tolist()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                out[f.name] = value[index]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in idx_list]
+            elif isinstance(value, dict):
+                out[f.name] = {k: v[index] for k, v in value.items()}
+            else:
+                out[f.name] = value
+        return Rollout(**out)
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack scored rollouts of different widths (prompts left-padded, responses right-padded).
+
+    Group ids are offset so groups of different parts stay distinct; `example_index`
+    values are kept (they index the task's example list, shared by all parts).
+    Per-row scores are carried; per-token fields (log-probs, values) are not.
+    """
+    p_len = max(r.prompt_ids.shape[1] for r in parts)
+    l_len = max(r.response_ids.shape[1] for r in parts)
+
+    def pad(t: Tensor, width: int, left: bool, value) -> Tensor:
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        filler = torch.full((t.shape[0], extra), value, dtype=t.dtype)
+        return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+    offset = 0
+    groups = []
+    for r in parts:
+        groups.append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1 if len(r) else 0
+
+    def per_row(name: str):
+        values = [getattr(r, name) for r in parts]
+        return torch.cat(values) if all(v is not None for v in values) else None
+
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, p_len, True, pad_token_id) for r in parts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, p_len, True, 0) for r in parts]),
+        response_ids=torch.cat([pad(r.response_ids, l_len, False, pad_token_id) for r in parts]),
+        response_mask=torch.cat([pad(r.response_mask, l_len, False, 0.0) for r in parts]),
+        group_ids=torch.cat(groups),
+        truncated=torch.cat([r.truncated for r in parts]),
+        completions=[c for r in parts for c in r.completions],
+        example_index=[i for r in parts for i in r.example_index],
+        scores=per_row("scores"),
+        baseline_scores=per_row("baseline_scores"),
+        valid=per_row("valid"),
+        reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
+    )

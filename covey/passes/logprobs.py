@@ -1,0 +1,207 @@
+"""Forward passes over a Rollout: chosen-token log-probs, entropy, critic values.
+
+Position ids are derived from the attention mask so a left-padded prompt sees
+the same positions as during generation. Only the last L+1 positions are
+projected to the vocabulary (`logits_to_keep`): prompt logits are never built.
+Each micro-batch is trimmed to its own longest prompt and response first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from covey import algos
+
+from covey.runtime import dist as distributed
+
+from covey.runtime.precision import autocast_context, model_device, resolve_autocast, shared_weight_casts
+from covey.models.attention import attention_implementation, fastest_attention, half_precision
+from covey.models.load import response_values
+from covey.models.hf_compat import last_positions, position_ids, with_cache
+from covey.passes.packing import pack, row_capacity, unpack
+from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
+from covey.batch import Rollout
+
+
+BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/packing.py)
+
+
+def first_prompt_column(prompt_mask: Tensor) -> int:
+    """The first column of left-padded prompts that is not padding in every row."""
+    keep = prompt_mask.bool().any(dim=0)
+    return int(keep.int().argmax()) if keep.any() else prompt_mask.shape[1]
+
+
+def trim(part: Rollout) -> tuple[Tensor, Tensor, int]:
+    """(input_ids, attention_mask, L') with all-padding prompt/response columns removed."""
+    first = first_prompt_column(part.prompt_mask)
+    lengths = part.response_mask.sum(dim=1)
+    resp_len = max(int(lengths.max()) if len(lengths) else 1, 1)
+    ids = torch.cat([part.prompt_ids[:, first:], part.response_ids[:, :resp_len]], dim=1)
+    mask = torch.cat([part.prompt_mask[:, first:],
+                      part.response_mask[:, :resp_len].to(part.prompt_mask.dtype)], dim=1)
+    return ids, mask, resp_len
+
+
+def on_device(part: Rollout, device: torch.device) -> Rollout:
+    """The micro-batch's tensors on the training device; the Rollout itself when that is the CPU."""
+    if torch.device(device).type == "cpu":
+        return part
+    moved = {f.name: getattr(part, f.name).to(device) for f in dataclasses.fields(part)
+             if isinstance(getattr(part, f.name), Tensor)}
+    return dataclasses.replace(part, **moved)
+
+
+def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: bool = False,
+                    precision: str = "none", prompts: tuple[EncodedPrompts, Tensor] | None = None,
+                    ) -> tuple[Tensor, Tensor | None, int]:
+    """Log-probs (n, L') of the sampled response tokens, optional entropy (n, L'), and L'.
+
+    `prompts`: (the encoded prompts of the whole step, the index of each row's prompt among
+    them), from `encode_prompts`; the packed pass then reads their cache instead of encoding them.
+    """
+    ids, mask, resp_len = trim(part)
+    device = model_device(model)
+    ids, mask = ids.to(device), mask.to(device)
+    # Under FSDP every rank must run the same number of forward passes (each all-gathers).
+    if distributed.on_all_ranks(packs(model) and resp_len > 1):
+        width = ids.shape[1] - resp_len
+        view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
+        shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
+        return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision, view)
+    with autocast_context(precision, ids.device):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                    logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
+    # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
+    logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
+                                               with_entropy=with_entropy)
+    return logp, entropy, resp_len
+
+
+def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first row of each distinct prompt (U,), prompt of each row (n,))."""
+    rows, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
+    first = torch.full((len(rows),), len(inverse), dtype=torch.long, device=inverse.device)
+    first.scatter_reduce_(0, inverse, torch.arange(len(inverse), device=inverse.device), "amin")
+    return first, inverse
+
+
+def packs(model) -> bool:
+    """The packed pass needs an attention that takes a 4-D mask (SDPA or eager, not flash-attention)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:
+    """(resolved autocast precision, whether the pass computes in bf16/fp16, attention implementation)."""
+    precision = resolve_autocast(precision, device)
+    low = precision == "bfloat16" or half_precision(model)
+    return precision, low, fastest_attention(model, low, device)
+
+
+def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor] | None,
+                    temperature: float, with_entropy: bool, precision: str, view: PromptView | None = None):
+    """`policy_logprobs` with each distinct prompt encoded once and the responses packed without padding.
+
+    Pass 1 runs the U distinct prompts (`shared`: the first row of each, the prompt of each row)
+    and keeps their KV cache, unless `view` brings it from a pass over the whole step's prompts
+    (covey/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
+    through the indexing into the prompt pass) and pass 2 runs the packed responses on top of
+    it (covey/packing.py). Equal to the padded pass up to float rounding
+    (tests/test_speed_forward.py); 0 after a response's end.
+    """
+    width, n = ids.shape[1] - resp_len, ids.shape[0]
+    responses = ids[:, width:]
+    precision, low, implementation = pass_settings(model, precision, ids.device)
+    inverse = view.inverse if view is not None else shared[1]
+    prompt_mask = view.prompt_mask if view is not None else mask[shared[0], :width]
+    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
+                   width_multiple=BF16_WIDTH_MULTIPLE if low else 1,
+                   min_capacity=row_capacity(implementation))
+    attention = packing.attention
+    if implementation == "eager":  # eager adds the mask to the scores
+        attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
+    with autocast_context(precision, ids.device), attention_implementation(model, implementation):
+        if view is None:
+            cache, last = run_prompts(model, ids[shared[0], :width], prompt_mask)
+        else:
+            cache, last = view.cache, view.head
+        cache.batch_select_indices(packing.prompt_of_bin)  # resp_len > 1: at least one token is fed to pass 2
+        rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
+                     **with_cache(cache), use_cache=True).logits
+    head = last[inverse]  # (n, 1, V): scores response token 0
+    head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature,
+                                                         with_entropy=with_entropy)
+    rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature,
+                                                         with_entropy=with_entropy)
+    logp = torch.cat([head_logp, unpack(rest_logp, packing, n, resp_len - 1)], dim=1)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat([head_entropy, unpack(rest_entropy, packing, n, resp_len - 1)], dim=1)
+    return logp, entropy, resp_len
+
+
+def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tensor, int]:
+    """Critic values aligned with response tokens: V for token t is read at the position before it."""
+    ids, mask, resp_len = trim(part)
+    device = model_device(critic)
+    ids, mask = ids.to(device), mask.to(device)
+    with autocast_context(precision, ids.device):
+        values = critic(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+    return response_values(values, ids.shape[1] - resp_len, resp_len).float(), resp_len
+
+
+def pad_to(t: Tensor, width: int) -> Tensor:
+    """Right-pad (n, L') with zeros to (n, width)."""
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none"
+                   ) -> tuple[EncodedPrompts, Tensor] | None:
+    """The distinct prompts of `rows` of the rollout in one pass, and the index of each rollout
+    row's prompt among them (-1 outside `rows`); None where the packed pass is not used: the
+    prompts are then encoded with each micro-batch (and under FSDP, where the deferred backward
+    of `EncodedPrompts` would add a second gradient reduction per step)."""
+    if not packs(model) or distributed.world_size() > 1 or len(rows) == 0:
+        return None
+    device = model_device(model)
+    ids, mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
+    first_column = first_prompt_column(mask)  # as `trim` cuts each micro-batch: views take its last columns
+    ids, mask = ids[:, first_column:].to(device), mask[:, first_column:].to(device)
+    first, inverse = shared_prompts(ids, mask)
+    precision, _, implementation = pass_settings(model, precision, device)
+    encoded = EncodedPrompts(model, ids[first], mask[first], autocast_context(precision, device),
+                             attention_implementation(model, implementation))
+    of_row = torch.full((len(rollout),), -1, dtype=torch.long)
+    of_row[rows] = inverse.cpu()
+    return encoded, of_row
+
+
+@torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
+def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
+                     precision: str = "none") -> Tensor:
+    """No-grad log-probs for the whole rollout (old policy or reference), (N, L); its prompts encoded once."""
+    width = rollout.response_ids.shape[1]
+    rows = torch.arange(len(rollout))
+    encoded = encode_prompts(model, rollout, rows, precision)
+    chunks = []
+    for index in rows.split(micro_batch_size):
+        prompts = (encoded[0], encoded[1][index]) if encoded is not None else None
+        logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision, prompts=prompts)
+        chunks.append(pad_to(logp.cpu(), width))  # the Rollout lives on the CPU
+    return torch.cat(chunks) * rollout.response_mask
+
+
+@torch.no_grad()
+def batched_values(critic, rollout: Rollout, micro_batch_size: int, precision: str = "none") -> Tensor:
+    width = rollout.response_ids.shape[1]
+    chunks = []
+    for index in torch.arange(len(rollout)).split(micro_batch_size):
+        values, _ = critic_values(critic, rollout.select(index), precision)
+        chunks.append(pad_to(values.cpu(), width))
+    return torch.cat(chunks) * rollout.response_mask

@@ -1,0 +1,1 @@
+"""Reading run folders back: the compare runner, the report and its claims, figures and plots."""

@@ -1,0 +1,299 @@
+"""`covey compare`: several algorithms x seeds on one budget, then the report (covey/report.py).
+
+Layout of runs/compare-<name>/:
+  compare.json         what was asked (algos, seeds, budget, overrides, command); a rerun must match it
+  <algo>-s<seed>/      an ordinary covey run folder per (algorithm, seed)
+  <algo>-s<seed>.log   that run's console output (appended across resumes)
+  report.md, *.png     the report, rebuilt from the run folders alone (--report-only)
+
+Each run is its own `python -m covey.cli train` process, so a crash in one run does not end
+the others and peak memory is measured per run. Rerunning the same command continues: a run
+whose log has its final evaluation is skipped, one with a checkpoint resumes from it
+(train.resume=auto), any other one starts again. A finished run's checkpoints are deleted
+(they only serve a resume; the trained model stays in <run>/final/).
+
+Defaults were chosen to finish within about an hour on a 2-core CPU (docs/compare.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from covey.config import ConfigError, derived_sizes, load_config
+from covey.report.data import read_jsonl
+
+DEFAULT_ALGOS = ("grpo", "ppo", "reinforce_pp", "dpo_iterative")
+DEFAULT_SEEDS = (0, 1)
+DEFAULT_BUDGET = "steps=8"
+BUDGET_KINDS = ("steps", "samples", "minutes")
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# Applied to every run before the user's key=value overrides: small batches so that
+# 4 algorithms x 2 seeds fit in about an hour on 2 CPU cores (docs/compare.md).
+COMPARE_DEFAULTS = {
+    "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 48,
+    "rollout.eval_max_new_tokens": 48, "task.eval_size": 100, "train.eval_every": 4,
+    "train.grad_var_every": 2, "train.grad_var_batches": 4, "train.samples_every": 4,
+}
+# Set by compare itself for every run; a user override of these keys is refused.
+MANAGED_KEYS = ("train.output_dir", "train.run_name", "train.seed", "train.steps", "train.max_minutes",
+                "train.resume", "train.save_every", "train.keep_checkpoints", "train.progress")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every run gets: optimizer-rollout steps, sampled completions, or minutes of training steps."""
+    kind: str
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}={self.value:g}"
+
+
+def parse_budget(text: str) -> Budget:
+    kind, _, raw = text.partition("=")
+    if kind not in BUDGET_KINDS or not raw:
+        raise ConfigError(f"--budget '{text}' must be one of: steps=N, samples=N, minutes=N")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"--budget '{text}': '{raw}' is not a number") from None
+    if value <= 0 or (kind != "minutes" and not value.is_integer()):
+        what = "number" if kind == "minutes" else "integer"
+        raise ConfigError(f"--budget '{text}': {kind} must be a positive {what}")
+    return Budget(kind, value)
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items or len(set(items)) != len(items):
+        raise ConfigError(f"--{what} '{text}' must be a comma-separated list without repeats")
+    return items
+
+
+@dataclass
+class CompareSpec:
+    """One comparison: algorithms, seeds, budget and the overrides every run shares."""
+    name: str
+    algos: list[str]
+    seeds: list[int]
+    budget: Budget
+    overrides: list[str] = field(default_factory=list)
+    output_dir: str = "runs"
+
+    @property
+    def root(self) -> Path:
+        return Path(self.output_dir) / f"compare-{self.name}"
+
+    def record(self) -> dict:
+        return {"name": self.name, "algos": self.algos, "seeds": self.seeds, "budget": str(self.budget),
+                "overrides": self.overrides, "command": command_line(self)}
+
+
+def command_line(spec: CompareSpec) -> str:
+    where = [f"train.output_dir={spec.output_dir}"] if spec.output_dir != "runs" else []
+    parts = ["covey", "compare", *where, *spec.overrides, "--algos", ",".join(spec.algos),
+             "--seeds", ",".join(map(str, spec.seeds)), "--budget", str(spec.budget), "--name", spec.name]
+    return shlex.join(parts)
+
+
+def preset_path(algo: str) -> Path:
+    path = PRESET_DIR / f"{algo}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"--algos: no preset '{algo}' (known: {', '.join(known)})")
+    return path
+
+
+def check_overrides(overrides: list[str]) -> None:
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        full = key if "." in key else next((k for k in MANAGED_KEYS if k.endswith("." + key)), key)
+        if full in MANAGED_KEYS:
+            raise ConfigError(f"compare sets {full} itself (use --budget, --seeds, --name)")
+
+
+def budget_overrides(budget: Budget, algo: str, user: list[str]) -> list[str]:
+    """train.steps / train.max_minutes for one algorithm; samples=N becomes N // (B*G) steps."""
+    if budget.kind == "steps":  # no time limit: train.max_minutes' default would cut a slow run short
+        return [f"train.steps={int(budget.value)}", "train.max_minutes=0"]
+    if budget.kind == "minutes":  # the clock is checkpointed: the budget holds across resumes
+        return ["train.steps=1000000", f"train.max_minutes={budget.value:g}"]
+    cfg = load_config(str(preset_path(algo)), [*defaults_as_overrides(), *user])
+    per_step = derived_sizes(cfg)["sequences_per_step"]
+    return [f"train.steps={max(int(budget.value) // per_step, 1)}", "train.max_minutes=0"]
+
+
+def defaults_as_overrides() -> list[str]:
+    return [f"{k}={v}" for k, v in COMPARE_DEFAULTS.items()]
+
+
+def run_dir(spec: CompareSpec, algo: str, seed: int) -> Path:
+    return spec.root / f"{algo}-s{seed}"
+
+
+def run_status(path: Path) -> str:
+    """done (final evaluation logged) | resume (a complete checkpoint exists) | fresh."""
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file() and any(r.get("final") == 1 for r in read_jsonl(metrics)):
+        return "done"
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir()):
+        return "resume"
+    return "fresh"
+
+
+def save_every(spec: CompareSpec) -> int:
+    """Checkpoint at mid-run (and at the end): a crash loses at most half a run, and each save of
+    the policy, optimizer and critic costs seconds and gigabytes."""
+    if spec.budget.kind == "minutes":
+        return 4
+    steps = int(spec.budget.value) if spec.budget.kind == "steps" else 8
+    return max(math.ceil(steps / 2), 1)
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def train_argv(spec: CompareSpec, algo: str, seed: int) -> list[str]:
+    """`covey train` arguments of one run: preset, compare defaults, user overrides, managed keys."""
+    managed = [f"train.output_dir={spec.root}", f"train.run_name={algo}-s{seed}", f"train.seed={seed}",
+               f"train.save_every={save_every(spec)}", "train.keep_checkpoints=1", "train.resume=auto",
+               "train.progress=false", *budget_overrides(spec.budget, algo, spec.overrides)]
+    defaults = defaults_as_overrides()
+    if algo == "dpo_iterative":  # no advantages to measure the gradient noise of
+        defaults = [d for d in defaults if not d.startswith("train.grad_var_every=")]
+    return ["train", str(preset_path(algo)), *defaults, *spec.overrides, *managed]
+
+
+def subprocess_runner(argv: list[str], log_path: Path) -> int:
+    """Run `covey <argv>` in a fresh Python process, appending its output to log_path."""
+    with log_path.open("a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} covey {shlex.join(argv)}\n")
+        log.flush()
+        return subprocess.run([sys.executable, "-m", "covey.cli", *argv], stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def check_spec_matches(spec: CompareSpec) -> None:
+    """A rerun of an existing comparison must ask for the same budget and overrides."""
+    path = spec.root / "compare.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    for key in ("budget", "overrides"):
+        if old.get(key) != spec.record()[key]:
+            raise ConfigError(f"{spec.root} was started with {key}={old.get(key)!r}, not {spec.record()[key]!r}: "
+                              f"rerun with the same settings, or choose another --name")
+
+
+def write_spec(spec: CompareSpec) -> None:
+    """compare.json; algorithms and seeds of earlier invocations are kept (the report shows them all)."""
+    path = spec.root / "compare.json"
+    record = spec.record()
+    if path.is_file():
+        old = json.loads(path.read_text())
+        record["algos"] = list(dict.fromkeys(old.get("algos", []) + spec.algos))
+        record["seeds"] = sorted(set(old.get("seeds", [])) | set(spec.seeds))
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def validate_spec(spec: CompareSpec) -> None:
+    """Every run's config loads before any run starts (a typo fails in a second, not after an hour)."""
+    check_overrides(spec.overrides)
+    for algo in spec.algos:
+        load_config(str(preset_path(algo)), train_argv(spec, algo, spec.seeds[0])[2:])
+
+
+def run_compare(spec: CompareSpec, runner=subprocess_runner, report: bool = True) -> dict:
+    """Run (or continue) every algorithm x seed, seed-major so a partial comparison is balanced.
+
+    Returns {"report": path or None, "failed": [run names]}.
+    """
+    validate_spec(spec)
+    spec.root.mkdir(parents=True, exist_ok=True)
+    check_spec_matches(spec)
+    write_spec(spec)
+    jobs = [(algo, seed) for seed in spec.seeds for algo in spec.algos]
+    failed = []
+    for i, (algo, seed) in enumerate(jobs, 1):
+        path = run_dir(spec, algo, seed)
+        status = run_status(path)
+        label = f"compare: [{i}/{len(jobs)}] {algo} seed {seed}"
+        if status == "done":
+            print(f"{label}: finished earlier, skipped")
+            continue
+        print(f"{label}: {'resuming' if status == 'resume' else 'starting'} ({spec.budget})", flush=True)
+        if status == "fresh":  # logs of an attempt that left no checkpoint: start them again
+            for stale in ("metrics.jsonl", "samples.jsonl"):
+                (path / stale).unlink(missing_ok=True)
+        t0, cpu0 = time.perf_counter(), children_cpu_seconds()
+        code = runner(train_argv(spec, algo, seed), spec.root / f"{algo}-s{seed}.log")
+        took = f"{time.perf_counter() - t0:.0f} s (CPU {children_cpu_seconds() - cpu0:.0f} s)"
+        if code != 0:
+            failed.append(path.name)
+            print(f"{label}: FAILED (exit {code}) after {took}; see {spec.root / (path.name + '.log')}")
+        else:  # checkpoints only serve a resume; the trained model stays in final/
+            shutil.rmtree(path / "checkpoints", ignore_errors=True)
+            print(f"{label}: done in {took}", flush=True)
+    out = {"report": None, "failed": failed}
+    if report:
+        from covey.report.report import build_report
+        out["report"] = build_report(spec.root)
+        print(f"compare: report {out['report']}")
+    return out
+
+
+# --------------------------------------------------------------------------- command line
+
+HELP = ("run several algorithms x seeds on one budget and write runs/compare-<name>/report.md: "
+        "covey compare [key=value ...] --algos grpo,ppo --seeds 0,1 --budget steps=N|samples=N|minutes=N")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("compare", help=HELP, description=HELP)
+    p.add_argument("overrides", nargs="*", help="key=value overrides shared by every run (model.path, task.*, ...)")
+    p.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help="presets under configs/ (default: %(default)s)")
+    p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="default: %(default)s")
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
+                   help="per run: steps=N | samples=N (sampled completions) | minutes=N (of training steps); "
+                        "default: %(default)s")
+    p.add_argument("--name", default="default", help="folder runs/compare-NAME (default: %(default)s)")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from the run folders")
+    p.set_defaults(func=cmd_compare)
+
+
+def spec_from_args(args) -> CompareSpec:
+    overrides = list(args.overrides)
+    output_dir = "runs"
+    for item in list(overrides):  # where the comparison lives, not a per-run setting
+        if item.split("=", 1)[0].strip() in ("train.output_dir", "output_dir"):
+            output_dir = item.split("=", 1)[1]
+            overrides.remove(item)
+    try:
+        seeds = [int(s) for s in parse_list(args.seeds, "seeds")]
+    except ValueError:
+        raise ConfigError(f"--seeds '{args.seeds}' must be comma-separated integers") from None
+    return CompareSpec(name=args.name, algos=parse_list(args.algos, "algos"), seeds=seeds,
+                       budget=parse_budget(args.budget), overrides=overrides, output_dir=output_dir)
+
+
+def cmd_compare(args) -> int:
+    spec = spec_from_args(args)
+    if args.report_only:
+        from covey.report.report import build_report
+        print(build_report(spec.root))
+        return 0
+    out = run_compare(spec)
+    return 1 if out["failed"] else 0

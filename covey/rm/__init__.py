@@ -1,0 +1,1 @@
+"""Training reward models: data, the Bradley-Terry / process RM trainer, and the refresh of iterative GRPO with replay."""

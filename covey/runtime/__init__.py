@@ -1,0 +1,1 @@
+"""Process plumbing with no RL in it: processes and collectives (dist), FSDP2 sharding, precision, signals, metrics files, CPU settings, error text."""

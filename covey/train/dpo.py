@@ -1,0 +1,101 @@
+"""Iterative DPO (reference 002): the update phase of algo.learner=dpo.
+
+Reference 002 describes it as the cheaper alternative that PPO beats: the model answers
+each prompt n times, a reward picks the best and the worst answer, DPO trains on these
+pairs, and the loop repeats with the improved model. In covey one training step is one
+iteration: the loop samples B prompts x G answers and scores them exactly as for GRPO
+(`train.collect_rollout`), then this module
+
+1. pairs the highest- with the lowest-scored answer of every group whose scores differ
+   (`algos.best_worst_pairs`; groups where all answers tie carry no preference);
+2. computes the frozen reference's log-probs of the 2P paired answers (one no-grad pass);
+3. takes algo.epochs x algo.minibatches optimizer steps of the DPO loss
+   (`algos.dpo_loss`, beta = algo.dpo_beta) on the pairs.
+
+Choices, on purpose:
+- the reference stays the initial model (online DPO); algo.ref_refresh_every=K makes it
+  the policy of K steps ago, the "reference = previous iteration" form;
+- there is no critic, no advantage and no importance ratio, so policy/clipfrac and
+  policy/approx_kl are not reported; rollout.advantages is set to the preference label
+  (+1 chosen, -1 rejected, 0 unpaired) so sample logs show which answers were paired;
+- kl/ref is the k3 estimate on the paired answers' tokens during the update.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from covey import algos
+from covey.config import Config
+from covey.passes.logprobs import batched_logprobs, policy_logprobs
+from covey.batch import Rollout
+from covey.train.update import MetricAverager, UpdateState, _optimizer_step
+
+
+def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+    """rollout.advantages = preference label on every response token (+1 / -1 / 0)."""
+    label = torch.zeros(len(rollout))
+    label[chosen], label[rejected] = 1.0, -1.0
+    rollout.advantages = label[:, None] * rollout.response_mask
+    rollout.returns = torch.zeros_like(rollout.response_mask)
+
+
+def pair_batches(num_pairs: int, epochs: int, minibatches: int, generator: torch.Generator):
+    """Pair indices of each optimizer step: `epochs` shuffled passes, `minibatches` parts each."""
+    parts = min(minibatches, num_pairs)
+    for _ in range(epochs):
+        order = torch.randperm(num_pairs, generator=generator) if parts > 1 else torch.arange(num_pairs)
+        yield from torch.tensor_split(order, parts)
+
+
+def micro_dpo_loss(policy, pairs: Rollout, ref_seq: torch.Tensor, micro: torch.Tensor, num_pairs: int,
+                   ref_token_logp: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """DPO loss of the pairs `micro` (one forward over their chosen and rejected rows)."""
+    total = len(ref_seq) // 2
+    rows = torch.cat([micro, micro + total])
+    part = pairs.select(rows)
+    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature, with_entropy=True,
+                                           precision=cfg.model.autocast)
+    mask = part.response_mask[:, :width]
+    seq = algos.sequence_logprob(logp, mask)
+    k = len(micro)
+    loss, metrics = algos.dpo_loss(seq[:k], seq[k:], ref_seq[micro], ref_seq[micro + total],
+                                   cfg.algo.dpo_beta, num_pairs=num_pairs)
+    tokens = mask.sum().clamp(min=1)
+    kl = algos.kl_penalty(logp.detach(), ref_token_logp[rows][:, :width], "k3")
+    metrics["kl/ref"] = float((kl * mask).sum() / tokens)
+    metrics["policy/entropy"] = float((entropy.detach() * mask).sum() / tokens)
+    return loss, metrics
+
+
+def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, cfg: Config, state: UpdateState,
+               generator: torch.Generator) -> dict:
+    """Pair, score under the reference, and take the DPO optimizer steps of one iteration."""
+    chosen, rejected = algos.best_worst_pairs(rollout.scores, rollout.group_ids)
+    label_pairs(rollout, chosen, rejected)
+    num_pairs = len(chosen)
+    out = {"dpo/pairs": float(num_pairs), "time/logprobs": 0.0, "time/update": 0.0}
+    if num_pairs == 0:  # every group tied: nothing to prefer, no update; NaN is logged as null
+        return {**out, **{k: float("nan") for k in ("policy/entropy", "kl/ref", "optim/grad_norm")}}
+    t0 = time.perf_counter()
+    pairs = rollout.select(torch.cat([chosen, rejected]))
+    a = cfg.algo
+    ref_token_logp = batched_logprobs(reference, pairs, cfg.rollout.temperature, a.micro_batch_size,
+                                      cfg.model.autocast)
+    ref_seq = algos.sequence_logprob(ref_token_logp, pairs.response_mask)
+    out["time/logprobs"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    avg = MetricAverager()
+    for batch in pair_batches(num_pairs, a.epochs, a.minibatches, generator):
+        for micro in batch.split(max(a.micro_batch_size // 2, 1)):
+            loss, metrics = micro_dpo_loss(policy, pairs, ref_seq, micro, len(batch), ref_token_logp, cfg)
+            loss.backward()
+            avg.add(metrics, float(len(micro)))
+        avg.add(_optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm, state,
+                                cfg.optim.max_skipped_steps, "policy"), 1.0)
+    out.update(avg.result())
+    out["optim/skipped_steps"] = state.skipped_steps
+    out["time/update"] = time.perf_counter() - t0
+    return out

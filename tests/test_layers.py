@@ -1,0 +1,137 @@
+"""The house rules of DESIGN.md, checked on the source: imports point down the layers, no import
+cycle, module and function sizes, and no branch on an algorithm's name outside the registries."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "covey"
+
+# Layer of each top-level package or module of covey (DESIGN.md, "The house").
+LAYERS = {
+    "config": 0, "algos": 0, "batch": 0, "runtime": 0,
+    "tasks": 1, "models": 1,
+    "passes": 2,
+    "rollout": 3, "rewards": 3,
+    "rm": 4,
+    "train": 5,
+    "report": 6,
+    "cli": 7,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def covey_imports(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported covey module, line, at module level) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.startswith("covey") and name in known:
+                out.append((name, node.lineno, id(node) in top_level))
+    return out
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_package_has_a_layer():
+    tops = {m.split(".")[1] for m in modules() if m.count(".") >= 1}
+    assert tops <= set(LAYERS), f"packages without a layer: {sorted(tops - set(LAYERS))}"
+
+
+def test_imports_point_down_only():
+    mods = modules()
+    bad = []
+    for name, path in mods.items():
+        own = layer_of(name)
+        if own is None:  # covey/__init__.py: the public API on top of everything
+            continue
+        for target, line, _ in covey_imports(path, set(mods)):
+            theirs = layer_of(target)
+            if theirs is not None and theirs > own:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {target} (layer {theirs} > {own})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    mods = modules()
+    graph = {name: {t for t, _, _ in covey_imports(path, set(mods))} - {name} for name, path in mods.items()}
+    # A package's __init__ is imported by its submodules' imports: an edge from a submodule to its
+    # own package's __init__ is not a cycle the package can cause.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_module_and_function_sizes():
+    limits = {"covey.train.loop": 450}
+    bad = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        limit = limits.get(name, 250 if name.startswith("covey.algos.") else 400)
+        if len(lines) > limit:
+            bad.append(f"{path.relative_to(ROOT.parent)}: {len(lines)} lines > {limit}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 50:
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}() is {length} lines > 50")
+    assert not bad, "\n".join(bad)
+
+
+def test_covey_imports_inside_functions_only_in_cli():
+    mods = modules()
+    bad = [f"{path.relative_to(ROOT.parent)}:{line} imports {target} inside a function"
+           for name, path in mods.items() if not name.startswith("covey.cli") and name != "covey"
+           for target, line, top in covey_imports(path, set(mods)) if not top]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_branch_on_algorithm_names_outside_registries():
+    pattern = re.compile(r"algo\.name|estimator (==|!=|in) ")
+    bad = [f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()}"
+           for p in sorted(ROOT.rglob("*.py")) if not p.is_relative_to(ROOT / "algos")
+           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_package_init_opens_with_a_docstring():
+    bad = [str(p.relative_to(ROOT.parent)) for p in sorted(ROOT.rglob("__init__.py"))
+           if ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert not bad, f"package __init__ without a docstring: {bad}"
