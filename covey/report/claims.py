@@ -1,4 +1,10 @@
-"""The claims of the reference documents, each turned into a test on the compare runs.
+"""Claims commonly made about GRPO, PPO, REINFORCE++ and DPO, each turned into a test on the compare runs.
+
+Each claim names its source: the paper that introduced the algorithm or the argument behind
+the claim (DeepSeekMath, Shao et al., 2024, arXiv:2402.03300, for GRPO against PPO; Hu, 2025,
+arXiv:2501.03262, for REINFORCE++; Rafailov et al., 2023, arXiv:2305.18290, for DPO; Xu et
+al., 2024, arXiv:2404.10719, for PPO against DPO). A size such as "about 50%" or "20-30%" is
+the figure commonly quoted, not a measurement from the paper.
 
 Every verdict is computed from the run data (covey.report.data), never written by hand:
 
@@ -121,7 +127,7 @@ def accuracy_gain(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
 
 
 def update_variance(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
-    """Trace of the covariance of the mini-batch policy gradient (covey/gradvar.py); the noise
+    """Trace of the covariance of the mini-batch policy gradient (covey/train/gradvar.py); the noise
     fraction is shown beside it (near 1 means the mini-batch gradient is almost all noise)."""
     verdict = directional(d[a].pooled("policy/grad_var"), d[b].pooled("policy/grad_var"), (a, b),
                           "policy-gradient variance tr(Cov)", "", "measured steps x seeds", "lower")
@@ -138,27 +144,32 @@ def fluctuation(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
 
 @dataclass(frozen=True)
 class Claim:
-    source: str
+    source: str  # the paper the claim goes back to: name (authors, year, arXiv id)
     text: str
     algos: tuple[str, ...]
     check: Callable
 
 
+GRPO = "DeepSeekMath (Shao et al., 2024, arXiv:2402.03300)"
+REINFORCE_PP = "REINFORCE++ (Hu, 2025, arXiv:2501.03262)"
+DPO = "DPO (Rafailov et al., 2023, arXiv:2305.18290)"
+PPO_VS_DPO = "Is DPO Superior to PPO? (Xu et al., 2024, arXiv:2404.10719)"
+
 CLAIMS = (
-    Claim("003", "GRPO drops the critic and saves about 50% of the model (parameter) memory of PPO",
+    Claim(GRPO, "GRPO drops the critic and saves about 50% of the model (parameter) memory of PPO",
           ("grpo", "ppo"), lambda d, a, b: memory_half(d)),
-    Claim("001", "GRPO needs 20-30% less GPU memory than PPO", ("grpo", "ppo"), lambda d, a, b: memory_gpu(d)),
-    Claim("001", "GRPO's group-relative advantages give a lower-variance update than PPO's GAE",
+    Claim(GRPO, "GRPO needs 20-30% less GPU memory than PPO", ("grpo", "ppo"), lambda d, a, b: memory_gpu(d)),
+    Claim(GRPO, "GRPO's group-relative advantages give a lower-variance update than PPO's GAE",
           ("grpo", "ppo"), update_variance),
-    Claim("001", "GRPO converges faster than PPO on math (same budget: larger held-out accuracy gain)",
+    Claim(GRPO, "GRPO converges faster than PPO on math (same budget: larger held-out accuracy gain)",
           ("grpo", "ppo"), accuracy_gain),
-    Claim("001", "GRPO is more stable than PPO (smaller reward fluctuations)", ("grpo", "ppo"), fluctuation),
-    Claim("002", "REINFORCE++ is more stable than GRPO", ("reinforce_pp", "grpo"), fluctuation),
-    Claim("002", "REINFORCE++ is faster than PPO (wall time per step)", ("reinforce_pp", "ppo"),
+    Claim(GRPO, "GRPO is more stable than PPO (smaller reward fluctuations)", ("grpo", "ppo"), fluctuation),
+    Claim(REINFORCE_PP, "REINFORCE++ is more stable than GRPO", ("reinforce_pp", "grpo"), fluctuation),
+    Claim(REINFORCE_PP, "REINFORCE++ is faster than PPO (wall time per step)", ("reinforce_pp", "ppo"),
           pooled_metric("time/step", "seconds per step", " s", "lower")),
-    Claim("002", "DPO (iterative) is cheaper than PPO (wall time per step)", ("dpo_iterative", "ppo"),
+    Claim(DPO, "DPO (iterative) is cheaper than PPO (wall time per step)", ("dpo_iterative", "ppo"),
           pooled_metric("time/step", "seconds per step", " s", "lower")),
-    Claim("002", "PPO beats (iterative) DPO (same budget: larger held-out accuracy gain)",
+    Claim(PPO_VS_DPO, "PPO beats (iterative) DPO (same budget: larger held-out accuracy gain)",
           ("ppo", "dpo_iterative"), accuracy_gain),
 )
 

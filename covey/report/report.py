@@ -230,7 +230,7 @@ def summary_table(data: dict[str, AlgoData]) -> list[str]:
 
 
 def claims_table(data: dict[str, AlgoData]) -> list[str]:
-    lines = ["| # | ref. | claim | verdict | what this comparison measured |", "|---|---|---|---|---|"]
+    lines = ["| # | source | claim | verdict | what this comparison measured |", "|---|---|---|---|---|"]
     for i, (claim, verdict) in enumerate(evaluate_claims(data), 1):
         measured = verdict.measured.replace("|", "\\|")  # a pipe would end the table cell
         lines.append(f"| {i} | {claim.source} | {claim.text} | **{verdict.verdict}** | {measured} |")
@@ -268,10 +268,10 @@ METHOD_NOTES = """## How the numbers are measured
   normalises its advantages, so this is near 1 by construction and says little about the update.
 - Policy-gradient variance: every `train.grad_var_every` steps the step's rollout is split into
   `train.grad_var_batches` disjoint mini-batches before the update; the gradient of the
-  algorithm's own loss is taken on each (covey/gradvar.py). tr(Cov) of these gradients is the
+  algorithm's own loss is taken on each (covey/train/gradvar.py). tr(Cov) of these gradients is the
   variance (claim 3); tr(Cov)/E|g|^2 is the noise fraction (near 1: almost all noise). Not
   defined for iterative DPO.
-- Verdicts: covey/claims.py. Claims with a stated size use the stated range with a tolerance;
+- Verdicts: covey/report/claims.py. Claims with a stated size use the stated range with a tolerance;
   directional claims use a two-sided Welch t-test at 5% on the units named in the table.
 """
 
@@ -288,7 +288,7 @@ def build_report(root: str | Path) -> Path:
     write_figures(data, root)
     lines = header(root, spec, runs)
     lines += ["## Summary (mean ± sd over seeds)", ""] + summary_table(data) + [""]
-    lines += ["## Claims of the reference documents", ""] + claims_table(data) + [""]
+    lines += ["## Claims commonly made about these algorithms", ""] + claims_table(data) + [""]
     lines += ["## Figures", ""] + [f"![{name[:-4].replace('_', ' ')}]({name})" for name in FIGURES] + [""]
     lines += [METHOD_NOTES]
     out = root / "report.md"
