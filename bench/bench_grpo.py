@@ -39,7 +39,7 @@ RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc m
     "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"], True),
     "covey-mb16": ("run_covey.py", [], ["algo.micro_batch_size=16"], True),  # fewer, larger passes:
     "covey-mb32": ("run_covey.py", [], ["algo.micro_batch_size=32"], True),  # speed against memory
-    "trl": ("run_trl.py", [], [], False),                          # the issue's setting: 32 samples per forward
+    "trl": ("run_trl.py", [], [], False),                          # TRL as it ships: 32 samples per forward
     "trl-malloc": ("run_trl.py", [], [], True),                    # TRL given covey's malloc variables too
     "trl-mb8": ("run_trl.py", ["--micro-batch", "8"], [], False),   # covey's micro-batch (less memory)
     "trl-gc": ("run_trl.py", ["--gradient-checkpointing"], [], False),
@@ -100,7 +100,7 @@ def peaks(threads: int) -> dict:
 
 
 def table(rows: list[dict], peak: dict) -> str:
-    """One line per run; ratios against `trl` (the issue's setting) and against TRL's best run."""
+    """One line per run; ratios against `trl` (TRL as it ships) and against TRL's best run."""
     trl = [r for r in rows if r["name"].startswith("trl")]
     base = next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None)
     fastest = min(trl, key=lambda r: r["median_s"]) if trl else None

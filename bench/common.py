@@ -1,8 +1,9 @@
 """Shared pieces of the benchmark: the workload, the matmul peak, a FLOP counter, step records.
 
-The workload is the issue's configuration: SmolLM2-135M-Instruct, 4 prompts x 8 samples,
-64 new tokens, beta 0.04, lr 1e-5, temperature 1.0 (TRL's default), fp32, one optimizer
-step per rollout; covey's micro-batches of 8 (its default).
+The workload (the one the speed targets of docs/benchmark.md were set on):
+SmolLM2-135M-Instruct, 4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5,
+temperature 1.0 (TRL's default), fp32, one optimizer step per rollout; covey's
+micro-batches of 8 (its default).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Every algorithm preset on the default task and model, one after the other: the README's preset table.
+"""Every algorithm preset on the default task and model, one after the other: the preset table of docs/results.md.
 
     .venv/bin/python bench/presets.py --steps 30 [--presets grpo,ppo,...] [--out runs/presets] [key=value ...]
 
-Each preset runs as its own `covey train configs/<preset>.yaml train.steps=N` process (so
+Each preset runs as its own `covey train <preset> train.steps=N` process (so
 its peak RSS is its own); a preset whose run folder already holds a final evaluation is
 not run again (an interrupted table continues). Prints and writes `<out>/presets.md`:
 held-out accuracy before / after, wall time, peak RSS, and model + optimizer state by role.

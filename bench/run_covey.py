@@ -1,4 +1,4 @@
-"""Benchmark child: `covey train configs/grpo.yaml` on the workload of bench/common.py.
+"""Benchmark child: `covey train grpo` on the workload of bench/common.py.
 
 Phase times are covey's own metrics (time/generate, time/score, time/logprobs,
 time/update, time/step); a FLOP counter on the policy's linear layers is read around

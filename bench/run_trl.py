@@ -1,8 +1,8 @@
 """Benchmark child: TRL's GRPOTrainer on the workload of bench/common.py, timed per phase.
 
 Same model folder, same task (covey's arithmetic problems as chat prompts), same reward
-function, G, lengths, beta, lr (constant), temperature. `--micro-batch 32` is the issue's
-setting (one forward/backward over the 32 samples); `--micro-batch 8` uses
+function, G, lengths, beta, lr (constant), temperature. `--micro-batch 32` is TRL's
+setting as it ships (one forward/backward over the 32 samples); `--micro-batch 8` uses
 gradient_accumulation_steps=4 like covey's micro-batches. Either way one rollout of 32
 samples makes one optimizer step, so TRL skips its old-log-prob pass exactly like covey.
 Phases are timed by wrapping TRL's own methods; `update` is the rest of the step.
