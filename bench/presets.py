@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/presets.py --steps 30 [--presets grpo,ppo,...] [--out runs/presets] [key=value ...]
 
-Each preset runs as its own `covey train configs/<preset>.yaml train.steps=N` process (so
+Each preset runs as its own `covey train <preset> train.steps=N` process (so
 its peak RSS is its own); a preset whose run folder already holds a final evaluation is
 not run again (an interrupted table continues). Prints and writes `<out>/presets.md`:
 held-out accuracy before / after, wall time, peak RSS, and model + optimizer state by role.
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from covey.config import preset_names
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "ppo")
@@ -35,7 +37,7 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def train_args(preset: str, steps: int, overrides: list[str]) -> list[str]:
     """The `covey train` arguments of one row (what the table prints as its command)."""
-    return ["train", f"configs/{preset}.yaml", f"train.steps={steps}", "train.max_minutes=0", *overrides]
+    return ["train", preset, f"train.steps={steps}", "train.max_minutes=0", *overrides]
 
 
 def run_preset(preset: str, steps: int, out: Path, overrides: list[str]) -> float:
@@ -92,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     presets = [p for p in args.presets.split(",") if p]
-    unknown = [p for p in presets if not (ROOT / "configs" / f"{p}.yaml").exists()]
+    unknown = [p for p in presets if p not in preset_names()]
     if unknown:
-        parser.error(f"no preset configs/{unknown[0]}.yaml")
+        parser.error(f"no preset {unknown[0]!r} (presets: {', '.join(preset_names())})")
     rows = []
     for preset in presets:
         if not finished(out / preset, args.steps):

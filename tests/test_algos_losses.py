@@ -172,10 +172,11 @@ def one_value(pred, old=10.0, ret=15.0, clip=1.0):
     return loss.item(), v.grad.item(), m
 
 
-def test_value_clip_reference_003_example():
-    """Ref. 003: old value 10, return 15, clip 1 (allowed range [9, 11]).
+def test_value_clip_worked_example():
+    """Old value 10, return 15, clip 1 (allowed range [9, 11]).
 
-    Its 16 and 49 are the squared errors max((V-R)^2, (V_clip-R)^2) *before* the 0.5 factor:
+    The 16 and 49 often quoted for this example are the squared errors max((V-R)^2, (V_clip-R)^2)
+    *before* the 0.5 factor:
       prediction 12: max((12-15)^2 = 9, (11-15)^2 = 16) = 16 -> loss 0.5 * 16 = 8; the clipped term wins and
                      does not depend on V, so the gradient is 0 (the update is stopped)
       prediction  8: max((8-15)^2 = 49, (9-15)^2 = 36) = 49 -> loss 24.5; gradient 0.5 * 2 * (8 - 15) = -7

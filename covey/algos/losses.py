@@ -138,7 +138,7 @@ def policy_loss(name: str, logp: Tensor, old_logp: Tensor | None, advantages: Te
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, norm: Normalizer,
                clip_range: float | None) -> tuple[Tensor, dict]:
-    """Clipped value loss (ref. 003; PPO2 baselines):
+    """Clipped value loss (Schulman et al. 2017, arXiv:1707.06347, as OpenAI baselines' PPO2 clips it):
 
         l = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)     (c = clip_range; None: 0.5 (V - R)^2)
 

@@ -174,9 +174,9 @@ def train_argv(spec: CompareSpec, algo: str, seed: int) -> list[str]:
                f"train.save_every={save_every(spec)}", "train.keep_checkpoints=1", "train.resume=auto",
                "train.progress=false", *budget_overrides(spec.budget, algo, spec.overrides)]
     defaults = defaults_as_overrides()
-    if algo == "dpo_iterative":  # no advantages to measure the gradient noise of
+    if load_config(known_preset(algo)).algo.learner == "dpo":  # no advantages to measure the gradient noise of
         defaults = [d for d in defaults if not d.startswith("train.grad_var_every=")]
-    return ["train", known_preset(algo), *defaults, *spec.overrides, *managed]
+    return ["train", algo, *defaults, *spec.overrides, *managed]
 
 
 def subprocess_runner(argv: list[str], log_path: Path) -> int:
