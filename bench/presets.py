@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from covey.config import preset_names
+
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("grpo", "dr_grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 ROLES = ("actor", "reference", "critic", "optimizer")
@@ -35,7 +37,7 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def train_args(preset: str, steps: int, overrides: list[str]) -> list[str]:
     """The `covey train` arguments of one row (what the table prints as its command)."""
-    return ["train", f"configs/{preset}.yaml", f"train.steps={steps}", "train.max_minutes=0", *overrides]
+    return ["train", preset, f"train.steps={steps}", "train.max_minutes=0", *overrides]
 
 
 def run_preset(preset: str, steps: int, out: Path, overrides: list[str]) -> float:
@@ -92,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     presets = [p for p in args.presets.split(",") if p]
-    unknown = [p for p in presets if not (ROOT / "configs" / f"{p}.yaml").exists()]
+    unknown = [p for p in presets if p not in preset_names()]
     if unknown:
-        parser.error(f"no preset configs/{unknown[0]}.yaml")
+        parser.error(f"no preset {unknown[0]!r} (presets: {', '.join(preset_names())})")
     rows = []
     for preset in presets:
         if not finished(out / preset, args.steps):

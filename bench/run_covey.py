@@ -16,8 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import WORKLOAD, LinearFlops, StepRecord, write_result  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def overrides(steps: int, threads: int, out_dir: str, extra: list[str]) -> list[str]:
     w = WORKLOAD
@@ -64,8 +62,7 @@ def main() -> None:
     patch_flop_counter(covey_train)
     # The run folder (checkpoints and the saved model, ~2 GB) is only read for its metrics.
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
-        cfg = load_config(str(REPO / "configs" / "grpo.yaml"), overrides(args.steps, args.threads, out_dir,
-                                                                         args.overrides))
+        cfg = load_config("grpo", overrides(args.steps, args.threads, out_dir, args.overrides))
         covey_train.train(cfg)
         metrics = (Path(out_dir) / "bench" / "metrics.jsonl").read_text().splitlines()
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size

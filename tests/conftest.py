@@ -8,7 +8,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def run_from_the_repo_root():
-    """Tests name presets as configs/*.yaml and user rewards as tests.module:function, which the
+    """Tests name user rewards as tests.module:function and data files by relative paths, which the
     CLI and its subprocesses resolve from the working directory: pin it, so `pytest` works from anywhere."""
     before = os.getcwd()
     os.chdir(REPO_ROOT)

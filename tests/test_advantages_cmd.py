@@ -1,4 +1,5 @@
-"""`covey advantages`: table, --json, sub-command wiring and one-line errors with exit code 2."""
+"""`covey advantages`: table, --json, sub-command wiring, one-line errors with exit code 2, and a
+reader that closes the output early."""
 
 import argparse
 import json
@@ -8,19 +9,26 @@ import sys
 import pytest
 
 from covey.cli import advantages as advantages_cmd
+from covey.cli.main import main
 
-REF_001 = ["--rewards", "0.8,0.6", "--lengths", "3,4", "--token-credit", "discounted", "--gamma", "0.99",
-           "--normalize", "global_token", "--eps", "0"]
+
+def advantages(argv):
+    return main(["advantages", *argv])
+
+
+# GRPO, discounted token credit, global-token normalisation
+DISCOUNTED_GLOBAL = ["--rewards", "0.8,0.6", "--lengths", "3,4", "--token-credit", "discounted", "--gamma",
+                     "0.99", "--normalize", "global_token", "--eps", "0"]
 
 
 def run_json(capsys, *argv):
-    assert advantages_cmd.main([*argv, "--json"]) == 0
+    assert advantages([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
-def test_reference_001_example_json(capsys):
-    # values derived in tests/test_algos_advantages.py::test_reference_001_worked_example
-    out = run_json(capsys, *REF_001)
+def test_discounted_global_token_example_json(capsys):
+    # values derived by hand in tests/test_algos_advantages.py (the global-token worked example)
+    out = run_json(capsys, *DISCOUNTED_GLOBAL)
     seqs = out["sequences"]
     assert [s["length"] for s in seqs] == [3, 4] and [s["reward"] for s in seqs] == [0.8, 0.6]
     assert seqs[0]["advantages"] == pytest.approx([1.1430621, 1.1546082, 1.1662709], abs=1e-6)
@@ -30,7 +38,7 @@ def test_reference_001_example_json(capsys):
 
 
 def test_table_output(capsys):
-    assert advantages_cmd.main(REF_001) == 0
+    assert advantages(DISCOUNTED_GLOBAL) == 0
     text = capsys.readouterr().out
     assert "t=4" in text and "1.1431" in text and "-0.8791" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("1 ") and "1.1431" in line)
@@ -78,7 +86,7 @@ def test_gae_values_and_process_steps(capsys):
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        advantages_cmd.main(argv)
+        advantages(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("covey advantages: error: ")
@@ -98,6 +106,21 @@ def test_add_parser_wires_into_a_parent_cli(capsys):
 
 
 def test_module_entry_point_exit_code():
-    proc = subprocess.run([sys.executable, "-m", "covey.cli.advantages", "--rewards", "1", "--lengths", "1,2"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "covey.cli", "advantages", "--rewards", "1", "--lengths", "1,2"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == "covey advantages: error: 1 rewards but 2 lengths"
+
+
+def test_reader_closing_early_ends_quietly():
+    """`covey advantages --json | head -3`: the reader takes three lines and closes the pipe. The
+    output (about 2 MB) is far beyond a pipe's buffer, so covey is still writing when it closes."""
+    n = 2000
+    argv = [sys.executable, "-m", "covey.cli", "advantages", "--rewards", ",".join(["1", "0"] * (n // 2)),
+            "--lengths", ",".join(["20"] * n), "--groups", ",".join(str(i // 2) for i in range(n)), "--json"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert head[0] == "{\n"
+    assert proc.returncode in (0, 141) and "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -172,10 +172,11 @@ def one_value(pred, old=10.0, ret=15.0, clip=1.0):
     return loss.item(), v.grad.item(), m
 
 
-def test_value_clip_reference_003_example():
-    """Ref. 003: old value 10, return 15, clip 1 (allowed range [9, 11]).
+def test_value_clip_worked_example():
+    """Old value 10, return 15, clip 1 (allowed range [9, 11]).
 
-    Its 16 and 49 are the squared errors max((V-R)^2, (V_clip-R)^2) *before* the 0.5 factor:
+    The 16 and 49 often quoted for this example are the squared errors max((V-R)^2, (V_clip-R)^2)
+    *before* the 0.5 factor:
       prediction 12: max((12-15)^2 = 9, (11-15)^2 = 16) = 16 -> loss 0.5 * 16 = 8; the clipped term wins and
                      does not depend on V, so the gradient is 0 (the update is stopped)
       prediction  8: max((8-15)^2 = 49, (9-15)^2 = 36) = 49 -> loss 24.5; gradient 0.5 * 2 * (8 - 15) = -7
@@ -189,6 +190,31 @@ def test_value_clip_reference_003_example():
     # without clipping: 0.5 * 9 = 4.5, gradient 12 - 15 = -3
     loss, grad, _ = one_value(12.0, clip=None)
     assert loss == pytest.approx(4.5) and grad == pytest.approx(-3.0)
+
+
+def test_value_clipfrac_counts_the_clamp_decision_not_a_rounding():
+    """A prediction inside the clip range is not clipped, even where float32 rounds V_old + (V - V_old).
+
+    V = -0.1, V_old = 0.2, c = 0.5, R = 0: |V - V_old| = 0.3 < 0.5, so clip() leaves V where it is and
+    the loss is 0.5 * (V - R)^2 = 0.5 * 0.01 = 0.005, with gradient V - R = -0.1.
+    In float32, V = -0.100000001490, V_old = 0.200000002980, V - V_old rounds to -0.300000011921 and
+    V_old + (V - V_old) to -0.100000008941 != V; its squared error 0.0100000016 exceeds 0.0100000007,
+    so comparing the two terms (or the clipped value with V) counted this token as clipped.
+    """
+    v = torch.tensor([[-0.1]], dtype=torch.float32, requires_grad=True)
+    old = torch.tensor([[0.2]], dtype=torch.float32)
+    assert (old + (v.detach() - old).clamp(-0.5, 0.5)).item() != v.item()  # the rounding this guards against
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, m = value_loss(v, old, torch.zeros(1, 1), mask, token_mean(mask), 0.5)
+    loss.backward()
+    assert m["critic/clipfrac"] == 0.0
+    assert loss.item() == pytest.approx(0.005, rel=1e-5) and v.grad.item() == pytest.approx(-0.1, rel=1e-5)
+    # Outside the range the clamp decides: V = 0.8, V_old = 0.2 -> clip(V) = 0.7; R = 0:
+    # max((0.8)^2 = 0.64, (0.7)^2 = 0.49) = 0.64: the unclipped term wins, nothing is stopped (clipfrac 0);
+    # R = 1: max((0.2)^2 = 0.04, (0.3)^2 = 0.09) = 0.09: the clipped term wins (clipfrac 1, gradient 0).
+    for ret, clipped in ((0.0, 0.0), (1.0, 1.0)):
+        _, m = value_loss(torch.tensor([[0.8]]), old, torch.tensor([[ret]]), mask, token_mean(mask), 0.5)
+        assert m["critic/clipfrac"] == clipped
 
 
 def test_value_loss_explained_variance():

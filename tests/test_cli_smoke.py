@@ -3,19 +3,20 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import yaml
 
 from covey.cli.main import main
+from covey.config import as_dict, load_config, preset_names
 from tests.conftest import tiny_overrides
 
-PRESETS = sorted(p.stem for p in Path("configs").glob("*.yaml"))
+PRESETS = preset_names()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_trains_two_steps(preset, tiny_model_dir, tmp_path):
-    code = main(["train", f"configs/{preset}.yaml", *tiny_overrides(tiny_model_dir, tmp_path)])
+    code = main(["train", preset, *tiny_overrides(tiny_model_dir, tmp_path)])
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
@@ -48,6 +49,41 @@ def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["eval/n"] == 4
+
+
+PRINT_CONFIG = """
+import sys
+from covey.cli.main import main
+code = main(sys.argv[1:])
+heavy = [m for m in ("transformers", "covey.train.loop", "covey.models.load", "covey.rollout.hf") if m in sys.modules]
+print("# loaded:", ",".join(heavy))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("argv, preset, overrides", [
+    (["train", "ppo", "--print-config"], "ppo", []),
+    (["train", "rloo", "algo.beta=0.1", "steps=3", "--print-config"], "rloo", ["algo.beta=0.1", "steps=3"]),
+    (["train", "--print-config", "steps=3"], None, ["steps=3"]),
+])
+def test_print_config_prints_the_resolved_config_and_loads_nothing(argv, preset, overrides):
+    done = subprocess.run([sys.executable, "-c", PRINT_CONFIG, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text, loaded = done.stdout.rsplit("# loaded:", 1)
+    assert loaded.strip() == ""  # no model, no training loop
+    assert yaml.safe_load(text) == as_dict(load_config(preset, overrides))
+
+
+def test_train_with_a_yaml_file_and_an_unknown_preset(tmp_path, capsys):
+    path = tmp_path / "mine.yaml"
+    path.write_text("algo:\n  estimator: rloo\n")
+    assert main(["train", str(path), "steps=2", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algo"]["estimator"] == "rloo" and printed["train"]["steps"] == 2
+    assert main(["train", "pppo", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("covey train: error: unknown preset 'pppo' (did you mean 'ppo'?); presets: "
+                   + ", ".join(preset_names()))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -20,7 +20,7 @@ def metric_rows(path):
 
 
 def test_dpo_iterative_trains_on_pairs(tiny_model_dir, tmp_path):
-    code = main(["train", "configs/dpo_iterative.yaml", VARIED, "train.samples_every=1",
+    code = main(["train", "dpo_iterative", VARIED, "train.samples_every=1",
                  *tiny_overrides(tiny_model_dir, tmp_path)])
     assert code == 0
     steps = [r for r in metric_rows(tmp_path / "t" / "metrics.jsonl") if "reward/mean" in r]
@@ -39,7 +39,7 @@ def test_grad_variance_does_not_change_training(tiny_model_dir, tmp_path):
     rows = {}
     for every in (0, 1):
         out = tmp_path / f"every{every}"
-        assert main(["train", "configs/grpo.yaml", VARIED, f"train.grad_var_every={every}",
+        assert main(["train", "grpo", VARIED, f"train.grad_var_every={every}",
                      *tiny_overrides(tiny_model_dir, out)]) == 0
         rows[every] = [r for r in metric_rows(out / "t" / "metrics.jsonl") if "reward/mean" in r]
     for plain, measured in zip(rows[0], rows[1]):

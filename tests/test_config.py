@@ -2,7 +2,9 @@ import re
 
 import pytest
 
-from covey.config import ConfigError, derived_sizes, load_config
+from covey.algos import ESTIMATORS
+from covey.config import (ConfigError, as_dict, config_yaml, derived_sizes, load_config, preset_names, preset_path,
+                          split_config, uses_critic)
 
 
 def test_overrides_and_short_keys():
@@ -44,11 +46,71 @@ def test_kl_in_reward_needs_token_estimator():
         load_config(None, ["algo.kl_in=reward"])
 
 
-def test_presets_load(tmp_path):
-    import pathlib
-    for preset in sorted(pathlib.Path("configs").glob("*.yaml")):
-        cfg = load_config(str(preset))
-        assert cfg.algo.learner == ("dpo" if preset.stem == "dpo_iterative" else "advantage")
+def test_checks_follow_the_estimator_traits():
+    """Every check that depends on the estimator reads its registry traits, for every estimator."""
+    for name, est in ESTIMATORS.items():
+        base = [f"algo.estimator={name}", "reward.step_source=exact", "task.name=multistep"]
+        assert uses_critic(load_config(None, base)) == est.needs_values
+        if est.min_group_size >= 2:
+            with pytest.raises(ConfigError, match=f"rollout.group_size must be >= {est.min_group_size}"):
+                load_config(None, [*base, "rollout.group_size=1"])
+            load_config(None, [*base, "algo.dynamic_sampling=true"])
+        else:
+            load_config(None, [*base, "rollout.group_size=1"])
+            with pytest.raises(ConfigError, match="algo.dynamic_sampling needs a group-based estimator"):
+                load_config(None, [*base, "algo.dynamic_sampling=true"])
+        if est.per_token_rewards:
+            load_config(None, [*base, "algo.kl_in=reward"])
+        else:
+            with pytest.raises(ConfigError, match="algo.kl_in=reward needs a per-token-reward estimator"):
+                load_config(None, [*base, "algo.kl_in=reward"])
+        if est.step_scores:  # step rewards from a PRM need one
+            with pytest.raises(ConfigError, match="reward.prm_path"):
+                load_config(None, [f"algo.estimator={name}"])
+        else:
+            load_config(None, [f"algo.estimator={name}"])
+    # the learner that does not use advantages trains no critic whatever the estimator says
+    assert not uses_critic(load_config(None, ["algo.learner=dpo", "algo.estimator=gae"]))
+
+
+def test_presets_load_by_name():
+    assert preset_names() == ("dpo_iterative", "dr_grpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline",
+                              "remax", "rloo")
+    for name in preset_names():
+        cfg = load_config(name)
+        assert cfg.algo.learner == ("dpo" if name == "dpo_iterative" else "advantage")
+        assert preset_path(name).name == f"{name}.yaml" and preset_path(name).is_file()
+        # a preset named by its file path loads the same config
+        assert as_dict(load_config(str(preset_path(name)))) == as_dict(cfg)
+
+
+def test_defaults_are_the_grpo_preset():
+    assert as_dict(load_config()) == as_dict(load_config("grpo"))
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("ppo2", "unknown preset 'ppo2' (did you mean 'ppo'?); presets: dpo_iterative, dr_grpo, grpo, ppo,"),
+    ("xyz", "unknown preset 'xyz'; presets: dpo_iterative, "),
+    ("configs/ppo.yaml", "config file not found: configs/ppo.yaml"),
+])
+def test_unknown_preset_is_one_line_listing_the_presets(preset, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(preset)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_split_config_takes_a_preset_then_overrides():
+    assert split_config(["ppo", "steps=3"]) == ("ppo", ["steps=3"])
+    assert split_config(["steps=3"]) == (None, ["steps=3"])
+    assert split_config([]) == (None, [])
+
+
+def test_printed_config_reads_back(tmp_path):
+    cfg = load_config("ppo", ["steps=3", "task.multistep_template=From {start}: {steps}.",
+                              "reward.step_separator=;"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config_yaml(cfg))
+    assert as_dict(load_config(str(path))) == as_dict(cfg)
 
 
 def test_derived_sizes():

@@ -61,7 +61,7 @@ def step_rows(run_dir):
     {},  # GRPO: group advantages, KL to an FSDP-sharded reference in the loss; 2 steps under torchrun
     # PPO: sharded critic, KL in the reward, batch-whitened GAE, 2 epochs. Step 1 runs in one process,
     # step 2 under torchrun resuming its checkpoint (full states loaded into the shards).
-    {"config": "configs/ppo.yaml", "resume": True},
+    {"config": "ppo", "resume": True},
 ], ids=["grpo", "ppo-resumed"])
 def test_two_processes_match_one(preset, tiny_model_dir, tmp_path):
     config = [preset["config"]] if "config" in preset else []

@@ -109,7 +109,7 @@ def test_critic_skips_are_counted_apart_from_the_policy(tiny_model_dir, tmp_path
         return loss * float("nan"), metrics
 
     monkeypatch.setattr(covey.algos, "value_loss", nan_value_loss)
-    code = main(["train", "configs/ppo.yaml", *tiny_overrides(tiny_model_dir, tmp_path, **{
+    code = main(["train", "ppo", *tiny_overrides(tiny_model_dir, tmp_path, **{
         "model.threads": 1, "train.steps": 5, "optim.max_skipped_steps": 3,
         "reward.functions": "tests.test_resume_kill:varied_reward"})])
     assert code == 2

@@ -51,7 +51,7 @@ PINNED = {
 
 
 def run_preset(preset: str, model_dir: str, out_dir) -> list[dict]:
-    cfg = load_config(f"configs/{preset}.yaml", tiny_overrides(model_dir, out_dir, **{
+    cfg = load_config(preset, tiny_overrides(model_dir, out_dir, **{
         "model.autocast": "none", "rollout.precision": "float32", "optim.lr": 1e-3,
         "reward.functions": "tests.test_resume_kill:varied_reward"}))
     summary = train(cfg)

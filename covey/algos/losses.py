@@ -138,12 +138,13 @@ def policy_loss(name: str, logp: Tensor, old_logp: Tensor | None, advantages: Te
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, norm: Normalizer,
                clip_range: float | None) -> tuple[Tensor, dict]:
-    """Clipped value loss (ref. 003; PPO2 baselines):
+    """Clipped value loss (Schulman et al. 2017, arXiv:1707.06347, as OpenAI baselines' PPO2 clips it):
 
         l = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)     (c = clip_range; None: 0.5 (V - R)^2)
 
-    Metrics: critic/loss, critic/clipfrac (clipped term strictly larger), critic/explained_var
-    (1 - Var(R - V) / Var(R), 0 when Var(R) = 0), critic/value_mean.
+    Metrics: critic/loss, critic/clipfrac (share of tokens whose clip decides the loss: |V - V_old| > c,
+    so clip() moved V, and the clipped term is the larger), critic/explained_var (1 - Var(R - V) / Var(R),
+    0 when Var(R) = 0), critic/value_mean.
     """
     mask = as_bool_mask(response_mask)
     values = masked_fill_zero(values, mask)  # garbage (even NaN) at masked positions never reaches a gradient
@@ -156,7 +157,10 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
         old = masked_fill_zero(old_values.detach().to(values.dtype), mask)
         clipped = old + (values - old).clamp(min=-clip_range, max=clip_range)
         err_clipped = (clipped - returns) ** 2
-        clip_active = mask & (err_clipped > err)
+        # The clamp's own decision, not `clipped != values`: V_old + (V - V_old) rounds to a value other
+        # than V inside the range too, and such a token would count as clipped.
+        moved = (values.detach() - old).abs() > clip_range
+        clip_active = mask & moved & (err_clipped > err)
         err = torch.maximum(err, err_clipped)
     loss = aggregate(0.5 * err, mask, norm)
     metrics = {"critic/loss": float(loss.detach()), "critic/clipfrac": _mean(clip_active.float(), mask),

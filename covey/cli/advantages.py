@@ -1,6 +1,7 @@
 """`covey advantages`: print the per-token advantages of a small hand-made batch.
 
-Readers of the reference documents use it to check worked examples, e.g. ref. 001's::
+Use it to check a worked example by hand, e.g. GRPO with discounted token credit and
+global-token normalisation::
 
     covey advantages --estimator grpo --rewards 0.8,0.6 --lengths 3,4 \\
         --token-credit discounted --gamma 0.99 --normalize global_token
@@ -22,7 +23,7 @@ from covey.algos.options import NORMALIZE_MODES, TOKEN_CREDITS
 PROG = "covey advantages"
 HELP = "print per-token advantages and returns for given rewards and lengths"
 EPILOG = """examples:
-  ref. 001 worked example (discounted credit, global-token normalisation):
+  GRPO, discounted token credit, global-token normalisation (about 1.143 ... -0.879):
     covey advantages --rewards 0.8,0.6 --lengths 3,4 --token-credit discounted --gamma 0.99 --normalize global_token
   GRPO, two prompts of two samples:    covey advantages --rewards 1,0,1,1 --lengths 2,3,2,2 --groups 0,0,1,1
   GAE with critic values:              covey advantages --estimator gae --rewards 1 --lengths 3 --values 0.1,0.2,0.3
@@ -66,13 +67,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=HELP, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
-    return p
-
-
 def _numbers(text: str, what: str, kind=float) -> list:
     try:
         return [kind(x) for x in text.split(",") if x.strip() != ""]
@@ -98,8 +92,8 @@ def _step_inputs(args, n: int, lengths: list[int]) -> dict:
     if (args.step_rewards is None) != (args.step_ends is None):
         _fail("--step-rewards and --step-ends go together")
     if args.step_rewards is None:
-        if args.estimator == "grpo_process":
-            _fail("estimator grpo_process needs --step-rewards and --step-ends")
+        if estimator(args).step_scores:
+            _fail(f"estimator {args.estimator} needs --step-rewards and --step-ends")
         return {}
     scores = _per_sequence(args.step_rewards, "step-rewards", n)
     ends = _per_sequence(args.step_ends, "step-ends", n, int)
@@ -136,7 +130,7 @@ def build_input(args) -> algos.AdvantageInput:
         if any(len(v) != t for v, t in zip(values, lengths)):
             _fail("--values: each sequence needs exactly one value per token (its length)")
         extra["values"] = _padded(values, n, width, torch.float64)
-    elif args.estimator == "gae":
+    elif estimator(args).needs_values:  # no --values: a critic that predicts 0 everywhere
         extra["values"] = torch.zeros(n, width, dtype=torch.float64)
     if args.baselines is not None:
         baselines = _numbers(args.baselines, "baselines")
@@ -147,9 +141,15 @@ def build_input(args) -> algos.AdvantageInput:
                                 group_ids=torch.tensor(groups), **extra)
 
 
-def build_options(args) -> algos.AdvantageOptions:
+def estimator(args) -> algos.Estimator:
+    """The registry entry of --estimator (its traits say which inputs it needs)."""
     if args.estimator not in algos.ESTIMATORS:
         _fail(f"unknown estimator {args.estimator!r}; valid: {', '.join(algos.ESTIMATORS)}")
+    return algos.ESTIMATORS[args.estimator]
+
+
+def build_options(args) -> algos.AdvantageOptions:
+    estimator(args)
     if not 0.0 <= args.gamma <= 1.0:
         _fail(f"--gamma must be in [0, 1], got {args.gamma}")
     if args.digits < 0 or args.digits > 12:
@@ -203,12 +203,3 @@ def run(args) -> int:
     result = compute(args)
     print(json.dumps(result, indent=2) if args.json else _table(result, args.digits))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (tests, `python -m covey.cli.advantages`)."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,12 @@
-"""The one typed config: schema (every field with its docstring), loading (presets, YAML,
-key=value overrides) and checks. No torch."""
+"""The one typed config: schema (every field with its docstring), loading (packaged presets named
+on the command line, YAML files, key=value overrides) and checks. No torch of its own; what an
+estimator needs is read from the traits of covey.algos.ESTIMATORS."""
 
-from covey.config.schema import (CHOICES, POSITIVE, SECTIONS, AlgoConfig, Config, ConfigError, ModelConfig,  # noqa: F401
-                                 OptimConfig, RewardConfig, RMConfig, RolloutConfig, TaskConfig, TrainConfig,
-                                 as_dict, derived_sizes, describe_keys, field_docs, from_dict, leaf_keys, load_config,
-                                 set_value, split_config, uses_critic, validate, validate_world)
+from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSITIVE, derived_sizes,  # noqa: F401
+                                 parse_corruptions, uses_critic, validate, validate_template, validate_world,
+                                 value_of)
+from covey.config.load import (as_dict, config_yaml, from_dict, load_config, preset_file, preset_names,  # noqa: F401
+                               preset_path, read_preset, set_value, split_config)
+from covey.config.schema import (SECTIONS, AlgoConfig, Config, ConfigError, ModelConfig, OptimConfig,  # noqa: F401
+                                 RewardConfig, RMConfig, RolloutConfig, TaskConfig, TrainConfig, describe_keys,
+                                 field_docs, leaf_keys)

@@ -1,22 +1,17 @@
-"""One typed config tree: YAML presets plus `key=value` overrides, checked at start.
+"""The config's shape: one dataclass per section, every field with a one-line docstring.
 
-Every field has a one-line docstring (the string literal under it), which
-`covey train --help-config` prints. Unknown keys fail with a close-match
-suggestion; values are converted to the field's type or fail naming the key.
+The string literal under a field is its documentation: `covey train --help-config` prints it
+(describe_keys), and tests check that no field lacks one. Loading (presets, YAML, overrides) is
+in covey/config/load.py, the checks in covey/config/checks.py. No torch.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import textwrap
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import yaml
 
 
 class ConfigError(ValueError):
@@ -36,7 +31,7 @@ class ModelConfig:
     critic_path: str = ""
     """Critic backbone for PPO; empty = initialise from the policy."""
     offload_reference: bool = True
-    """Read an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/offload.py)."""
+    """Read an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/models/offload.py)."""
     lora_rank: int = 0
     """LoRA adapter rank (PEFT); 0 = train every weight. With LoRA the reference is the base (adapters off)."""
     lora_alpha: int = 16
@@ -175,7 +170,7 @@ class RewardConfig:
     replay_fraction: float = 0.1
     """Share of historical (replayed) samples in each RM refresh's training mix."""
     language: float = 0.0
-    """Weight of the language-consistency reward (ref. 003: share of words in the target language)."""
+    """Weight of the language-consistency reward (DeepSeek-AI 2025, arXiv:2501.12948: share of words in the target language)."""
     language_target: str = "en"
     """Target language of the language reward: en | fr | de | es | it | pt | latin | zh | ja | ko | cjk."""
 
@@ -230,7 +225,7 @@ class AlgoConfig:
     learner: str = "advantage"
     """Update: advantage (the estimator's advantages through the policy loss) | dpo (iterative DPO on each group's best-vs-worst pair)."""
     estimator: str = "grpo"
-    """Advantage estimator (covey.algos.ESTIMATORS)."""
+    """Advantage estimator (covey.algos.ESTIMATORS): grpo | grpo_process | rloo | remax | reinforce_pp | reinforce_pp_baseline | gae."""
     policy_loss: str = "ppo_clip"
     """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg."""
     loss_agg: str = "seq_mean_token_mean"
@@ -244,7 +239,7 @@ class AlgoConfig:
     ratio_level: str = "token"
     """Importance ratio per token | sequence (GSPO)."""
     ratio_against: str = "old"
-    """Ratio denominator: old (sampling policy) | ref (ref. 001's form)."""
+    """Ratio denominator: old (sampling policy) | ref (the reference model: a form some derivations use; not a trust region)."""
     beta: float = 0.04
     """KL coefficient to the reference model."""
     kl_estimator: str = "k3"
@@ -264,7 +259,7 @@ class AlgoConfig:
     adv_eps: float = 1e-6
     """Epsilon added to the std."""
     token_credit: str = "shared"
-    """Token credit for ref. 001's variant: shared | uniform | discounted."""
+    """How a sequence's advantage is spread over its tokens: shared (every token) | uniform (A/T) | discounted (gamma^(T-k), normalised)."""
     normalize: str = "auto"
     """Advantage normalisation: auto (the estimator's paper default) | group | batch | global_token | none."""
     gamma: float = 1.0
@@ -292,7 +287,7 @@ class AlgoConfig:
     tis_cap: float = 0.0
     """Truncated IS: policy loss per token times min(pi_train/pi_sampler, cap); 0 = off (needs engine=vllm)."""
     dpo_beta: float = 0.1
-    """dpo_iterative: beta of the DPO loss -log sigmoid(beta * margin) (implicit KL strength)."""
+    """algo.learner=dpo: beta of the DPO loss -log sigmoid(beta * margin) (Rafailov et al. 2023, arXiv:2305.18290; the implicit KL strength)."""
 
 
 @dataclass
@@ -396,364 +391,3 @@ def describe_keys() -> str:
                          f"{docs.get(f.name, '')}")
     return "\n".join(lines)
 
-
-def _resolve_key(key: str) -> tuple[str, str]:
-    """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works."""
-    keys = leaf_keys()
-    if key in keys:
-        section, name = key.split(".")
-        return section, name
-    if "." not in key:
-        matches = [k for k in keys if k.split(".")[1] == key]
-        if len(matches) == 1:
-            return tuple(matches[0].split("."))  # type: ignore[return-value]
-        if len(matches) > 1:
-            raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(matches)}")
-    close = difflib.get_close_matches(key, keys + [k.split(".")[1] for k in keys], n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ConfigError(f"unknown config key '{key}'{hint}")
-
-
-def _convert(key: str, raw, typ: str):
-    """Convert a YAML or command-line value to the field's declared type."""
-    try:
-        if typ == "bool":
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if typ == "int":
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
-        if typ == "float":
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
-        return "" if raw is None else str(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"config key '{key}' expects {typ}, got {raw!r}") from None
-
-
-def _field_type(cfg: Config, section: str, name: str) -> str:
-    return str({f.name: f.type for f in dataclasses.fields(getattr(cfg, section))}[name])
-
-
-def set_value(cfg: Config, key: str, raw) -> None:
-    section, name = _resolve_key(key)
-    setattr(getattr(cfg, section), name, _convert(f"{section}.{name}", raw, _field_type(cfg, section, name)))
-
-
-def _parse_override(cfg: Config, key: str, text: str):
-    """A command-line value: the text itself for a string field (a template such as
-    'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
-    section, name = _resolve_key(key)
-    if _field_type(cfg, section, name) == "str":
-        return text
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"config key '{section}.{name}': cannot read {text!r}") from None
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def split_config(items: list[str]) -> tuple[str | None, list[str]]:
-    """First item may be a YAML file; the rest are key=value overrides."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
-
-
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults <- YAML file <- key=value overrides."""
-    cfg = Config()
-    pairs: list[tuple[str, object]] = []
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-        pairs += list(_flatten(data).items())
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not key=value")
-        k, v = item.split("=", 1)
-        pairs.append((k.strip(), _parse_override(cfg, k.strip(), v)))
-    for k, v in pairs:
-        set_value(cfg, k, v)
-    validate(cfg)
-    return cfg
-
-
-def as_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def from_dict(data: dict) -> Config:
-    cfg = Config()
-    for k, v in _flatten(data).items():
-        set_value(cfg, k, v)
-    return cfg
-
-
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "model.autocast": ("none", "bfloat16", "auto"),
-    "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
-    "task.on_bad_row": ("raise", "skip"),
-    "task.kind": ("add", "sub", "mul", "mixed"),
-    "rollout.engine": ("hf", "fast", "vllm"),
-    "rollout.seeding": ("global", "per_prompt"),
-    "rollout.precision": ("auto", "float32", "bfloat16"),
-    "reward.on_error": ("raise", "zero", "drop"),
-    "reward.step_source": ("prm", "exact"),
-    "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
-    "rm.objective": ("bt", "prm"),
-    "algo.learner": ("advantage", "dpo"),
-    "algo.estimator": ("grpo", "grpo_process", "rloo", "remax", "reinforce_pp",
-                       "reinforce_pp_baseline", "gae"),
-    "algo.policy_loss": ("ppo_clip", "pg"),
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"),
-    "algo.ratio_level": ("token", "sequence"),
-    "algo.ratio_against": ("old", "ref"),
-    "algo.kl_estimator": ("k1", "k2", "k3", "abs", "k1_st", "k3_st"),
-    "algo.kl_in": ("loss", "reward", "none"),
-    "algo.token_credit": ("shared", "uniform", "discounted"),
-    "algo.normalize": ("auto", "group", "batch", "global_token", "none"),
-    "train.logger": ("jsonl", "tensorboard"),
-}
-
-POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-            "algo.epochs", "algo.minibatches", "algo.micro_batch_size", "train.steps",
-            "rollout.eval_batch_size", "rollout.eval_max_new_tokens", "reward.remote_batch_size",
-            "rm.num_examples", "rm.train_epochs", "rm.batch_size", "rm.max_length",
-            "rm.replay_capacity")
-
-
-def _get(cfg: Config, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
-def validate(cfg: Config) -> None:
-    """Closed option sets, positive sizes, and combinations that cannot work."""
-    for key, options in CHOICES.items():
-        if _get(cfg, key) not in options:
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of: {', '.join(options)}")
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
-    a, r = cfg.algo, cfg.rollout
-    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
-        raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
-    if a.dual_clip and a.dual_clip <= 1.0:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
-    if a.clip_eps_low < 0 or a.clip_eps_high < 0:
-        raise ConfigError("algo.clip_eps_low / clip_eps_high must be >= 0")
-    if r.temperature <= 0:
-        raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
-    n_seq = r.prompts_per_step * r.group_size
-    if n_seq % a.minibatches:
-        raise ConfigError(f"algo.minibatches={a.minibatches} must divide prompts_per_step*group_size={n_seq}")
-    group_based = a.estimator in ("grpo", "grpo_process", "rloo", "reinforce_pp_baseline")
-    if group_based and r.group_size < 2:
-        raise ConfigError(f"estimator {a.estimator} compares samples of a prompt: rollout.group_size must be >= 2")
-    if a.dynamic_sampling and not group_based:
-        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
-    if a.kl_in == "reward" and a.estimator not in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
-        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator (gae, reinforce_pp*), not {a.estimator}")
-    if a.ratio_against == "ref" and a.beta == 0 and a.kl_in == "none":
-        pass  # allowed: the reference model is still loaded for the ratio
-    if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
-        raise ConfigError("algo.ref_ema must lie in (0, 1]")
-    validate_scale(cfg)
-    validate_template(cfg.task.template)
-    validate_template(cfg.task.multistep_template, "task.multistep_template", start="12", steps="Add 7")
-    validate_multistep(cfg.task)
-    if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
-        raise ConfigError(f"task.name={cfg.task.name} needs task.path")
-    validate_rewards(cfg)
-    validate_dpo_and_budget(cfg)
-
-
-def validate_template(template: str, key: str = "task.template", **example: str) -> None:
-    """A question template must show every placeholder's value and name nothing else.
-
-    Defaults to the arithmetic question: both operands and the operation.
-    """
-    example = example or {"a": "12", "op": "*", "b": "3"}
-    names = ", ".join(f"{{{name}}}" for name in example)
-    try:
-        text = template.format(**example)
-    except (KeyError, IndexError, ValueError) as err:
-        raise ConfigError(f"{key}={template!r} is not a valid template ({err!r}); "
-                          f"use the placeholders {names}") from None
-    if not all(value in text for value in example.values()):
-        raise ConfigError(f"{key}={template!r} must contain {names}")
-
-
-def validate_multistep(t: TaskConfig) -> None:
-    from covey.tasks.multistep import OPS
-    if not 1 <= t.min_ops <= t.max_ops:
-        raise ConfigError(f"task.min_ops={t.min_ops}, task.max_ops={t.max_ops}: need 1 <= min_ops <= max_ops")
-    if not t.ops or set(t.ops) - set(OPS):
-        raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
-    if t.operand_max < 2:
-        raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")
-    if t.start_digits < 1:
-        raise ConfigError(f"task.start_digits={t.start_digits}: must be >= 1")
-    if t.max_value < 10 ** t.start_digits - 1:
-        raise ConfigError(f"task.max_value={t.max_value}: must be >= the largest start value "
-                          f"({10 ** t.start_digits - 1} for task.start_digits={t.start_digits})")
-
-
-def validate_rm_data(cfg: Config) -> None:
-    """How `covey train-rm` generates its data."""
-    rm = cfg.rm
-    if not 0.0 < rm.eval_fraction < 1.0:
-        raise ConfigError(f"rm.eval_fraction must lie in (0, 1), got {rm.eval_fraction}")
-    if rm.samples_per_prompt < (1 if rm.objective == "bt" else 0):
-        raise ConfigError(f"rm.samples_per_prompt must be >= 1 for bt pairs and >= 0 for prm data, "
-                          f"got {rm.samples_per_prompt}")
-    if rm.counterfactuals < 0:
-        raise ConfigError(f"rm.counterfactuals must be >= 0, got {rm.counterfactuals}")
-    if rm.counterfactuals and rm.objective == "prm" and cfg.task.name != "multistep":
-        raise ConfigError("rm.counterfactuals for a PRM needs exact step labels: use task.name=multistep")
-    if rm.corruptions_per_prompt < 0:
-        raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
-    from covey.tasks.multistep import parse_corruptions
-    try:
-        parse_corruptions(rm.corruption_kinds)
-    except ValueError as err:
-        raise ConfigError(f"rm.corruption_kinds={err}") from None
-    if rm.objective == "prm" and rm.samples_per_prompt == 0 and rm.corruptions_per_prompt == 0 and not rm.data:
-        raise ConfigError("rm.samples_per_prompt=0 with rm.corruptions_per_prompt=0 leaves only correct "
-                          "solutions: a PRM needs wrong steps too")
-
-
-def validate_rewards(cfg: Config) -> None:
-    """Learned / remote reward sources and iterative GRPO (issue 7)."""
-    r = cfg.reward
-    if not 0.0 <= r.replay_fraction < 1.0:
-        raise ConfigError(f"reward.replay_fraction must lie in [0, 1), got {r.replay_fraction}")
-    validate_rm_data(cfg)
-    if r.iterative_every < 0 or r.remote_retries < 0 or r.remote_timeout_s <= 0:
-        raise ConfigError("reward.iterative_every and reward.remote_retries must be >= 0, remote_timeout_s > 0")
-    if r.iterative_every and not (r.model_path or r.prm_path):
-        raise ConfigError("reward.iterative_every needs a learned reward model (reward.model_path or reward.prm_path)")
-    if r.iterative_every and r.prm_path and cfg.task.name != "multistep":
-        raise ConfigError("refreshing a PRM needs exact step labels: use task.name=multistep")
-    if cfg.algo.estimator == "grpo_process":
-        if r.step_source == "prm" and not r.prm_path:
-            raise ConfigError("algo.estimator=grpo_process scores steps with a PRM: set reward.prm_path "
-                              "(or reward.step_source=exact on task.name=multistep)")
-        if r.step_source == "exact" and cfg.task.name != "multistep":
-            raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
-    elif r.process_outcome_weight:
-        raise ConfigError("reward.process_outcome_weight adds the outcome to the last step of "
-                          "algo.estimator=grpo_process; other estimators use the outcome reward already")
-
-
-def validate_dpo_and_budget(cfg: Config) -> None:
-    """Iterative DPO, the wall-clock budget and the gradient-variance measurement (issue 8)."""
-    a, t = cfg.algo, cfg.train
-    if a.learner == "dpo":
-        if cfg.rollout.group_size < 2:
-            raise ConfigError("algo.learner=dpo pairs the best and worst sample of a prompt: "
-                              "rollout.group_size must be >= 2")
-        if a.dpo_beta <= 0:
-            raise ConfigError(f"algo.dpo_beta must be > 0, got {a.dpo_beta}")
-        if t.grad_var_every:
-            raise ConfigError("train.grad_var_every measures advantage-weighted policy gradients; "
-                              "it is not defined for algo.learner=dpo")
-    if t.max_minutes < 0:
-        raise ConfigError(f"train.max_minutes must be >= 0 (0 = no limit), got {t.max_minutes}")
-    if t.grad_var_every < 0:
-        raise ConfigError(f"train.grad_var_every must be >= 0 (0 = off), got {t.grad_var_every}")
-    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    if t.grad_var_every and not 2 <= t.grad_var_batches <= n_seq:
-        raise ConfigError(f"train.grad_var_batches must lie in [2, prompts_per_step*group_size={n_seq}], "
-                          f"got {t.grad_var_batches}")
-
-
-def validate_scale(cfg: Config) -> None:
-    """LoRA, vLLM and truncated importance sampling (issue 9)."""
-    m, r, a = cfg.model, cfg.rollout, cfg.algo
-    if m.lora_rank < 0 or m.lora_alpha <= 0:
-        raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, "
-                          f"got {m.lora_rank} and {m.lora_alpha}")
-    if m.lora_rank and (a.ref_refresh_every or a.ref_ema):
-        raise ConfigError("with model.lora_rank > 0 the reference is the base model (adapters off): "
-                          "algo.ref_refresh_every / algo.ref_ema cannot move it")
-    if a.tis_cap and a.tis_cap < 1:
-        raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
-    if a.tis_cap and a.dynamic_sampling:
-        raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
-                          "lose their sampling log-probs)")
-    if a.tis_cap and r.engine != "vllm":
-        raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
-                          "(the hf engine samples from the trained weights themselves)")
-    if not 0 < r.vllm_gpu_memory_utilization < 1:
-        raise ConfigError(f"rollout.vllm_gpu_memory_utilization must lie in (0, 1), "
-                          f"got {r.vllm_gpu_memory_utilization}")
-    if r.vllm_sync_bucket_mb <= 0 or r.vllm_sync_timeout_s <= 0 or cfg.train.dist_timeout_s <= 0:
-        raise ConfigError("rollout.vllm_sync_bucket_mb, rollout.vllm_sync_timeout_s and "
-                          "train.dist_timeout_s must be > 0")
-
-
-def validate_world(cfg: Config, world_size: int) -> None:
-    """What must hold to run on `world_size` processes (torchrun); nothing to check for one."""
-    if world_size == 1:
-        return
-    if cfg.rollout.prompts_per_step % world_size:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
-                          f"{world_size} processes (each takes whole groups)")
-    # These change the number of sequences per rank, hence the number of FSDP collectives: ranks would deadlock.
-    if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
-        raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
-                          "(ranks would hold different numbers of sequences)")
-    # Each of these runs per-rank work that the other ranks would not mirror (deadlock or diverging models).
-    unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
-                                       ("train.grad_var_every", cfg.train.grad_var_every),
-                                       ("reward.iterative_every", cfg.reward.iterative_every),
-                                       ("rollout.precision=bfloat16 (a copy of a sharded policy)",
-                                        cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
-                  if on]
-    if unsupported:
-        raise ConfigError(f"under torchrun, {', '.join(unsupported)} is not supported yet")
-
-
-def uses_critic(cfg: Config) -> bool:
-    return cfg.algo.estimator == "gae"
-
-
-def derived_sizes(cfg: Config) -> dict:
-    """Sizes implied by the config, printed at start."""
-    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_mb = n_seq // cfg.algo.minibatches
-    return {
-        "sequences_per_step": n_seq,
-        "sequences_per_minibatch": per_mb,
-        "micro_batches_per_minibatch": -(-per_mb // cfg.algo.micro_batch_size),
-        "optimizer_steps_per_rollout": cfg.algo.epochs * cfg.algo.minibatches,
-        "reuses_old_logprobs": cfg.algo.epochs * cfg.algo.minibatches > 1,
-    }

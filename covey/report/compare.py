@@ -1,4 +1,7 @@
-"""`covey compare`: several algorithms x seeds on one budget, then the report (covey/report.py).
+"""`covey compare`: several algorithms x seeds on one budget, then the report (covey/report/report.py).
+
+The algorithms are packaged presets named like `covey train` names them (grpo, ppo, ...); the
+command line of `covey compare` is covey/cli/compare.py.
 
 Layout of runs/compare-<name>/:
   compare.json         what was asked (algos, seeds, budget, overrides, command); a rerun must match it
@@ -28,14 +31,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from covey.config import ConfigError, derived_sizes, load_config
+from covey.config import ConfigError, derived_sizes, load_config, preset_names
 from covey.report.data import read_jsonl
+from covey.report.report import build_report
 
 DEFAULT_ALGOS = ("grpo", "ppo", "reinforce_pp", "dpo_iterative")
 DEFAULT_SEEDS = (0, 1)
 DEFAULT_BUDGET = "steps=8"
 BUDGET_KINDS = ("steps", "samples", "minutes")
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Applied to every run before the user's key=value overrides: small batches so that
 # 4 algorithms x 2 seeds fit in about an hour on 2 CPU cores (docs/compare.md).
@@ -106,12 +109,11 @@ def command_line(spec: CompareSpec) -> str:
     return shlex.join(parts)
 
 
-def preset_path(algo: str) -> Path:
-    path = PRESET_DIR / f"{algo}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"--algos: no preset '{algo}' (known: {', '.join(known)})")
-    return path
+def known_preset(algo: str) -> str:
+    """`algo` itself when it names a packaged preset (covey.config.preset_names); ConfigError otherwise."""
+    if algo not in preset_names():
+        raise ConfigError(f"--algos: no preset '{algo}' (known: {', '.join(preset_names())})")
+    return algo
 
 
 def check_overrides(overrides: list[str]) -> None:
@@ -128,7 +130,7 @@ def budget_overrides(budget: Budget, algo: str, user: list[str]) -> list[str]:
         return [f"train.steps={int(budget.value)}", "train.max_minutes=0"]
     if budget.kind == "minutes":  # the clock is checkpointed: the budget holds across resumes
         return ["train.steps=1000000", f"train.max_minutes={budget.value:g}"]
-    cfg = load_config(str(preset_path(algo)), [*defaults_as_overrides(), *user])
+    cfg = load_config(known_preset(algo), [*defaults_as_overrides(), *user])
     per_step = derived_sizes(cfg)["sequences_per_step"]
     return [f"train.steps={max(int(budget.value) // per_step, 1)}", "train.max_minutes=0"]
 
@@ -172,9 +174,9 @@ def train_argv(spec: CompareSpec, algo: str, seed: int) -> list[str]:
                f"train.save_every={save_every(spec)}", "train.keep_checkpoints=1", "train.resume=auto",
                "train.progress=false", *budget_overrides(spec.budget, algo, spec.overrides)]
     defaults = defaults_as_overrides()
-    if algo == "dpo_iterative":  # no advantages to measure the gradient noise of
+    if load_config(known_preset(algo)).algo.learner == "dpo":  # no advantages to measure the gradient noise of
         defaults = [d for d in defaults if not d.startswith("train.grad_var_every=")]
-    return ["train", str(preset_path(algo)), *defaults, *spec.overrides, *managed]
+    return ["train", algo, *defaults, *spec.overrides, *managed]
 
 
 def subprocess_runner(argv: list[str], log_path: Path) -> int:
@@ -213,7 +215,7 @@ def validate_spec(spec: CompareSpec) -> None:
     """Every run's config loads before any run starts (a typo fails in a second, not after an hour)."""
     check_overrides(spec.overrides)
     for algo in spec.algos:
-        load_config(str(preset_path(algo)), train_argv(spec, algo, spec.seeds[0])[2:])
+        load_config(known_preset(algo), train_argv(spec, algo, spec.seeds[0])[2:])
 
 
 def run_compare(spec: CompareSpec, runner=subprocess_runner, report: bool = True) -> dict:
@@ -249,51 +251,6 @@ def run_compare(spec: CompareSpec, runner=subprocess_runner, report: bool = True
             print(f"{label}: done in {took}", flush=True)
     out = {"report": None, "failed": failed}
     if report:
-        from covey.report.report import build_report
         out["report"] = build_report(spec.root)
         print(f"compare: report {out['report']}")
     return out
-
-
-# --------------------------------------------------------------------------- command line
-
-HELP = ("run several algorithms x seeds on one budget and write runs/compare-<name>/report.md: "
-        "covey compare [key=value ...] --algos grpo,ppo --seeds 0,1 --budget steps=N|samples=N|minutes=N")
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("compare", help=HELP, description=HELP)
-    p.add_argument("overrides", nargs="*", help="key=value overrides shared by every run (model.path, task.*, ...)")
-    p.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help="presets under configs/ (default: %(default)s)")
-    p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="default: %(default)s")
-    p.add_argument("--budget", default=DEFAULT_BUDGET,
-                   help="per run: steps=N | samples=N (sampled completions) | minutes=N (of training steps); "
-                        "default: %(default)s")
-    p.add_argument("--name", default="default", help="folder runs/compare-NAME (default: %(default)s)")
-    p.add_argument("--report-only", action="store_true", help="rebuild the report from the run folders")
-    p.set_defaults(func=cmd_compare)
-
-
-def spec_from_args(args) -> CompareSpec:
-    overrides = list(args.overrides)
-    output_dir = "runs"
-    for item in list(overrides):  # where the comparison lives, not a per-run setting
-        if item.split("=", 1)[0].strip() in ("train.output_dir", "output_dir"):
-            output_dir = item.split("=", 1)[1]
-            overrides.remove(item)
-    try:
-        seeds = [int(s) for s in parse_list(args.seeds, "seeds")]
-    except ValueError:
-        raise ConfigError(f"--seeds '{args.seeds}' must be comma-separated integers") from None
-    return CompareSpec(name=args.name, algos=parse_list(args.algos, "algos"), seeds=seeds,
-                       budget=parse_budget(args.budget), overrides=overrides, output_dir=output_dir)
-
-
-def cmd_compare(args) -> int:
-    spec = spec_from_args(args)
-    if args.report_only:
-        from covey.report.report import build_report
-        print(build_report(spec.root))
-        return 0
-    out = run_compare(spec)
-    return 1 if out["failed"] else 0

@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 import re
 
+from covey.config import CORRUPTION_KINDS, MULTISTEP_OPS, parse_corruptions  # noqa: F401 (parse_corruptions re-exported)
 from covey.tasks.answers import extract_answer, math_equal, normalize_number
 from covey.tasks.base import Example
 
-OPS = ("+", "-", "*")
+OPS = MULTISTEP_OPS
 _WORDS = {"+": "add {y}", "-": "subtract {y}", "*": "multiply by {y}"}
 DEFAULT_TEMPLATE = ("Start with {start}. {steps}. What is the result? Work it out with one "
                     "operation per line, like '2 + 3 = 5', then write 'Answer: <number>'.")
@@ -119,15 +120,7 @@ def multistep_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tupl
 
 # ------------------------------------------------------------ wrong solutions
 
-CORRUPTIONS = ("result", "operand", "operator", "carry", "unrelated", "stopped")
-
-
-def parse_corruptions(spec: str) -> tuple[str, ...]:
-    """'result, carry' -> ('result', 'carry'); ValueError for an empty list or an unknown kind."""
-    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
-    if not kinds or set(kinds) - set(CORRUPTIONS):
-        raise ValueError(f"{spec!r}: choose from {', '.join(CORRUPTIONS)}")
-    return kinds
+CORRUPTIONS = CORRUPTION_KINDS
 
 
 def _offset(rng: random.Random, most: int) -> int:

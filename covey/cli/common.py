@@ -1,0 +1,15 @@
+"""What several commands share: their config from command-line items, with the CPU settings applied."""
+
+from __future__ import annotations
+
+import typing
+
+
+def config_with_cpu_settings(items: typing.Sequence[str]):
+    """The config of a command that runs a model outside `train` (which applies them itself):
+    a preset or YAML file, then key=value overrides; model.threads applied."""
+    from covey.config import load_config, split_config
+    from covey.runtime.cpu import apply_cpu_settings
+    cfg = load_config(*split_config(items))
+    apply_cpu_settings(cfg)
+    return cfg

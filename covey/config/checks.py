@@ -1,0 +1,285 @@
+"""Checks of a Config, run when it is loaded: closed option sets, positive sizes, combinations
+that cannot work, and what a run on several processes needs; then the sizes a config implies.
+
+What an estimator needs (groups of at least two samples, per-token rewards, step scores, a
+critic) is read from its registry entry's traits, covey.algos.ESTIMATORS, never from its name.
+Every error is one line naming the key.
+"""
+
+from __future__ import annotations
+
+from covey.algos import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
+from covey.config.schema import Config, ConfigError, TaskConfig
+
+MULTISTEP_OPS = ("+", "-", "*")
+"""Operations a multistep problem may draw (task.ops is a subset)."""
+
+CORRUPTION_KINDS = ("result", "operand", "operator", "carry", "unrelated", "stopped")
+"""Errors that PRM training data may inject into a reference solution (rm.corruption_kinds)."""
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.autocast": ("none", "bfloat16", "auto"),
+    "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
+    "task.on_bad_row": ("raise", "skip"),
+    "task.kind": ("add", "sub", "mul", "mixed"),
+    "rollout.engine": ("hf", "fast", "vllm"),
+    "rollout.seeding": ("global", "per_prompt"),
+    "rollout.precision": ("auto", "float32", "bfloat16"),
+    "reward.on_error": ("raise", "zero", "drop"),
+    "reward.step_source": ("prm", "exact"),
+    "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
+    "rm.objective": ("bt", "prm"),
+    "algo.learner": ("advantage", "dpo"),
+    "algo.estimator": tuple(ESTIMATORS),
+    "algo.policy_loss": tuple(POLICY_LOSSES),
+    "algo.loss_agg": tuple(AGGREGATIONS),
+    "algo.ratio_level": RATIO_LEVELS,
+    "algo.ratio_against": RATIO_AGAINST,
+    "algo.kl_estimator": tuple(KL_ESTIMATORS),
+    "algo.kl_in": ("loss", "reward", "none"),
+    "algo.token_credit": TOKEN_CREDITS,
+    "algo.normalize": NORMALIZE_MODES,
+    "train.logger": ("jsonl", "tensorboard"),
+}
+
+POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
+            "algo.epochs", "algo.minibatches", "algo.micro_batch_size", "train.steps",
+            "rollout.eval_batch_size", "rollout.eval_max_new_tokens", "reward.remote_batch_size",
+            "rm.num_examples", "rm.train_epochs", "rm.batch_size", "rm.max_length",
+            "rm.replay_capacity")
+
+
+def parse_corruptions(spec: str) -> tuple[str, ...]:
+    """'result, carry' -> ('result', 'carry'); ValueError for an empty list or an unknown kind."""
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    if not kinds or set(kinds) - set(CORRUPTION_KINDS):
+        raise ValueError(f"{spec!r}: choose from {', '.join(CORRUPTION_KINDS)}")
+    return kinds
+
+
+def value_of(cfg: Config, key: str):
+    """The value of a dotted key, e.g. value_of(cfg, 'algo.beta')."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: Config) -> None:
+    """Every check of a loaded config (load_config runs it)."""
+    validate_choices(cfg)
+    validate_algo(cfg)
+    validate_task(cfg)
+    validate_rewards(cfg)
+    validate_dpo_and_budget(cfg)
+    validate_scale(cfg)
+
+
+def validate_choices(cfg: Config) -> None:
+    """Closed option sets and sizes that must be positive."""
+    for key, options in CHOICES.items():
+        if value_of(cfg, key) not in options:
+            raise ConfigError(f"{key}={value_of(cfg, key)!r} is not one of: {', '.join(options)}")
+    for key in POSITIVE:
+        if value_of(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value_of(cfg, key)}")
+
+
+def validate_algo(cfg: Config) -> None:
+    """Ranges of the algorithm's numbers, and what the estimator needs from the rollout."""
+    a, r = cfg.algo, cfg.rollout
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
+        raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
+    if a.dual_clip and a.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
+    if a.clip_eps_low < 0 or a.clip_eps_high < 0:
+        raise ConfigError("algo.clip_eps_low / clip_eps_high must be >= 0")
+    if r.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
+    if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
+        raise ConfigError("algo.ref_ema must lie in (0, 1]")
+    n_seq = r.prompts_per_step * r.group_size
+    if n_seq % a.minibatches:
+        raise ConfigError(f"algo.minibatches={a.minibatches} must divide prompts_per_step*group_size={n_seq}")
+    estimator = ESTIMATORS[a.estimator]
+    if r.group_size < estimator.min_group_size:
+        raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
+                          f"must be >= {estimator.min_group_size}")
+    if a.dynamic_sampling and estimator.min_group_size < 2:
+        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
+    if a.kl_in == "reward" and not estimator.per_token_rewards:
+        per_token = ", ".join(name for name, e in ESTIMATORS.items() if e.per_token_rewards)
+        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")
+
+
+def validate_task(cfg: Config) -> None:
+    """Question templates, the multistep generator's settings and data files."""
+    validate_template(cfg.task.template)
+    validate_template(cfg.task.multistep_template, "task.multistep_template", start="12", steps="Add 7")
+    validate_multistep(cfg.task)
+    if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
+        raise ConfigError(f"task.name={cfg.task.name} needs task.path")
+
+
+def validate_template(template: str, key: str = "task.template", **example: str) -> None:
+    """A question template must show every placeholder's value and name nothing else.
+
+    Defaults to the arithmetic question: both operands and the operation.
+    """
+    example = example or {"a": "12", "op": "*", "b": "3"}
+    names = ", ".join(f"{{{name}}}" for name in example)
+    try:
+        text = template.format(**example)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(f"{key}={template!r} is not a valid template ({err!r}); "
+                          f"use the placeholders {names}") from None
+    if not all(value in text for value in example.values()):
+        raise ConfigError(f"{key}={template!r} must contain {names}")
+
+
+def validate_multistep(t: TaskConfig) -> None:
+    if not 1 <= t.min_ops <= t.max_ops:
+        raise ConfigError(f"task.min_ops={t.min_ops}, task.max_ops={t.max_ops}: need 1 <= min_ops <= max_ops")
+    if not t.ops or set(t.ops) - set(MULTISTEP_OPS):
+        raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
+    if t.operand_max < 2:
+        raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")
+    if t.start_digits < 1:
+        raise ConfigError(f"task.start_digits={t.start_digits}: must be >= 1")
+    if t.max_value < 10 ** t.start_digits - 1:
+        raise ConfigError(f"task.max_value={t.max_value}: must be >= the largest start value "
+                          f"({10 ** t.start_digits - 1} for task.start_digits={t.start_digits})")
+
+
+def validate_rm_data(cfg: Config) -> None:
+    """How `covey train-rm` generates its data."""
+    rm = cfg.rm
+    if not 0.0 < rm.eval_fraction < 1.0:
+        raise ConfigError(f"rm.eval_fraction must lie in (0, 1), got {rm.eval_fraction}")
+    if rm.samples_per_prompt < (1 if rm.objective == "bt" else 0):
+        raise ConfigError(f"rm.samples_per_prompt must be >= 1 for bt pairs and >= 0 for prm data, "
+                          f"got {rm.samples_per_prompt}")
+    if rm.counterfactuals < 0:
+        raise ConfigError(f"rm.counterfactuals must be >= 0, got {rm.counterfactuals}")
+    if rm.counterfactuals and rm.objective == "prm" and cfg.task.name != "multistep":
+        raise ConfigError("rm.counterfactuals for a PRM needs exact step labels: use task.name=multistep")
+    if rm.corruptions_per_prompt < 0:
+        raise ConfigError(f"rm.corruptions_per_prompt must be >= 0, got {rm.corruptions_per_prompt}")
+    try:
+        parse_corruptions(rm.corruption_kinds)
+    except ValueError as err:
+        raise ConfigError(f"rm.corruption_kinds={err}") from None
+    if rm.objective == "prm" and rm.samples_per_prompt == 0 and rm.corruptions_per_prompt == 0 and not rm.data:
+        raise ConfigError("rm.samples_per_prompt=0 with rm.corruptions_per_prompt=0 leaves only correct "
+                          "solutions: a PRM needs wrong steps too")
+
+
+def validate_rewards(cfg: Config) -> None:
+    """Learned / remote reward sources, iterative GRPO and the step rewards of process supervision."""
+    r = cfg.reward
+    if not 0.0 <= r.replay_fraction < 1.0:
+        raise ConfigError(f"reward.replay_fraction must lie in [0, 1), got {r.replay_fraction}")
+    validate_rm_data(cfg)
+    if r.iterative_every < 0 or r.remote_retries < 0 or r.remote_timeout_s <= 0:
+        raise ConfigError("reward.iterative_every and reward.remote_retries must be >= 0, remote_timeout_s > 0")
+    if r.iterative_every and not (r.model_path or r.prm_path):
+        raise ConfigError("reward.iterative_every needs a learned reward model (reward.model_path or reward.prm_path)")
+    if r.iterative_every and r.prm_path and cfg.task.name != "multistep":
+        raise ConfigError("refreshing a PRM needs exact step labels: use task.name=multistep")
+    name = cfg.algo.estimator
+    if ESTIMATORS[name].step_scores:
+        if r.step_source == "prm" and not r.prm_path:
+            raise ConfigError(f"algo.estimator={name} scores steps with a PRM: set reward.prm_path "
+                              "(or reward.step_source=exact on task.name=multistep)")
+        if r.step_source == "exact" and cfg.task.name != "multistep":
+            raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
+    elif r.process_outcome_weight:
+        raise ConfigError(f"reward.process_outcome_weight adds the outcome to the last step of a step-scored "
+                          f"estimator (process supervision); algo.estimator={name} uses the outcome reward already")
+
+
+def validate_dpo_and_budget(cfg: Config) -> None:
+    """Iterative DPO, the wall-clock budget and the gradient-variance measurement."""
+    a, t = cfg.algo, cfg.train
+    if a.learner == "dpo":
+        if cfg.rollout.group_size < 2:
+            raise ConfigError("algo.learner=dpo pairs the best and worst sample of a prompt: "
+                              "rollout.group_size must be >= 2")
+        if a.dpo_beta <= 0:
+            raise ConfigError(f"algo.dpo_beta must be > 0, got {a.dpo_beta}")
+        if t.grad_var_every:
+            raise ConfigError("train.grad_var_every measures advantage-weighted policy gradients; "
+                              "it is not defined for algo.learner=dpo")
+    if t.max_minutes < 0:
+        raise ConfigError(f"train.max_minutes must be >= 0 (0 = no limit), got {t.max_minutes}")
+    if t.grad_var_every < 0:
+        raise ConfigError(f"train.grad_var_every must be >= 0 (0 = off), got {t.grad_var_every}")
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if t.grad_var_every and not 2 <= t.grad_var_batches <= n_seq:
+        raise ConfigError(f"train.grad_var_batches must lie in [2, prompts_per_step*group_size={n_seq}], "
+                          f"got {t.grad_var_batches}")
+
+
+def validate_scale(cfg: Config) -> None:
+    """LoRA, vLLM and truncated importance sampling."""
+    m, r, a = cfg.model, cfg.rollout, cfg.algo
+    if m.lora_rank < 0 or m.lora_alpha <= 0:
+        raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, "
+                          f"got {m.lora_rank} and {m.lora_alpha}")
+    if m.lora_rank and (a.ref_refresh_every or a.ref_ema):
+        raise ConfigError("with model.lora_rank > 0 the reference is the base model (adapters off): "
+                          "algo.ref_refresh_every / algo.ref_ema cannot move it")
+    if a.tis_cap and a.tis_cap < 1:
+        raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
+    if a.tis_cap and a.dynamic_sampling:
+        raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
+                          "lose their sampling log-probs)")
+    if a.tis_cap and r.engine != "vllm":
+        raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
+                          "(the hf engine samples from the trained weights themselves)")
+    if not 0 < r.vllm_gpu_memory_utilization < 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory_utilization must lie in (0, 1), "
+                          f"got {r.vllm_gpu_memory_utilization}")
+    if r.vllm_sync_bucket_mb <= 0 or r.vllm_sync_timeout_s <= 0 or cfg.train.dist_timeout_s <= 0:
+        raise ConfigError("rollout.vllm_sync_bucket_mb, rollout.vllm_sync_timeout_s and "
+                          "train.dist_timeout_s must be > 0")
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """What must hold to run on `world_size` processes (torchrun); nothing to check for one."""
+    if world_size == 1:
+        return
+    if cfg.rollout.prompts_per_step % world_size:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
+                          f"{world_size} processes (each takes whole groups)")
+    # These change the number of sequences per rank, hence the number of FSDP collectives: ranks would deadlock.
+    if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
+        raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
+                          "(ranks would hold different numbers of sequences)")
+    # Each of these runs per-rank work that the other ranks would not mirror (deadlock or diverging models).
+    unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
+                                       ("train.grad_var_every", cfg.train.grad_var_every),
+                                       ("reward.iterative_every", cfg.reward.iterative_every),
+                                       ("rollout.precision=bfloat16 (a copy of a sharded policy)",
+                                        cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
+                  if on]
+    if unsupported:
+        raise ConfigError(f"under torchrun, {', '.join(unsupported)} is not supported yet")
+
+
+def uses_critic(cfg: Config) -> bool:
+    """A critic is trained when the advantage learner's estimator needs values (GAE)."""
+    return cfg.algo.learner == "advantage" and ESTIMATORS[cfg.algo.estimator].needs_values
+
+
+def derived_sizes(cfg: Config) -> dict:
+    """Sizes implied by the config, printed at start."""
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    per_mb = n_seq // cfg.algo.minibatches
+    return {
+        "sequences_per_step": n_seq,
+        "sequences_per_minibatch": per_mb,
+        "micro_batches_per_minibatch": -(-per_mb // cfg.algo.micro_batch_size),
+        "optimizer_steps_per_rollout": cfg.algo.epochs * cfg.algo.minibatches,
+        "reuses_old_logprobs": cfg.algo.epochs * cfg.algo.minibatches > 1,
+    }
