@@ -9,7 +9,7 @@ import torch
 from covey import algos
 from covey.cli.main import main
 from covey.config import load_config
-from covey.models.load import tiny_tokenizer
+from covey.models.tiny import tiny_tokenizer
 from covey.rm.trainer import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
                                  corrupted_solutions, counterfactual_pairs, counterfactual_steps, load_rm_data,
                                  pairs_from_group, pairwise_agreement, process_step_inputs, prm_loss, replay_count,
@@ -481,7 +481,8 @@ def test_iterative_refresh_is_refused_under_torchrun():
 
 
 def _tiny_value_model(train_layers):
-    from covey.models.load import ValueModel, tiny_llama
+    from covey.models.critic import ValueModel
+    from covey.models.tiny import tiny_llama
     from covey.rm.trainer import freeze_lower_layers
     tok = tiny_tokenizer()
     model = ValueModel(tiny_llama(len(tok), num_layers=4, seed=3).model)

@@ -176,7 +176,7 @@ def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     """A tiny random Llama with head_dim 64 (attention kernels want it), saved as an HF folder."""
-    from covey.models.load import tiny_llama, tiny_tokenizer
+    from covey.models.tiny import tiny_llama, tiny_tokenizer
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
     folder = tmp_path_factory.mktemp("vllm") / "model"

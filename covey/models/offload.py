@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from covey.models.load import resolve_model_path
+from covey.runtime.precision import model_device, resolve_autocast
+
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -133,7 +136,6 @@ def maybe_offload_reference(reference: nn.Module | None, cfg, world_size: int) -
     """model.offload_reference, where the reference is the unchanging start model of one process."""
     if not cfg.model.offload_reference or not unchanging_reference(reference, cfg, world_size):
         return False
-    from covey.models.load import resolve_model_path
     return offload_reference(reference, resolve_model_path(cfg.model.path))
 
 
@@ -160,8 +162,6 @@ def maybe_hold_reference_in_bf16(reference: nn.Module | None, cfg, world_size: i
     Not for a reference that is refreshed or mixed from the policy (its weights must stay
     exact copies), a LoRA view (its modules are the policy's), or FSDP shards.
     """
-    from covey.runtime.precision import model_device, resolve_autocast
-
     if (not unchanging_reference(reference, cfg, world_size)
             or resolve_autocast(cfg.model.autocast, model_device(reference)) != "bfloat16"):
         return False

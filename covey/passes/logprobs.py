@@ -8,7 +8,6 @@ Each micro-batch is trimmed to its own longest prompt and response first.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -18,9 +17,9 @@ from covey import algos
 
 from covey.runtime import dist as distributed
 
-from covey.runtime.precision import autocast_context, model_device, resolve_autocast, shared_weight_casts
+from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
-from covey.models.load import response_values
+from covey.models.critic import response_values
 from covey.models.hf_compat import last_positions, position_ids, with_cache
 from covey.passes.packing import pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts

@@ -450,7 +450,8 @@ def step_accuracy_by_category(task_examples: list, examples: list[StepExample], 
 
 def _load_start_model(spec: str):
     """A saved RM folder continues training; anything else is a policy backbone with a fresh head."""
-    from covey.models.load import ValueModel, load_tokenizer, resolve_model_path
+    from covey.models.critic import ValueModel
+    from covey.models.load import load_tokenizer, resolve_model_path
     if (Path(spec) / RM_META_FILE).is_file():
         return ValueModel.from_pretrained(spec), load_tokenizer(spec)
     path = resolve_model_path(spec)

@@ -41,7 +41,9 @@ import torch
 from torch import Tensor
 
 from covey.batch import Rollout
+from covey.models.load import resolve_model_path
 from covey.rollout.hf import eos_ids
+from covey.runtime.dist import full_state_dict
 
 # vLLM serves LoRA adapters of these ranks (max_lora_rank must be one of them).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -189,7 +191,6 @@ class VLLMEngine:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'covey[vllm]'") from None
         import torch.distributed as dist
 
-        from covey.models.load import resolve_model_path
         r, m = cfg.rollout, cfg.model
         rank = dist.get_rank() if dist.is_initialized() else 0
         kwargs = dict(model=resolve_model_path(m.path), dtype=m.dtype, tensor_parallel_size=1,
@@ -244,7 +245,6 @@ class VLLMEngine:
         """LoRA: vLLM keeps its base; the adapters go through a folder and a new LoRARequest id."""
         from vllm.lora.request import LoRARequest
 
-        from covey.runtime.dist import full_state_dict
         state = full_state_dict(self.policy, on_every_rank=True)  # each rank feeds its own vLLM
         self.lora_version += 1
         folder = Path(self.lora_dir.name) / f"v{self.lora_version}"

@@ -41,7 +41,8 @@ from covey.runtime.precision import resolve_autocast
 from covey.train.gradvar import measure_grad_variance
 from covey.models.lora import add_adapters, frozen_reference
 from covey.runtime.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
-from covey.models.load import ValueModel, load_policy, param_memory_mb
+from covey.models.critic import ValueModel
+from covey.models.load import load_policy, param_memory_mb
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference, release_weights
 from covey.rm.trainer import add_outcome_to_last_step, make_refreshers, process_step_inputs
 from covey.rewards.build import build_rewarder
