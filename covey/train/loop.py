@@ -44,7 +44,8 @@ from covey.runtime.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
 from covey.models.critic import ValueModel
 from covey.models.load import load_policy, param_memory_mb
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference, release_weights
-from covey.rm.trainer import add_outcome_to_last_step, make_refreshers, process_step_inputs
+from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
+from covey.rm.refresh import make_refreshers
 from covey.rewards.build import build_rewarder
 from covey.rewards.learned import load_learned_rewards
 from covey.batch import Rollout, concat_rollouts
