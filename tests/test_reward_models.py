@@ -197,6 +197,12 @@ def test_replay_buffer_fraction_capacity_and_state():
 # --------------------------------------------------------------------------- training on the tiny model
 
 
+def train_rm(cfg, log):
+    """`train_reward_model` on the sections of a whole config, as `covey train-rm` calls it."""
+    return train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
+                              seed=cfg.train.seed, log=log)
+
+
 def _separable_pairs(n):
     """Chosen answers end with the real product, rejected ones with a '?': learnable by a tiny model."""
     rng = random.Random(0)
@@ -214,7 +220,7 @@ def tiny_rm(tiny_model_dir, tmp_path_factory):
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={root / 'pairs.jsonl'}",
                              f"rm.output={root / 'rm'}", "rm.train_epochs=3", "rm.learning_rate=3e-3",
                              "rm.batch_size=8"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     return root / "rm", meta
 
 
@@ -237,7 +243,7 @@ def test_counterfactual_pairs_join_the_training_side_only(tiny_model_dir, tmp_pa
     save_rm_data(tmp_path / "pairs.jsonl", sampled)
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={tmp_path / 'pairs.jsonl'}",
                              f"rm.output={tmp_path / 'rm'}", "rm.train_epochs=1", "rm.counterfactuals=3"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     train = load_rm_data(tmp_path / "rm" / "train_data.jsonl", "bt")
     held = load_rm_data(tmp_path / "rm" / "eval_data.jsonl", "bt")
     # held-out accuracy is measured on sampled pairs only; every training pair gets 3 more
@@ -265,7 +271,7 @@ def tiny_prm(tiny_model_dir, tmp_path_factory):
                              "rm.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.prompts_per_step=8",
                              f"rm.output={root / 'prm'}", "rm.train_epochs=1", "rm.learning_rate=1e-3",
                              f"rm.save_data={root / 'generated.jsonl'}"])
-    return root / "prm", train_reward_model(cfg, log=lambda *a: None)
+    return root / "prm", train_rm(cfg, log=lambda *a: None)
 
 
 def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
@@ -288,7 +294,7 @@ def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_di
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", "rm.objective=prm", "task.name=multistep",
                              "task.train_size=16", f"rm.data={folder.parent / 'generated.jsonl'}",
                              f"rm.output={tmp_path / 'prm'}", "rm.train_epochs=1", "rm.counterfactuals=2"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     assert (tmp_path / "prm" / "eval_data.jsonl").read_text() == (folder / "eval_data.jsonl").read_text()
     train = load_rm_data(tmp_path / "prm" / "train_data.jsonl", "prm")
     before = load_rm_data(folder / "train_data.jsonl", "prm")
@@ -408,7 +414,8 @@ def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path / 'absent'}", "rm.objective=prm", "task.name=multistep",
                              "task.train_size=10", "rm.num_examples=1000", "rm.samples_per_prompt=0",
                              "rm.corruptions_per_prompt=3", "rm.corruption_kinds=operator,carry"])
-    rows = generate_rm_data(cfg, "prm", log=lambda *a: None)
+    rows = generate_rm_data(cfg.rm, cfg.task, cfg.rollout, policy_path=cfg.model.path,
+                            step_separator=cfg.reward.step_separator, seed=cfg.train.seed, log=lambda *a: None)
     by_prompt = {}
     for row in rows:
         by_prompt.setdefault(row.prompt, []).append(row)
@@ -446,7 +453,7 @@ def test_real_backbone_bt_training_step_and_reload(tmp_path):
                              "rm.train_epochs=2", "rm.batch_size=4", "rm.learning_rate=1e-4", "rm.eval_fraction=0.25",
                              f"rm.output={tmp_path / 'rm'}"])
     losses = []
-    meta = train_reward_model(cfg, log=lambda *a: losses.append(a[0]) if isinstance(a[0], str) and "loss" in a[0] else None)
+    meta = train_rm(cfg, log=lambda *a: losses.append(a[0]) if isinstance(a[0], str) and "loss" in a[0] else None)
     first, last = (float(line.split("loss ")[1].split()[0]) for line in (losses[0], losses[-1]))
     assert last < first and meta["n_train"] == 6
     rm = OutcomeRewardModel.load(tmp_path / "rm")

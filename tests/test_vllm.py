@@ -192,7 +192,7 @@ def test_vllm_sampling_logprobs_match_the_trainer_and_follow_a_sync(vllm_model_d
     cfg = load_config(None, tiny_overrides(vllm_model_dir, tmp_path, **{"rollout.engine": "vllm",
                                                                           "rollout.vllm_gpu_memory_utilization": 0.2}))
     policy, tokenizer = load_policy(vllm_model_dir, device="cuda")
-    engine = VLLMEngine.from_config(cfg, policy, tokenizer)
+    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, policy, tokenizer, seed=cfg.train.seed)
     prompts = ["<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"] * 2
     rollout = engine.generate(prompts, 4, seeds=[1, 2])
     trainer = batched_logprobs(policy, rollout, 1.0, 8)

@@ -12,7 +12,7 @@ from covey.rollout.hf import HFEngine
 
 
 def run_eval_command(cfg: Config, pass_k: int = 0) -> dict:
-    data = load_task_data(cfg)
+    data = load_task_data(cfg.task, cfg.train.seed)
     policy, tokenizer = load_policy(cfg.model.path)
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,

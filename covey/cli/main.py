@@ -52,7 +52,9 @@ def cmd_eval(args) -> int:
 
 def cmd_train_rm(args) -> int:
     from covey.rm.trainer import train_reward_model
-    train_reward_model(_config_with_cpu_settings(args.args))
+    cfg = _config_with_cpu_settings(args.args)
+    train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
+                       seed=cfg.train.seed)
     return 0
 
 
@@ -61,7 +63,8 @@ def cmd_eval_rm(args) -> int:
 
     from covey.rm.trainer import evaluate_reward_model
     cfg = _config_with_cpu_settings(args.args)
-    print(json.dumps(evaluate_reward_model(cfg, args.folder, args.data or None)))
+    print(json.dumps(evaluate_reward_model(args.folder, args.data or None, task=cfg.task, seed=cfg.train.seed,
+                                           batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast)))
     return 0
 
 

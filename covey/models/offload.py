@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from covey.config import ModelConfig
 from covey.models.load import resolve_model_path
 from covey.runtime.precision import model_device, resolve_autocast
 
@@ -125,18 +126,20 @@ def release_weights(model: nn.Module | None) -> None:
         state.release()
 
 
-def unchanging_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
-    """The reference is the start model of one process and stays it: no refresh, no EMA, not a LoRA view."""
-    a = cfg.algo
-    return (reference is not None and not cfg.model.lora_rank and not a.ref_refresh_every and not a.ref_ema
-            and world_size == 1)
+def unchanging_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                         reference_moves: bool) -> bool:
+    """The reference is the start model of one process and stays it: no refresh, no EMA
+    (`reference_moves`: algo.ref_refresh_every or algo.ref_ema), not a LoRA view."""
+    return reference is not None and not model.lora_rank and not reference_moves and world_size == 1
 
 
-def maybe_offload_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
+def maybe_offload_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                            reference_moves: bool) -> bool:
     """model.offload_reference, where the reference is the unchanging start model of one process."""
-    if not cfg.model.offload_reference or not unchanging_reference(reference, cfg, world_size):
+    if not model.offload_reference or not unchanging_reference(reference, model, world_size,
+                                                               reference_moves=reference_moves):
         return False
-    return offload_reference(reference, resolve_model_path(cfg.model.path))
+    return offload_reference(reference, resolve_model_path(model.path))
 
 
 def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
@@ -156,13 +159,14 @@ def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
     return converted
 
 
-def maybe_hold_reference_in_bf16(reference: nn.Module | None, cfg, world_size: int) -> bool:
+def maybe_hold_reference_in_bf16(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                                 reference_moves: bool) -> bool:
     """bf16 Linear weights for an unchanging reference of one process whose passes run under bf16 autocast.
 
     Not for a reference that is refreshed or mixed from the policy (its weights must stay
     exact copies), a LoRA view (its modules are the policy's), or FSDP shards.
     """
-    if (not unchanging_reference(reference, cfg, world_size)
-            or resolve_autocast(cfg.model.autocast, model_device(reference)) != "bfloat16"):
+    if (not unchanging_reference(reference, model, world_size, reference_moves=reference_moves)
+            or resolve_autocast(model.autocast, model_device(reference)) != "bfloat16"):
         return False
     return hold_linear_weights_in(reference, torch.bfloat16) > 0

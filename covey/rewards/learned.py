@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from covey.config import RewardConfig
 from covey.models.critic import ValueModel
 from covey.models.hf_compat import cache_of, with_cache
 from covey.models.load import load_tokenizer
@@ -340,9 +341,9 @@ class LearnedRewards:
     process: ProcessRewardModel | None = None
 
 
-def load_learned_rewards(cfg) -> LearnedRewards:
+def load_learned_rewards(reward: RewardConfig) -> LearnedRewards:
     """Load reward.model_path / reward.prm_path (the PRM reads steps split by reward.step_separator)."""
-    r = cfg.reward
+    r = reward
     return LearnedRewards(
         outcome=OutcomeRewardModel.load(r.model_path) if r.model_path else None,
         process=ProcessRewardModel.load(r.prm_path, separator=r.step_separator) if r.prm_path else None)

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from covey.config import RMConfig, RolloutConfig, TaskConfig
 from covey.models.load import load_policy
 from covey.rewards.learned import decode_separator
 from covey.rewards.rules import correctness_reward
@@ -205,54 +206,57 @@ def step_examples_from_group(example, completions: list[str], rng: random.Random
     return out
 
 
-def generate_rm_data(cfg, objective: str, log=print) -> list:
-    """Label the task's training prompts exactly: policy samples (`model.path`) and, for a PRM,
-    the reference solution with corrupted copies (with rm.samples_per_prompt=0 only those)."""
-    examples = load_task_data(cfg).train
-    if objective == "prm" and "ops" not in (examples[0].meta if examples else {}):
+def generate_rm_data(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, *, policy_path: str,
+                     step_separator: str, seed: int, log=print) -> list:
+    """Label the task's training prompts exactly for `rm.objective`: samples of the policy at
+    `policy_path` (model.path) and, for a PRM, the reference solution with corrupted copies
+    (with rm.samples_per_prompt=0 only those). `seed` is train.seed."""
+    examples = load_task_data(task, seed).train
+    if rm.objective == "prm" and "ops" not in (examples[0].meta if examples else {}):
         raise RewardDataError("generating PRM data needs exact step labels: use task.name=multistep")
-    rng, out, t0 = random.Random(cfg.train.seed), [], time.perf_counter()
-    separator = decode_separator(cfg.reward.step_separator)
-    kinds = parse_corruptions(cfg.rm.corruption_kinds)
-    sample = _policy_sampler(cfg) if cfg.rm.samples_per_prompt else (lambda batch: [[] for _ in batch])
-    per_call = max(1, cfg.rollout.prompts_per_step)
+    rng, out, t0 = random.Random(seed), [], time.perf_counter()
+    separator = decode_separator(step_separator)
+    kinds = parse_corruptions(rm.corruption_kinds)
+    sample = (_policy_sampler(policy_path, rollout, rm.samples_per_prompt, task.system_prompt)
+              if rm.samples_per_prompt else (lambda batch: [[] for _ in batch]))
+    per_call = max(1, rollout.prompts_per_step)
     for start in range(0, len(examples), per_call):
         batch = examples[start:start + per_call]
         for ex, texts in zip(batch, sample(batch)):
-            if objective == "bt":
+            if rm.objective == "bt":
                 correct = correctness_reward(None, texts, answer=ex.answer)
                 out += pairs_from_group(ex.prompt, texts, correct, limit=2)
             else:
-                out += step_examples_from_group(ex, texts, rng, separator, cfg.rm.corruptions_per_prompt, kinds)
-        if cfg.rm.samples_per_prompt:
+                out += step_examples_from_group(ex, texts, rng, separator, rm.corruptions_per_prompt, kinds)
+        if rm.samples_per_prompt:
             log(f"covey train-rm: sampled {start + len(batch)} prompts -> {len(out)} examples "
                 f"({time.perf_counter() - t0:.0f}s)")
-        if len(out) >= cfg.rm.num_examples:
+        if len(out) >= rm.num_examples:
             break
-    return out[:cfg.rm.num_examples]
+    return out[:rm.num_examples]
 
 
-def _policy_sampler(cfg):
-    """batch of examples -> per example, rm.samples_per_prompt completions of the policy."""
-    policy, tokenizer = load_policy(cfg.model.path)
+def _policy_sampler(policy_path: str, rollout: RolloutConfig, samples: int, system_prompt: str):
+    """batch of examples -> per example, `samples` (rm.samples_per_prompt) completions of the policy."""
+    policy, tokenizer = load_policy(policy_path)
     # The training loop's engine when it is local (fast: each prompt encoded once for its samples);
     # vllm would need its own server copy for a one-off data pass, so the fast engine stands in.
-    name = cfg.rollout.engine if cfg.rollout.engine in LOCAL_ENGINES else "fast"
-    engine = local_engine(name, policy, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+    name = rollout.engine if rollout.engine in LOCAL_ENGINES else "fast"
+    engine = local_engine(name, policy, tokenizer, max_new_tokens=rollout.max_new_tokens,
+                          temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
 
     def sample(batch):
-        rollout = engine.generate(format_prompts(tokenizer, batch, cfg.task.system_prompt), cfg.rm.samples_per_prompt)
-        return [[c for c, i in zip(rollout.completions, rollout.example_index) if i == j] for j in range(len(batch))]
+        sampled = engine.generate(format_prompts(tokenizer, batch, system_prompt), samples)
+        return [[c for c, i in zip(sampled.completions, sampled.example_index) if i == j] for j in range(len(batch))]
     return sample
 
 
-def counterfactual_examples(cfg, train: list) -> list:
+def counterfactual_examples(rm: RMConfig, train: list, task: TaskConfig, *, step_separator: str, seed: int) -> list:
     """rm.counterfactuals extra training examples (none for the held-out side)."""
-    if not cfg.rm.counterfactuals:
+    if not rm.counterfactuals:
         return []
-    rng = random.Random(cfg.train.seed)
-    if cfg.rm.objective == "bt":
-        return counterfactual_pairs(train, cfg.rm.counterfactuals, rng)
-    return counterfactual_steps(train, load_task_data(cfg).train, cfg.rm.counterfactuals, rng,
-                                decode_separator(cfg.reward.step_separator))
+    rng = random.Random(seed)
+    if rm.objective == "bt":
+        return counterfactual_pairs(train, rm.counterfactuals, rng)
+    return counterfactual_steps(train, load_task_data(task, seed).train, rm.counterfactuals, rng,
+                                decode_separator(step_separator))

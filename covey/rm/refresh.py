@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from covey.config import RMConfig
 from covey.rm.data import PreferencePair, StepExample, load_rm_data, pairs_from_group, step_examples_from_group
 from covey.rm.trainer import RMTrainer, freeze_lower_layers
 
@@ -148,24 +149,27 @@ class RewardModelRefresher:
         self.pending = [cls(**x) for x in state["pending"]]
 
 
-def make_refreshers(cfg, learned) -> list[RewardModelRefresher]:
-    """One refresher per learned model; replay seeded with the data the model was trained on."""
+def make_refreshers(learned, rm: RMConfig, *, every: int, replay_fraction: float, seed: int,
+                    autocast: str) -> list[RewardModelRefresher]:
+    """One refresher per learned model; replay seeded with the data the model was trained on.
+
+    `every` is reward.iterative_every (0: agreement only, no training), `replay_fraction`
+    reward.replay_fraction, `seed` train.seed, `autocast` model.autocast."""
     out = []
     for name, scorer in (("rm", learned.outcome), ("prm", learned.process)):
         if scorer is None:
             continue
         objective = "bt" if name == "rm" else "prm"
-        if cfg.reward.iterative_every:
-            freeze_lower_layers(scorer.model, cfg.rm.train_layers)
-        trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=cfg.rm.learning_rate,
-                            batch_size=cfg.rm.batch_size, max_length=scorer.max_length, margin=cfg.rm.margin,
-                            separator=scorer.separator, seed=cfg.train.seed, precision=cfg.model.autocast,
+        if every:
+            freeze_lower_layers(scorer.model, rm.train_layers)
+        trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=rm.learning_rate,
+                            batch_size=rm.batch_size, max_length=scorer.max_length, margin=rm.margin,
+                            separator=scorer.separator, seed=seed, precision=autocast,
                             end_marker=bool(scorer.end_text))
-        replay = ReplayBuffer(cfg.rm.replay_capacity, seed=cfg.train.seed)
+        replay = ReplayBuffer(rm.replay_capacity, seed=seed)
         seed_file = Path(getattr(scorer, "path", "")) / "train_data.jsonl"
-        if cfg.reward.iterative_every and seed_file.is_file():
+        if every and seed_file.is_file():
             replay.add(load_rm_data(seed_file, objective, scorer.separator))
-        out.append(RewardModelRefresher(name, scorer, trainer, every=cfg.reward.iterative_every,
-                                        replay_fraction=cfg.reward.replay_fraction, replay=replay,
-                                        epochs=cfg.rm.train_epochs))
+        out.append(RewardModelRefresher(name, scorer, trainer, every=every, replay_fraction=replay_fraction,
+                                        replay=replay, epochs=rm.train_epochs))
     return out

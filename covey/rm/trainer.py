@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from covey.algos.rm_losses import bt_loss, prm_loss
+from covey.config import ModelConfig, RMConfig, RolloutConfig, TaskConfig
 from covey.models.critic import ValueModel
 from covey.models.load import load_tokenizer, resolve_model_path
 from covey.rewards.learned import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
@@ -231,29 +232,40 @@ def save_reward_model(out: Path, model, tokenizer, meta: dict, train: list, held
     return out
 
 
-def train_reward_model(cfg, log=print) -> dict:
-    """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder."""
-    rm = cfg.rm
-    torch.manual_seed(cfg.train.seed)
+def _split_examples(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, *, policy_path: str,
+                    step_separator: str, seed: int, log) -> tuple[list, list, list]:
+    """(train, held-out, counterfactuals added to train): rm.data or generated examples, split by prompt."""
     if rm.data:
-        examples = load_rm_data(rm.data, rm.objective, decode_separator(cfg.reward.step_separator))
+        examples = load_rm_data(rm.data, rm.objective, decode_separator(step_separator))
     else:
-        examples = generate_rm_data(cfg, rm.objective, log)
+        examples = generate_rm_data(rm, task, rollout, policy_path=policy_path, step_separator=step_separator,
+                                    seed=seed, log=log)
         if rm.save_data:
             save_rm_data(rm.save_data, examples)
             log(f"covey train-rm: wrote {len(examples)} generated examples to {rm.save_data}")
-    train, held = split_by_prompt(examples, rm.eval_fraction, cfg.train.seed)
-    extra = counterfactual_examples(cfg, train)
+    train, held = split_by_prompt(examples, rm.eval_fraction, seed)
+    extra = counterfactual_examples(rm, train, task, step_separator=step_separator, seed=seed)
     if extra:
         log(f"covey train-rm: {len(extra)} counterfactual examples added to the {len(train)} training examples")
-        train = train + extra
+    return train + extra, held, extra
+
+
+def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, model: ModelConfig, *,
+                       step_separator: str, seed: int, log=print) -> dict:
+    """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder.
+
+    `model` is the policy (model.path samples generated data; model.autocast runs the passes),
+    `step_separator` is reward.step_separator and `seed` train.seed."""
+    torch.manual_seed(seed)
+    train, held, extra = _split_examples(rm, task, rollout, policy_path=model.path, step_separator=step_separator,
+                                         seed=seed, log=log)
     log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
-    model, tokenizer = _load_start_model(rm.base_model)
-    freeze_lower_layers(model, rm.train_layers)
+    value_model, tokenizer = _load_start_model(rm.base_model)
+    freeze_lower_layers(value_model, rm.train_layers)
     end_marker = uses_end_marker(rm.base_model, rm.objective)
-    trainer = RMTrainer(model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
-                        max_length=rm.max_length, margin=rm.margin, separator=cfg.reward.step_separator,
-                        seed=cfg.train.seed, precision=cfg.model.autocast, end_marker=end_marker)
+    trainer = RMTrainer(value_model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
+                        max_length=rm.max_length, margin=rm.margin, separator=step_separator,
+                        seed=seed, precision=model.autocast, end_marker=end_marker)
     key = "rm/pair_accuracy" if rm.objective == "bt" else "rm/step_accuracy"
     before = trainer.evaluate(held)
     log(f"covey train-rm: held-out {key.split('/')[1]} before training {before[key]:.1%}")
@@ -262,13 +274,13 @@ def train_reward_model(cfg, log=print) -> dict:
         f"covey train-rm: epoch {e}: loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)"))
     step_hits: list = []
     after = trainer.evaluate(held, step_hits)
-    if rm.objective == "prm" and cfg.task.name == "multistep":
-        after.update(step_accuracy_by_category(load_task_data(cfg).train, held, step_hits, trainer.separator))
+    if rm.objective == "prm" and task.name == "multistep":
+        after.update(step_accuracy_by_category(load_task_data(task, seed).train, held, step_hits, trainer.separator))
     meta = {"objective": rm.objective, "separator": trainer.separator, "max_length": rm.max_length,
             "end_marker": end_marker,
             "base_model": rm.base_model, "n_train": len(train), "n_counterfactual": len(extra), "n_eval": len(held),
             "before": before, "after": after, **fit, "train_seconds": time.perf_counter() - t0}
-    save_reward_model(Path(rm.output), model, tokenizer, meta, train, held)
+    save_reward_model(Path(rm.output), value_model, tokenizer, meta, train, held)
     log(f"covey train-rm: held-out {key.split('/')[1]} {before[key]:.1%} -> {after[key]:.1%}; saved to {rm.output}")
     by_category = [f"{k.rsplit('/', 1)[1]} {v:.1%} (n={after[k.replace('step_accuracy', 'step_count')]})"
                    for k, v in after.items() if k.startswith("rm/step_accuracy/")]
@@ -277,19 +289,21 @@ def train_reward_model(cfg, log=print) -> dict:
     return meta
 
 
-def evaluate_reward_model(cfg, folder: str | Path, data: str | Path | None = None) -> dict:
+def evaluate_reward_model(folder: str | Path, data: str | Path | None = None, *, task: TaskConfig, seed: int,
+                          batch_size: int, autocast: str) -> dict:
     """`covey eval-rm`: pair / step accuracy of a saved RM on a data file (default: its own
-    held-out data); for a PRM on the multistep task also the accuracy by kind of step."""
+    held-out data); for a PRM on the multistep task also the accuracy by kind of step.
+    `seed` (train.seed) draws the task's prompts, `batch_size` is rm.batch_size, `autocast` model.autocast."""
     objective = read_rm_meta(folder).get("objective")
     scorer = {"bt": OutcomeRewardModel, "prm": ProcessRewardModel}[objective].load(folder)
     data = Path(data) if data else Path(folder) / "eval_data.jsonl"
     examples = load_rm_data(data, objective, scorer.separator)
-    trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=0.0, batch_size=cfg.rm.batch_size,
-                        max_length=scorer.max_length, separator=scorer.separator, precision=cfg.model.autocast,
+    trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=0.0, batch_size=batch_size,
+                        max_length=scorer.max_length, separator=scorer.separator, precision=autocast,
                         end_marker=bool(scorer.end_text))
     step_hits: list = []
     out = {"model": str(folder), "data": str(data), **trainer.evaluate(examples, step_hits)}
-    if objective == "prm" and cfg.task.name == "multistep":
-        task = load_task_data(cfg)
-        out.update(step_accuracy_by_category(task.train + task.eval, examples, step_hits, scorer.separator))
+    if objective == "prm" and task.name == "multistep":
+        prompts = load_task_data(task, seed)
+        out.update(step_accuracy_by_category(prompts.train + prompts.eval, examples, step_hits, scorer.separator))
     return out

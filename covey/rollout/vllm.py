@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from covey.batch import Rollout
+from covey.config import ModelConfig, RolloutConfig
 from covey.models.load import resolve_model_path
 from covey.rollout.hf import eos_ids
 from covey.runtime.dist import full_state_dict
@@ -183,19 +184,20 @@ class VLLMEngine:
         self._sleep()
 
     @classmethod
-    def from_config(cls, cfg, policy, tokenizer) -> "VLLMEngine":
-        """Start vLLM on this process's GPU with the policy's initial weights (read from its folder)."""
+    def from_config(cls, rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *, seed: int) -> "VLLMEngine":
+        """Start vLLM on this process's GPU with the policy's initial weights (read from its folder);
+        `seed` is train.seed (each rank adds its rank)."""
         try:
             from vllm import LLM
         except ImportError:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'covey[vllm]'") from None
         import torch.distributed as dist
 
-        r, m = cfg.rollout, cfg.model
+        r, m = rollout, model
         rank = dist.get_rank() if dist.is_initialized() else 0
         kwargs = dict(model=resolve_model_path(m.path), dtype=m.dtype, tensor_parallel_size=1,
                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=r.vllm_sleep,
-                      max_model_len=r.vllm_max_model_len or None, seed=cfg.train.seed + rank,
+                      max_model_len=r.vllm_max_model_len or None, seed=seed + rank,
                       logprobs_mode="processed_logprobs")
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # joins torchrun's processes
