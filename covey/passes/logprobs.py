@@ -26,7 +26,7 @@ from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
 from covey.batch import Rollout
 
 
-BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/packing.py)
+BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/passes/packing.py)
 
 
 def first_prompt_column(prompt_mask: Tensor) -> int:
@@ -107,9 +107,9 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
 
     Pass 1 runs the U distinct prompts (`shared`: the first row of each, the prompt of each row)
     and keeps their KV cache, unless `view` brings it from a pass over the whole step's prompts
-    (covey/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
+    (covey/passes/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
     through the indexing into the prompt pass) and pass 2 runs the packed responses on top of
-    it (covey/packing.py). Equal to the padded pass up to float rounding
+    it (covey/passes/packing.py). Equal to the padded pass up to float rounding
     (tests/test_speed_forward.py); 0 after a response's end.
     """
     width, n = ids.shape[1] - resp_len, ids.shape[0]
