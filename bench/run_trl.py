@@ -105,7 +105,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from trl import GRPOConfig
 
-    from covey.models.load import prepare_default_model
+    from covey.models.default import prepare_default_model
     from covey.rewards.rules import correctness_reward
     w = WORKLOAD
     config = GRPOConfig(

@@ -28,7 +28,7 @@ def no_native_bf16(monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + tokenizer saved as an HF folder (seconds to build)."""
-    from covey.models.load import build_tiny_model
+    from covey.models.tiny import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 

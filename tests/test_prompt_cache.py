@@ -14,6 +14,7 @@ from covey.train import update
 from covey.config import Config
 from covey.models.load import load_policy
 from covey.passes.prompt_cache import EncodedPrompts
+from covey.runtime.precision import shared_weight_casts
 from covey.train.update import UpdateState, update_policy
 from tests.test_speed_forward import grouped_rollout
 
@@ -138,7 +139,7 @@ def test_one_bf16_cast_per_weight_for_the_whole_step(tiny_model_dir, monkeypatch
     def gradient_and_casts(shared: bool):
         model.zero_grad(set_to_none=True)
         norm = update.distributed.global_normalizer("token_mean", rollout.response_mask, 7)
-        context = forward.shared_weight_casts("bfloat16") if shared else contextlib.nullcontext()
+        context = shared_weight_casts("bfloat16") if shared else contextlib.nullcontext()
         with torch.profiler.profile(record_shapes=True) as prof, context:
             finite, _ = update.policy_gradient(model, rollout, torch.arange(len(rollout)), norm, cfg, 0.0,
                                                update.MetricAverager())

@@ -194,7 +194,7 @@ def measure(trials: int, model_dir: str, out: Path) -> str:
 if __name__ == "__main__":
     import tempfile
 
-    from covey.models.load import build_tiny_model
+    from covey.models.tiny import build_tiny_model
     with tempfile.TemporaryDirectory() as tmp:
         print(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 8, str(build_tiny_model(Path(tmp) / "tiny")),
                       Path(tmp)))

@@ -1,4 +1,4 @@
-"""Reward models: losses by hand, step alignment, data generation, training, saving, the loop."""
+"""Reward models: agreement by hand, step alignment, data generation, training, saving, the loop."""
 
 import json
 import random
@@ -9,36 +9,20 @@ import torch
 from covey import algos
 from covey.cli.main import main
 from covey.config import load_config
-from covey.models.load import tiny_tokenizer
-from covey.rm.trainer import (PreferencePair, ReplayBuffer, RewardDataError, StepExample, bt_loss,
-                                 corrupted_solutions, counterfactual_pairs, counterfactual_steps, load_rm_data,
-                                 pairs_from_group, pairwise_agreement, process_step_inputs, prm_loss, replay_count,
-                                 save_rm_data, split_by_prompt, swap_final_answer, train_reward_model)
+from covey.models.tiny import tiny_tokenizer
+from covey.rewards.steps import process_step_inputs
+from covey.rm.data import (PreferencePair, RewardDataError, StepExample, corrupted_solutions, counterfactual_pairs,
+                           counterfactual_steps, load_rm_data, pairs_from_group, save_rm_data, split_by_prompt,
+                           swap_final_answer)
+from covey.rm.refresh import ReplayBuffer, pairwise_agreement, replay_count
+from covey.rm.trainer import train_reward_model
 from covey.rewards.learned import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
                                  encode, end_marker_text, step_spans, step_token_ends)
 from covey.batch import Rollout
 from covey.tasks.multistep import generate_multistep, label_steps, reference_steps, split_steps
 from tests.conftest import tiny_overrides
 
-# --------------------------------------------------------------------------- losses by hand
-
-
-def test_bt_loss_by_hand():
-    # -log sigmoid(2) = log(1 + e^-2) = 0.126928; -log sigmoid(0) = log 2 = 0.693147; mean 0.410038
-    assert bt_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])).item() == pytest.approx(0.410038, abs=1e-6)
-    # margin 1: -log sigmoid(1) = 0.313262, -log sigmoid(-1) = 1.313262; mean 0.813262
-    assert bt_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]), 1.0).item() == pytest.approx(0.813262, abs=1e-6)
-    # a huge gap stays finite (logsigmoid, not log(sigmoid))
-    assert bt_loss(torch.tensor([-200.0]), torch.tensor([200.0])).item() == pytest.approx(400.0)
-
-
-def test_prm_loss_by_hand_ignores_masked_steps():
-    logits = torch.tensor([[0.0, 2.0], [-1.0, 99.0]])
-    labels = torch.tensor([[1, 0], [0, 1]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    # BCE: label 1 at logit 0 -> log 2 = 0.693147; label 0 at 2 -> log(1+e^2) = 2.126928;
-    # label 0 at -1 -> log(1+e^-1) = 0.313262; the 4th is masked. Mean of 3 = 1.044446
-    assert prm_loss(logits, labels, mask).item() == pytest.approx(1.044446, abs=1e-6)
+# --------------------------------------------------------------------------- agreement by hand
 
 
 def test_pairwise_agreement_by_hand():
@@ -89,15 +73,15 @@ def test_end_marker_moves_the_last_read_out_onto_eos():
 
 
 def test_a_continued_prm_keeps_its_end_marker_setting(tmp_path):
-    from covey.rm.trainer import _end_marker
+    from covey.rm.trainer import uses_end_marker
     old, new = tmp_path / "old", tmp_path / "new"
     for folder, meta in ((old, {"objective": "prm"}), (new, {"objective": "prm", "end_marker": True})):
         folder.mkdir()
         (folder / "covey_rm.json").write_text(json.dumps(meta))
-    assert _end_marker(str(old), "prm") is False  # saved before the marker: read as it was trained
-    assert _end_marker(str(new), "prm") is True
-    assert _end_marker(str(tmp_path / "a-policy"), "prm") is True  # a new PRM from a policy backbone
-    assert _end_marker(str(new), "bt") is False  # an outcome RM reads the last token anyway
+    assert uses_end_marker(str(old), "prm") is False  # saved before the marker: read as it was trained
+    assert uses_end_marker(str(new), "prm") is True
+    assert uses_end_marker(str(tmp_path / "a-policy"), "prm") is True  # a new PRM from a policy backbone
+    assert uses_end_marker(str(new), "bt") is False  # an outcome RM reads the last token anyway
 
 
 def test_step_token_ends_map_steps_to_policy_tokens():
@@ -213,6 +197,12 @@ def test_replay_buffer_fraction_capacity_and_state():
 # --------------------------------------------------------------------------- training on the tiny model
 
 
+def train_rm(cfg, log):
+    """`train_reward_model` on the sections of a whole config, as `covey train-rm` calls it."""
+    return train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
+                              seed=cfg.train.seed, log=log)
+
+
 def _separable_pairs(n):
     """Chosen answers end with the real product, rejected ones with a '?': learnable by a tiny model."""
     rng = random.Random(0)
@@ -230,7 +220,7 @@ def tiny_rm(tiny_model_dir, tmp_path_factory):
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={root / 'pairs.jsonl'}",
                              f"rm.output={root / 'rm'}", "rm.train_epochs=3", "rm.learning_rate=3e-3",
                              "rm.batch_size=8"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     return root / "rm", meta
 
 
@@ -253,7 +243,7 @@ def test_counterfactual_pairs_join_the_training_side_only(tiny_model_dir, tmp_pa
     save_rm_data(tmp_path / "pairs.jsonl", sampled)
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", f"rm.data={tmp_path / 'pairs.jsonl'}",
                              f"rm.output={tmp_path / 'rm'}", "rm.train_epochs=1", "rm.counterfactuals=3"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     train = load_rm_data(tmp_path / "rm" / "train_data.jsonl", "bt")
     held = load_rm_data(tmp_path / "rm" / "eval_data.jsonl", "bt")
     # held-out accuracy is measured on sampled pairs only; every training pair gets 3 more
@@ -281,7 +271,7 @@ def tiny_prm(tiny_model_dir, tmp_path_factory):
                              "rm.samples_per_prompt=2", "rollout.max_new_tokens=8", "rollout.prompts_per_step=8",
                              f"rm.output={root / 'prm'}", "rm.train_epochs=1", "rm.learning_rate=1e-3",
                              f"rm.save_data={root / 'generated.jsonl'}"])
-    return root / "prm", train_reward_model(cfg, log=lambda *a: None)
+    return root / "prm", train_rm(cfg, log=lambda *a: None)
 
 
 def test_prm_generation_and_training_report_step_accuracy(tiny_prm):
@@ -304,7 +294,7 @@ def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_di
     cfg = load_config(None, [f"rm.base_model={tiny_model_dir}", "rm.objective=prm", "task.name=multistep",
                              "task.train_size=16", f"rm.data={folder.parent / 'generated.jsonl'}",
                              f"rm.output={tmp_path / 'prm'}", "rm.train_epochs=1", "rm.counterfactuals=2"])
-    meta = train_reward_model(cfg, log=lambda *a: None)
+    meta = train_rm(cfg, log=lambda *a: None)
     assert (tmp_path / "prm" / "eval_data.jsonl").read_text() == (folder / "eval_data.jsonl").read_text()
     train = load_rm_data(tmp_path / "prm" / "train_data.jsonl", "prm")
     before = load_rm_data(folder / "train_data.jsonl", "prm")
@@ -315,7 +305,7 @@ def test_prm_counterfactuals_join_the_training_side_only(tiny_prm, tiny_model_di
 
 
 def test_prm_batch_metrics_by_hand():
-    from covey.rm.trainer import prm_batch_metrics
+    from covey.rewards.steps import prm_batch_metrics
     # 6 steps: labels 1 0 0 | 0 0 1; PRM p: .9 .8 .1 | .2 .6 .4 -> called right: steps 1, 2, 5.
     # accuracy: steps 1, 3, 4 agree -> 3/6; precision: of 3 called right, 1 is right -> 1/3;
     # false positives: of 4 wrong steps (2, 3, 4, 5), 2 are called right (2, 5) -> 1/2.
@@ -419,12 +409,13 @@ def test_config_rejects_unusable_reward_setups(overrides, message, capsys):
 
 
 def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
-    from covey.rm.trainer import generate_rm_data
+    from covey.rm.data import generate_rm_data
     # model.path does not exist: with rm.samples_per_prompt=0 the policy is never loaded
     cfg = load_config(None, [f"model.path={tmp_path / 'absent'}", "rm.objective=prm", "task.name=multistep",
                              "task.train_size=10", "rm.num_examples=1000", "rm.samples_per_prompt=0",
                              "rm.corruptions_per_prompt=3", "rm.corruption_kinds=operator,carry"])
-    rows = generate_rm_data(cfg, "prm", log=lambda *a: None)
+    rows = generate_rm_data(cfg.rm, cfg.task, cfg.rollout, policy_path=cfg.model.path,
+                            step_separator=cfg.reward.step_separator, seed=cfg.train.seed, log=lambda *a: None)
     by_prompt = {}
     for row in rows:
         by_prompt.setdefault(row.prompt, []).append(row)
@@ -462,7 +453,7 @@ def test_real_backbone_bt_training_step_and_reload(tmp_path):
                              "rm.train_epochs=2", "rm.batch_size=4", "rm.learning_rate=1e-4", "rm.eval_fraction=0.25",
                              f"rm.output={tmp_path / 'rm'}"])
     losses = []
-    meta = train_reward_model(cfg, log=lambda *a: losses.append(a[0]) if isinstance(a[0], str) and "loss" in a[0] else None)
+    meta = train_rm(cfg, log=lambda *a: losses.append(a[0]) if isinstance(a[0], str) and "loss" in a[0] else None)
     first, last = (float(line.split("loss ")[1].split()[0]) for line in (losses[0], losses[-1]))
     assert last < first and meta["n_train"] == 6
     rm = OutcomeRewardModel.load(tmp_path / "rm")
@@ -481,7 +472,8 @@ def test_iterative_refresh_is_refused_under_torchrun():
 
 
 def _tiny_value_model(train_layers):
-    from covey.models.load import ValueModel, tiny_llama
+    from covey.models.critic import ValueModel
+    from covey.models.tiny import tiny_llama
     from covey.rm.trainer import freeze_lower_layers
     tok = tiny_tokenizer()
     model = ValueModel(tiny_llama(len(tok), num_layers=4, seed=3).model)
@@ -623,7 +615,7 @@ def test_prompt_shared_scoring_equals_whole_inputs(objective, tiny_rm, tiny_prm,
 
 
 def test_outcome_on_the_last_step_makes_a_whole_right_answer_beat_a_right_first_step():
-    from covey.rm.trainer import add_outcome_to_last_step
+    from covey.rewards.steps import add_outcome_to_last_step
     # Group of 3: a whole right solution (steps 1, 1, answer 1; outcome 1), a stop after one
     # right step (1; outcome 0) and an empty response (no step).
     scores = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])

@@ -95,7 +95,7 @@ def test_a_released_copy_is_refilled_by_sync_or_by_the_next_rollout(tiny_model_d
 
 def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir, tmp_path, monkeypatch):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.precision": "bfloat16"}))
-    data = load_task_data(cfg)
+    data = load_task_data(cfg.task, cfg.train.seed)
     run = build_run(cfg, tmp_path / "t", len(data.train))
     run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
     engine = make_engine(run)

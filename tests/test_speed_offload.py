@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from covey.config import Config
+from covey.config import ModelConfig
 from covey.models.load import load_policy, load_reference
 from covey.passes.logprobs import batched_logprobs
 from covey.models.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
@@ -45,19 +45,17 @@ def test_refused_when_the_weights_are_not_the_files(tiny_model_dir):
 
 def test_only_a_reference_that_never_changes_in_one_process(tiny_model_dir):
     policy, _ = load_policy(tiny_model_dir)
-    cfg = Config()
-    cfg.model.path = tiny_model_dir
-    assert not maybe_offload_reference(load_reference(policy), cfg, world_size=2)
-    for key, value in (("ref_ema", 0.1), ("ref_refresh_every", 5)):
-        changed = Config()
-        changed.model.path = tiny_model_dir
-        setattr(changed.algo, key, value)
-        assert not maybe_offload_reference(load_reference(policy), changed, world_size=1)
-    cfg.model.offload_reference = False
-    assert not maybe_offload_reference(load_reference(policy), cfg, world_size=1)
-    cfg.model.offload_reference = True
-    assert maybe_offload_reference(load_reference(policy), cfg, world_size=1)
-    assert not maybe_offload_reference(None, cfg, world_size=1)
+    model = ModelConfig(path=tiny_model_dir)
+    assert not maybe_offload_reference(load_reference(policy), model, 2, reference_moves=False)
+    # a refreshed or EMA reference (algo.ref_refresh_every, algo.ref_ema) moves away from the files
+    assert not maybe_offload_reference(load_reference(policy), model, 1, reference_moves=True)
+    assert not maybe_offload_reference(load_reference(policy), ModelConfig(path=tiny_model_dir, lora_rank=8), 1,
+                                       reference_moves=False)  # a LoRA reference is a view of the policy
+    model.offload_reference = False
+    assert not maybe_offload_reference(load_reference(policy), model, 1, reference_moves=False)
+    model.offload_reference = True
+    assert maybe_offload_reference(load_reference(policy), model, 1, reference_moves=False)
+    assert not maybe_offload_reference(None, model, 1, reference_moves=False)
 
 
 def mappings_of(folder) -> int:
@@ -136,10 +134,9 @@ def test_bf16_linear_weights_give_the_same_bits_under_autocast(tiny_model_dir):
 def test_offloaded_bf16_reference_reads_its_files_rounded(tiny_model_dir):
     policy, tok = load_policy(tiny_model_dir)
     kept, offloaded = load_reference(policy), load_reference(policy)
-    cfg = Config()
-    cfg.model.path, cfg.model.autocast = tiny_model_dir, "bfloat16"
-    assert maybe_offload_reference(offloaded, cfg, world_size=1)
-    assert maybe_hold_reference_in_bf16(offloaded, cfg, world_size=1)
+    model = ModelConfig(path=tiny_model_dir, autocast="bfloat16")
+    assert maybe_offload_reference(offloaded, model, 1, reference_moves=False)
+    assert maybe_hold_reference_in_bf16(offloaded, model, 1, reference_moves=False)
     rollout = grouped_rollout(tok)
     assert torch.equal(reference_logprobs(offloaded, rollout), reference_logprobs(kept, rollout))
     up = offloaded.model.layers[1].mlp.up_proj.weight
@@ -151,24 +148,19 @@ def test_offloaded_bf16_reference_reads_its_files_rounded(tiny_model_dir):
 def test_bf16_reference_only_for_an_unchanging_one_under_bf16_autocast(tiny_model_dir):
     policy, _ = load_policy(tiny_model_dir)
 
-    def lowered(world_size=1, **changes) -> bool:
-        cfg = Config()
-        cfg.model.path, cfg.model.autocast = tiny_model_dir, "bfloat16"
-        for key, value in changes.items():
-            section, name = key.split("__")
-            setattr(getattr(cfg, section), name, value)
+    def lowered(world_size=1, moves=False, **changes) -> bool:
+        model = ModelConfig(**{"path": tiny_model_dir, "autocast": "bfloat16", **changes})
         reference = load_reference(policy)
-        done = maybe_hold_reference_in_bf16(reference, cfg, world_size)
+        done = maybe_hold_reference_in_bf16(reference, model, world_size, reference_moves=moves)
         dtypes = {p.dtype for p in reference.parameters()}
         assert dtypes == ({torch.float32, torch.bfloat16} if done else {torch.float32})
         return done
 
     assert lowered()
-    assert not lowered(model__autocast="none")
-    assert not lowered(algo__ref_ema=0.1)  # mixed from the policy each step: must stay exact
-    assert not lowered(algo__ref_refresh_every=5)
+    assert not lowered(autocast="none")
+    assert not lowered(moves=True)  # refreshed, or mixed from the policy each step (EMA): must stay exact
     assert not lowered(world_size=2)
-    assert not maybe_hold_reference_in_bf16(None, Config(), 1)
+    assert not maybe_hold_reference_in_bf16(None, ModelConfig(), 1, reference_moves=False)
 
 
 def test_read_safetensors_converts_as_it_reads(tmp_path):

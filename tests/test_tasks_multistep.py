@@ -162,13 +162,13 @@ def test_task_config_sets_the_multistep_difficulty():
     from covey.tasks.data import load_task_data
     base = ["task.name=multistep", "task.train_size=40", "task.eval_size=20"]
     # the defaults draw exactly the problems of multistep_splits' own defaults (saved PRM data stays valid)
-    assert load_task_data(load_config(None, base)).eval == multistep_splits(40, 20, seed=0)[1]
+    assert load_task_data(load_config(None, base).task, seed=0).eval == multistep_splits(40, 20, seed=0)[1]
     data = load_task_data(load_config(None, [*base, "task.min_ops=2", "task.max_ops=2", "task.ops=+",
-                                             "task.operand_max=5"]))
+                                             "task.operand_max=5"]).task, seed=0)
     for e in data.train + data.eval:
         assert [op for op, _ in e.meta["ops"]] == ["+", "+"] and all(2 <= y <= 5 for _, y in e.meta["ops"])
     small = load_task_data(load_config(None, [*base, "task.start_digits=1", "task.max_value=9", "task.ops=+-",
-                                              "task.multistep_template=From {start}: {steps}."]))
+                                              "task.multistep_template=From {start}: {steps}."]).task, seed=0)
     for e in small.train + small.eval:
         values = [int(line.rsplit("=", 1)[1]) for line in e.meta["solution"].split("\n")]
         assert 1 <= e.meta["start"] <= 9 and all(0 <= v <= 9 for v in values)

@@ -5,7 +5,8 @@ import torch
 
 from covey.config import Config
 from covey.passes.logprobs import batched_values
-from covey.models.load import ValueModel, load_policy
+from covey.models.critic import ValueModel
+from covey.models.load import load_policy
 from covey.train.update import UpdateState, update_critic
 from tests.test_speed_forward import grouped_rollout
 

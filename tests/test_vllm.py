@@ -176,7 +176,7 @@ def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     """A tiny random Llama with head_dim 64 (attention kernels want it), saved as an HF folder."""
-    from covey.models.load import tiny_llama, tiny_tokenizer
+    from covey.models.tiny import tiny_llama, tiny_tokenizer
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
     folder = tmp_path_factory.mktemp("vllm") / "model"
@@ -192,7 +192,7 @@ def test_vllm_sampling_logprobs_match_the_trainer_and_follow_a_sync(vllm_model_d
     cfg = load_config(None, tiny_overrides(vllm_model_dir, tmp_path, **{"rollout.engine": "vllm",
                                                                           "rollout.vllm_gpu_memory_utilization": 0.2}))
     policy, tokenizer = load_policy(vllm_model_dir, device="cuda")
-    engine = VLLMEngine.from_config(cfg, policy, tokenizer)
+    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, policy, tokenizer, seed=cfg.train.seed)
     prompts = ["<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"] * 2
     rollout = engine.generate(prompts, 4, seeds=[1, 2])
     trainer = batched_logprobs(policy, rollout, 1.0, 8)

@@ -7,7 +7,8 @@ everything exported here).
 Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
 losses (policy / value / entropy / KL loss terms), aggregation (global normaliser),
 kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
-dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer).
+dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer),
+rm_losses (reward-model losses: Bradley-Terry pairs, labelled steps).
 """
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten

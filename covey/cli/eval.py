@@ -31,7 +31,7 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     from covey.rollout.hf import HFEngine
     from covey.tasks.data import format_prompts, load_task_data
     from covey.train.evaluate import evaluate
-    data = load_task_data(cfg)
+    data = load_task_data(cfg.task, cfg.train.seed)
     policy, tokenizer = load_policy(cfg.model.path)
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,

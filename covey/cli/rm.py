@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
 def run_train(args) -> int:
     from covey.cli.common import config_with_cpu_settings
     from covey.rm.trainer import train_reward_model
-    train_reward_model(config_with_cpu_settings(args.args))
+    cfg = config_with_cpu_settings(args.args)
+    train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
+                       seed=cfg.train.seed)
     return 0
 
 
@@ -34,5 +36,6 @@ def run_eval(args) -> int:
     from covey.cli.common import config_with_cpu_settings
     from covey.rm.trainer import evaluate_reward_model
     cfg = config_with_cpu_settings(args.args)
-    print(json.dumps(evaluate_reward_model(cfg, args.folder, args.data or None)))
+    print(json.dumps(evaluate_reward_model(args.folder, args.data or None, task=cfg.task, seed=cfg.train.seed,
+                                           batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast)))
     return 0

@@ -15,12 +15,13 @@ names the base model; `load_adapted` (or PEFT's `AutoPeftModelForCausalLM`) load
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from covey.models.load import ModelError, load_reference
+from covey.models.load import ModelError, load_policy, load_reference
 
 
 def _peft():
@@ -109,10 +110,6 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
 
 def load_adapted(folder: str | Path, dtype=torch.float32):
     """(model, tokenizer) from an adapter folder: its base model with the adapters loaded."""
-    import json
-
-    from covey.models.load import load_policy
-
     peft = _peft()
     config = json.loads((Path(folder) / "adapter_config.json").read_text())
     base, tokenizer = load_policy(config["base_model_name_or_path"], dtype=dtype)

@@ -8,10 +8,10 @@ during the update. Offloading is refused unless every parameter equals its file 
 for bit, so the reference's outputs do not change.
 
 The weights are read into ordinary heap tensors, not memory-mapped: the update's
-activations, freed by then, leave that much heap that glibc keeps (covey/cpu.py), and the
+activations, freed by then, leave that much heap that glibc keeps (covey/runtime/cpu.py), and the
 reads land in it, while the pages of a mapped file count in the resident set on top of the
 heap. Mapped, the reference pass was where a step's RSS peaked: +0.5 GB over the update
-(LOG.md, 2026-11-25, sixteenth session). Reading the 0.5 GB from the page cache into the
+(LOG.md, 2026-11-25). Reading the 0.5 GB from the page cache into the
 kept heap takes 75 ms; mapping it and touching every page took 45 ms.
 
 Under bf16 autocast a frozen reference's Linear weights are held in bf16
@@ -28,6 +28,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from covey.config import ModelConfig
+from covey.models.load import resolve_model_path
+from covey.runtime.precision import model_device, resolve_autocast
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -122,19 +126,20 @@ def release_weights(model: nn.Module | None) -> None:
         state.release()
 
 
-def unchanging_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
-    """The reference is the start model of one process and stays it: no refresh, no EMA, not a LoRA view."""
-    a = cfg.algo
-    return (reference is not None and not cfg.model.lora_rank and not a.ref_refresh_every and not a.ref_ema
-            and world_size == 1)
+def unchanging_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                         reference_moves: bool) -> bool:
+    """The reference is the start model of one process and stays it: no refresh, no EMA
+    (`reference_moves`: algo.ref_refresh_every or algo.ref_ema), not a LoRA view."""
+    return reference is not None and not model.lora_rank and not reference_moves and world_size == 1
 
 
-def maybe_offload_reference(reference: nn.Module | None, cfg, world_size: int) -> bool:
+def maybe_offload_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                            reference_moves: bool) -> bool:
     """model.offload_reference, where the reference is the unchanging start model of one process."""
-    if not cfg.model.offload_reference or not unchanging_reference(reference, cfg, world_size):
+    if not model.offload_reference or not unchanging_reference(reference, model, world_size,
+                                                               reference_moves=reference_moves):
         return False
-    from covey.models.load import resolve_model_path
-    return offload_reference(reference, resolve_model_path(cfg.model.path))
+    return offload_reference(reference, resolve_model_path(model.path))
 
 
 def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
@@ -154,15 +159,14 @@ def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
     return converted
 
 
-def maybe_hold_reference_in_bf16(reference: nn.Module | None, cfg, world_size: int) -> bool:
+def maybe_hold_reference_in_bf16(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+                                 reference_moves: bool) -> bool:
     """bf16 Linear weights for an unchanging reference of one process whose passes run under bf16 autocast.
 
     Not for a reference that is refreshed or mixed from the policy (its weights must stay
     exact copies), a LoRA view (its modules are the policy's), or FSDP shards.
     """
-    from covey.runtime.precision import model_device, resolve_autocast
-
-    if (not unchanging_reference(reference, cfg, world_size)
-            or resolve_autocast(cfg.model.autocast, model_device(reference)) != "bfloat16"):
+    if (not unchanging_reference(reference, model, world_size, reference_moves=reference_moves)
+            or resolve_autocast(model.autocast, model_device(reference)) != "bfloat16"):
         return False
     return hold_linear_weights_in(reference, torch.bfloat16) > 0

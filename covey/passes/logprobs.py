@@ -8,7 +8,6 @@ Each micro-batch is trimmed to its own longest prompt and response first.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -18,16 +17,16 @@ from covey import algos
 
 from covey.runtime import dist as distributed
 
-from covey.runtime.precision import autocast_context, model_device, resolve_autocast, shared_weight_casts
+from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
-from covey.models.load import response_values
+from covey.models.critic import response_values
 from covey.models.hf_compat import last_positions, position_ids, with_cache
 from covey.passes.packing import pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
 from covey.batch import Rollout
 
 
-BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/packing.py)
+BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/passes/packing.py)
 
 
 def first_prompt_column(prompt_mask: Tensor) -> int:
@@ -108,9 +107,9 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
 
     Pass 1 runs the U distinct prompts (`shared`: the first row of each, the prompt of each row)
     and keeps their KV cache, unless `view` brings it from a pass over the whole step's prompts
-    (covey/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
+    (covey/passes/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
     through the indexing into the prompt pass) and pass 2 runs the packed responses on top of
-    it (covey/packing.py). Equal to the padded pass up to float rounding
+    it (covey/passes/packing.py). Equal to the padded pass up to float rounding
     (tests/test_speed_forward.py); 0 after a response's end.
     """
     width, n = ids.shape[1] - resp_len, ids.shape[0]

@@ -12,7 +12,7 @@ Only tokens 0..r-2 of a response of length r are fed: token 0 is scored by the p
 last logits, token j > 0 by the output at token j-1, and nothing reads the last output.
 A packed row holds at most max(L'-1, MIN_CAPACITY) tokens, so the wasted attention over
 masked-out pairs stays small next to the linear layers; EAGER_CAPACITY with eager attention
-(covey/attention.py), which builds the masked score matrix of every row.
+(covey/models/attention.py), which builds the masked score matrix of every row.
 """
 
 from __future__ import annotations

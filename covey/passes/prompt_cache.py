@@ -1,6 +1,6 @@
 """The distinct prompts of an optimizer step (or of a no-grad pass) encoded once for all its micro-batches.
 
-The packed pass (covey/forward.py) runs a micro-batch's responses on top of the KV cache
+The packed pass (covey/passes/logprobs.py) runs a micro-batch's responses on top of the KV cache
 of its prompts. Encoding the prompts inside every micro-batch is a pass over a few dozen
 tokens per micro-batch: its matrix products are too small to run fast, yet it has as many
 operations as the packed pass, and it took about 0.4 s of a 3.6 s bf16 update (LOG.md,
@@ -49,7 +49,7 @@ class EncodedPrompts:
 
     def __init__(self, model, prompt_ids: Tensor, prompt_mask: Tensor, autocast, attention):
         """`prompt_ids`/`prompt_mask` (U, P) are distinct and left-padded; `autocast` and `attention`
-        are the contexts the passes run under (covey/forward.py picks them)."""
+        are the contexts the passes run under (covey/passes/logprobs.py picks them)."""
         self.model, self.mask, self.width = model, prompt_mask, prompt_ids.shape[1]
         with autocast, attention:
             cache, last = run_prompts(model, prompt_ids, prompt_mask)

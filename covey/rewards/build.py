@@ -33,7 +33,7 @@ def build_rewarder(cfg, learned=None) -> Rewarder:
     from covey.rewards.learned import load_learned_rewards
     from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
     r = cfg.reward
-    learned = learned if learned is not None else load_learned_rewards(cfg)
+    learned = learned if learned is not None else load_learned_rewards(cfg.reward)
     monitor = bool(learned.outcome or learned.process or r.remote_url)
     terms = []
     if r.correctness or monitor:

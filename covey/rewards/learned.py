@@ -1,6 +1,6 @@
 """Learned reward sources: a Bradley-Terry outcome RM and a process RM (PRM).
 
-Both are `covey.models.load.ValueModel`s (causal-LM backbone + scalar head) saved by
+Both are `covey.models.critic.ValueModel`s (causal-LM backbone + scalar head) saved by
 `covey train-rm` with a `covey_rm.json` beside the weights. The model reads
 
     text = chat-formatted prompt + completion
@@ -28,6 +28,12 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from covey.config import RewardConfig
+from covey.models.critic import ValueModel
+from covey.models.hf_compat import cache_of, with_cache
+from covey.models.load import load_tokenizer
+from covey.rewards.rules import completion_text
 
 RM_META_FILE = "covey_rm.json"
 OBJECTIVES = ("bt", "prm")
@@ -200,7 +206,6 @@ class LearnedReward:
     @classmethod
     def load(cls, path: str | Path, **kwargs):
         """Load a folder written by `covey train-rm`, checking that it holds this objective."""
-        from covey.models.load import ValueModel, load_tokenizer
         path = Path(path)
         meta = read_rm_meta(path)
         if meta.get("objective") != cls.objective:
@@ -259,7 +264,6 @@ class LearnedReward:
 
     def _prefix_values(self, head_ids: list[int], pieces: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Values of completions of one prompt: the prompt runs once, the completions on its cache."""
-        from covey.models.hf_compat import cache_of, with_cache
         backbone, n, width = self.model.backbone, len(pieces), len(head_ids)
         cache = cache_of(backbone(input_ids=torch.tensor([head_ids]), use_cache=True))
         cache.batch_repeat_interleave(n)
@@ -278,7 +282,6 @@ class OutcomeRewardModel(LearnedReward):
     objective = "bt"
 
     def scores(self, prompts: list, completions: list[str]) -> list[float]:
-        from covey.rewards.rules import completion_text
         return [v[0] for v in self._values(list(prompts), [completion_text(c) for c in completions], None)]
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
@@ -291,7 +294,6 @@ class ProcessRewardModel(LearnedReward):
     objective = "prm"
 
     def step_probabilities(self, prompts: list, completions: list[str]) -> list[list[float]]:
-        from covey.rewards.rules import completion_text
         logits = self._values(list(prompts), [completion_text(c) for c in completions], self.separator)
         return [torch.sigmoid(torch.tensor(v)).tolist() for v in logits]
 
@@ -339,9 +341,9 @@ class LearnedRewards:
     process: ProcessRewardModel | None = None
 
 
-def load_learned_rewards(cfg) -> LearnedRewards:
+def load_learned_rewards(reward: RewardConfig) -> LearnedRewards:
     """Load reward.model_path / reward.prm_path (the PRM reads steps split by reward.step_separator)."""
-    r = cfg.reward
+    r = reward
     return LearnedRewards(
         outcome=OutcomeRewardModel.load(r.model_path) if r.model_path else None,
         process=ProcessRewardModel.load(r.prm_path, separator=r.step_separator) if r.prm_path else None)

@@ -121,7 +121,8 @@ def _script(word: str) -> str:
 
 
 def language_share(text: str, language: str = "en") -> float:
-    """Share of words written in the target language's script (ref. 003).
+    """Share of words written in the target language's script (the language-consistency reward
+    of DeepSeek-AI 2025, DeepSeek-R1, arXiv:2501.12948).
 
     Words are runs of letters; each CJK character counts as one word because
     Chinese has no spaces. Digits and symbols are not words. No words at all
@@ -138,7 +139,8 @@ def language_share(text: str, language: str = "en") -> float:
 
 def language_consistency(prompts: Sequence, completions: Sequence, language: str | Sequence[str] = "en",
                          **columns) -> list[float]:
-    """Ref. 003's Num(Words_target) / Num(Words) per completion; `language` may be a column."""
+    """DeepSeek-R1's Num(Words_target) / Num(Words) per completion (arXiv:2501.12948); `language`
+    may be a column."""
     langs = _per_sample(language, len(completions), "language")
     return [language_share(completion_text(c), lang) for c, lang in zip(completions, langs)]
 

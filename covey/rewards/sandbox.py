@@ -51,6 +51,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from covey.rewards.rules import completion_text
+
 # Runs inside the namespaces before Python: everything read-only, a private tmpfs as the working directory.
 MOUNT_PRELUDE = r'''
 src=$1 work=$2 size=$3; shift 3
@@ -267,7 +269,6 @@ def code_execution_reward(prompts, completions, tests, **columns) -> list[float]
     `tests` is a column: per sample a list of [stdin, expected_stdout] pairs
     (covey.tasks.code writes it).
     """
-    from covey.rewards.rules import completion_text
     out = []
     for completion, cases in zip(completions, tests):
         code = extract_code(completion_text(completion))

@@ -34,6 +34,9 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from covey.config import load_config, split_config
+from covey.rewards.build import build_rewarder
+
 MiB = 2**20
 
 
@@ -250,9 +253,6 @@ def add_parser(sub) -> None:
 
 
 def serve_command(args) -> int:
-    from covey.config import load_config, split_config
-    from covey.rewards.build import build_rewarder
-
     token = os.environ.get(args.token_env, "")
     if not token:
         raise ServeError(f"set {args.token_env} to the bearer token clients must send")

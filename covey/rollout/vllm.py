@@ -41,7 +41,10 @@ import torch
 from torch import Tensor
 
 from covey.batch import Rollout
+from covey.config import ModelConfig, RolloutConfig
+from covey.models.load import resolve_model_path
 from covey.rollout.hf import eos_ids
+from covey.runtime.dist import full_state_dict
 
 # vLLM serves LoRA adapters of these ranks (max_lora_rank must be one of them).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -181,20 +184,20 @@ class VLLMEngine:
         self._sleep()
 
     @classmethod
-    def from_config(cls, cfg, policy, tokenizer) -> "VLLMEngine":
-        """Start vLLM on this process's GPU with the policy's initial weights (read from its folder)."""
+    def from_config(cls, rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *, seed: int) -> "VLLMEngine":
+        """Start vLLM on this process's GPU with the policy's initial weights (read from its folder);
+        `seed` is train.seed (each rank adds its rank)."""
         try:
             from vllm import LLM
         except ImportError:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'covey[vllm]'") from None
         import torch.distributed as dist
 
-        from covey.models.load import resolve_model_path
-        r, m = cfg.rollout, cfg.model
+        r, m = rollout, model
         rank = dist.get_rank() if dist.is_initialized() else 0
         kwargs = dict(model=resolve_model_path(m.path), dtype=m.dtype, tensor_parallel_size=1,
                       gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=r.vllm_sleep,
-                      max_model_len=r.vllm_max_model_len or None, seed=cfg.train.seed + rank,
+                      max_model_len=r.vllm_max_model_len or None, seed=seed + rank,
                       logprobs_mode="processed_logprobs")
         if dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # joins torchrun's processes
@@ -244,7 +247,6 @@ class VLLMEngine:
         """LoRA: vLLM keeps its base; the adapters go through a folder and a new LoRARequest id."""
         from vllm.lora.request import LoRARequest
 
-        from covey.runtime.dist import full_state_dict
         state = full_state_dict(self.policy, on_every_rank=True)  # each rank feeds its own vLLM
         self.lora_version += 1
         folder = Path(self.lora_dir.name) / f"v{self.lora_version}"

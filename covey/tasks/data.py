@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from covey.config import Config
+from covey.config import TaskConfig
+from covey.tasks.arithmetic import arithmetic_splits
 from covey.tasks.base import Example, build_messages
+from covey.tasks.files import load_examples
+from covey.tasks.multistep import multistep_splits
 
 
 @dataclass
@@ -17,23 +20,21 @@ class TaskData:
     skipped_rows: int = 0
 
 
-def load_task_data(cfg: Config) -> TaskData:
-    """Train and held-out examples for the configured task (errors before any model loads)."""
-    t = cfg.task
+def load_task_data(task: TaskConfig, seed: int) -> TaskData:
+    """Train and held-out examples for the configured task (errors before any model loads); `seed`
+    (train.seed) draws the synthetic tasks and the held-out rows of a file without `task.eval_path`."""
+    t = task
     if t.name == "arithmetic":
-        from covey.tasks.arithmetic import arithmetic_splits
-        train, held = arithmetic_splits(t.train_size, t.eval_size, cfg.train.seed,
+        train, held = arithmetic_splits(t.train_size, t.eval_size, seed,
                                         kind=t.kind, digits_a=t.digits_a, digits_b=t.digits_b,
                                         template=t.template)
         return TaskData(train, held)
     if t.name == "multistep":
-        from covey.tasks.multistep import multistep_splits
-        train, held = multistep_splits(t.train_size, t.eval_size, cfg.train.seed, min_ops=t.min_ops,
+        train, held = multistep_splits(t.train_size, t.eval_size, seed, min_ops=t.min_ops,
                                        max_ops=t.max_ops, ops=tuple(dict.fromkeys(t.ops)),
                                        operand_max=t.operand_max, start_digits=t.start_digits,
                                        max_value=t.max_value, template=t.multistep_template)
         return TaskData(train, held)
-    from covey.tasks.files import load_examples
     kwargs = dict(prompt_key=t.prompt_key, answer_key=t.answer_key, on_error=t.on_bad_row)
     if t.name == "hf":
         kwargs["split"] = t.split or None
@@ -44,7 +45,7 @@ def load_task_data(cfg: Config) -> TaskData:
     if len(examples) < 2:
         raise ValueError(f"{t.path}: need at least 2 rows to hold some out (or set task.eval_path)")
     n_eval = min(t.eval_size, len(examples) // 2)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = [examples[i] for i in order[:n_eval]]
     train = [examples[i] for i in order[n_eval:]]
     return TaskData(train, held, skipped)

@@ -3,8 +3,9 @@
 A problem is a start value and 2-4 operations ("Start with 12. Add 7, then
 multiply by 3, then subtract 5."). The reference solution has one operation
 per line ("12 + 7 = 19\\n19 * 3 = 57\\n57 - 5 = 52"), so step labels for a
-process reward model are computed, not annotated (ref. 000's process
-supervision; issue 7). Values stay non-negative and below `max_value`.
+process reward model are computed, not annotated (process supervision:
+Lightman et al. 2023, arXiv:2305.20050; in GRPO, Shao et al. 2024, arXiv:2402.03300).
+Values stay non-negative and below `max_value`.
 """
 
 from __future__ import annotations

@@ -41,9 +41,11 @@ from covey.runtime.precision import resolve_autocast
 from covey.train.gradvar import measure_grad_variance
 from covey.models.lora import add_adapters, frozen_reference
 from covey.runtime.metrics import MetricsLogger, current_rss_mb, peak_rss_mb
-from covey.models.load import ValueModel, load_policy, param_memory_mb
+from covey.models.critic import ValueModel
+from covey.models.load import load_policy, param_memory_mb
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference, release_weights
-from covey.rm.trainer import add_outcome_to_last_step, make_refreshers, process_step_inputs
+from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
+from covey.rm.refresh import make_refreshers
 from covey.rewards.build import build_rewarder
 from covey.rewards.learned import load_learned_rewards
 from covey.batch import Rollout, concat_rollouts
@@ -170,8 +172,9 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               if uses_critic(cfg) else None)
     # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
     policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
-    maybe_offload_reference(reference, cfg, world.size)  # weights read from disk for its pass only
-    maybe_hold_reference_in_bf16(reference, cfg, world.size)  # autocast's weight casts, made once
+    moves = bool(cfg.algo.ref_refresh_every or cfg.algo.ref_ema)  # a refreshed or EMA reference changes
+    maybe_offload_reference(reference, cfg.model, world.size, reference_moves=moves)  # read from disk for its pass only
+    maybe_hold_reference_in_bf16(reference, cfg.model, world.size, reference_moves=moves)  # weight casts made once
     optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
     critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
     run = Run(cfg=cfg, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
@@ -186,7 +189,10 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
 def attach_reward_models(run: Run, learned) -> None:
     """The learned RM / PRM; with iterative refresh their weights change, so they are checkpointed."""
     run.learned_rewards = learned
-    run.reward_refreshers = make_refreshers(run.cfg, learned)
+    cfg = run.cfg
+    run.reward_refreshers = make_refreshers(learned, cfg.rm, every=cfg.reward.iterative_every,
+                                            replay_fraction=cfg.reward.replay_fraction, seed=cfg.train.seed,
+                                            autocast=cfg.model.autocast)
     if run.cfg.reward.iterative_every:
         for refresher in run.reward_refreshers:
             run.extra_state[f"reward_model/{refresher.name}"] = refresher
@@ -528,7 +534,8 @@ def make_engine(run: Run):
     r = run.cfg.rollout
     if r.engine == "vllm":
         from covey.rollout.vllm import VLLMEngine
-        return VLLMEngine.from_config(run.cfg, run.policy, run.tokenizer)
+        return VLLMEngine.from_config(run.cfg.rollout, run.cfg.model, run.policy, run.tokenizer,
+                                      seed=run.cfg.train.seed)
     engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=rollout_precision(run))
     return GatheredGeneration(engine, run.policy)
@@ -634,12 +641,12 @@ def train(cfg: Config) -> dict:
     validate_world(cfg, world.size)
     quiet_unless_main(world)
     apply_cpu_settings(cfg)
-    data = load_task_data(cfg)  # bad data fails before a model is loaded
+    data = load_task_data(cfg.task, cfg.train.seed)  # bad data fails before a model is loaded
     run_dir = prepare_run_dir(cfg)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     print_header(cfg, run_dir, data)
     seed_everything(cfg.train.seed)
-    learned = load_learned_rewards(cfg)
+    learned = load_learned_rewards(cfg.reward)
     rewarder = build_rewarder(cfg, learned)
     run = build_run(cfg, run_dir, len(data.train), world)
     attach_reward_models(run, learned)
