@@ -21,7 +21,7 @@ def _fail(command: str, err: BaseException) -> int:
 
 def cmd_train(args) -> int:
     from covey.config import describe_keys, load_config
-    from covey.train.loop import train
+    from covey.train.api import train
     if args.help_config:
         print(describe_keys())
         return 0

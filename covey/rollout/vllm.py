@@ -244,7 +244,7 @@ class VLLMEngine:
         """LoRA: vLLM keeps its base; the adapters go through a folder and a new LoRARequest id."""
         from vllm.lora.request import LoRARequest
 
-        from covey.runtime.dist import full_state_dict
+        from covey.runtime.fsdp import full_state_dict
         state = full_state_dict(self.policy, on_every_rank=True)  # each rank feeds its own vLLM
         self.lora_version += 1
         folder = Path(self.lora_dir.name) / f"v{self.lora_version}"
