@@ -13,12 +13,15 @@ from covey.config import load_config
 from covey.rewards.build import build_rewarder
 from tests.conftest import tiny_overrides
 
-# The README's Python example, word for word.
+# The README's Python example (section "Python"), word for word.
 EXAMPLE = '''\
 import covey
+
 cfg = covey.load_config("grpo", ["train.steps=20", "rollout.group_size=8"])
+
 def brevity(completions, **kwargs):          # TRL's reward calling convention
     return [-len(c) / 100 for c in completions]
+
 result = covey.train(cfg, reward_funcs=[brevity])
 print(result.accuracy_before, result.accuracy_after, result.run_dir, result.metrics)
 '''
