@@ -107,7 +107,7 @@ def uneven_share(items: list, world: World) -> list:
     return items[world.rank::world.size]
 
 
-# --------------------------------------------------------------------------- global sums
+# --------------------------------------------------------------------------- collectives
 
 
 def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
@@ -176,6 +176,9 @@ def reduce_eval(result: dict) -> dict:
         elif key.startswith("eval/") and isinstance(value, (int, float)):
             out[key] = sum(part[key] * part["eval/n"] for part in everyone) / max(total, 1)
     return out
+
+
+# --------------------------------------------------------------------------- rank 0 speaks, every rank agrees
 
 
 class SilentLogger:

@@ -157,9 +157,6 @@ class FullStateOptimizer:
         return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
-@contextlib.contextmanager
-
-
 def full_optimizer_state(model: nn.Module, optimizer) -> dict:
     """The optimizer's whole, name-keyed state on rank 0 (a collective under FSDP)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
