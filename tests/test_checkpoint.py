@@ -14,7 +14,7 @@ from covey.train.checkpoint import CheckpointError, config_differences, list_che
 from covey.cli.main import main
 from covey.config import as_dict, load_config
 from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
-from covey.train.loop import build_run
+from covey.train.setup import build_run
 from tests.conftest import tiny_overrides
 
 

@@ -1,4 +1,5 @@
-"""covey.runtime.dist in one process: the split of a global batch and split-independent sampling.
+"""covey.runtime.dist and covey.train.global_batch in one process: the split of a global batch and
+split-independent sampling.
 
 The multi-process behaviour itself is tested end to end in test_distributed_torchrun.py.
 """
@@ -8,8 +9,9 @@ import torch
 
 from covey.config import ConfigError, load_config, validate_world
 from covey.tasks.data import PromptStream
-from covey.runtime.dist import (SilentLogger, World, draw_share, global_normalizer, prompt_seed, rank_share,
-                               reduce_metrics, sample_groups, uneven_share, unsharded)
+from covey.runtime.dist import SilentLogger, World, rank_share, reduce_metrics, uneven_share
+from covey.runtime.fsdp import unsharded
+from covey.train.global_batch import draw_share, global_normalizer, prompt_seed, sample_groups
 from covey.models.load import load_policy
 from covey.rollout.hf import HFEngine
 from tests.conftest import tiny_overrides

@@ -1,6 +1,6 @@
 """`torchrun --nproc_per_node 2` (gloo, CPU) ends where one process ends on the same global batch.
 
-"The same global batch" (covey/distributed.py, docs/scale.md): both runs draw the same B
+"The same global batch" (covey/train/global_batch.py, docs/scale.md): both runs draw the same B
 prompts per step; rollout.seeding=per_prompt samples each group from its own seed, so the
 two ranks generate exactly the groups the single process generates; advantages are computed
 on the gathered batch; the loss normaliser is global. algo.minibatches=1 keeps every

@@ -52,7 +52,7 @@ FAULTS = {
     "none": (_per_sample(None), "returned None", "one"),
     "text": (_per_sample("high"), "returned non-number 'high'", "one"),
     "count": (one_short, "returned 3 values for 4 samples", "all"),
-    "scalar": (lambda p, c, **_: 1.0, "returned float, not a list of 4 values", "all"),
+    "scalar": (lambda prompts, completions, **_: 1.0, "returned float, not a list of 4 values", "all"),
     "timeout": (sleeps, "timed out after 0.2s", "all"),
 }
 
@@ -94,15 +94,15 @@ def test_drop_marks_faulty_samples_invalid(fault):
 
 def test_tensor_and_array_results_are_accepted():
     import numpy as np
-    terms = [RewardTerm("t", lambda p, c, **_: torch.ones(len(c)), 1.0),
-             RewardTerm("a", lambda p, c, **_: np.full(len(c), 2.0), 1.0)]
+    terms = [RewardTerm("t", lambda prompts, completions, **_: torch.ones(len(completions)), 1.0),
+             RewardTerm("a", lambda prompts, completions, **_: np.full(len(completions), 2.0), 1.0)]
     assert Rewarder(terms)(["p"] * 4, COMPLETIONS, {}).total.tolist() == [3.0] * 4
 
 
 def test_hung_reward_function_does_not_block_process_exit():
     """A thread-pool worker would be joined at exit; the daemon thread is not."""
     code = ("from covey.rewards.combine import Rewarder, RewardTerm; import time\n"
-            "hang = RewardTerm('hang', lambda p, c, **_: time.sleep(600), 1.0)\n"
+            "hang = RewardTerm('hang', lambda prompts, completions, **_: time.sleep(600), 1.0)\n"
             "r = Rewarder([hang], on_error='zero', timeout_s=0.1)\n"
             "print(r(['p'], ['c'], {}).errors)")
     t0 = time.perf_counter()

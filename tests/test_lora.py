@@ -12,7 +12,8 @@ from covey.passes.logprobs import batched_logprobs  # noqa: E402
 from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
 from covey.models.load import ModelError, load_policy, param_memory_mb  # noqa: E402
 from covey.rewards.build import build_rewarder  # noqa: E402
-from covey.train.loop import build_run, make_engine, train_step  # noqa: E402
+from covey.train.loop import train_step  # noqa: E402
+from covey.train.setup import build_run, make_engine  # noqa: E402
 from tests.conftest import tiny_overrides  # noqa: E402
 
 DIGITS = "tests.test_distributed_torchrun:digit_share:1.0"  # a reward the random model earns unevenly

@@ -6,7 +6,6 @@ deterministic `varied_reward`); a formula change that moves them must say why an
 """
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -54,8 +53,8 @@ def run_preset(preset: str, model_dir: str, out_dir) -> list[dict]:
     cfg = load_config(preset, tiny_overrides(model_dir, out_dir, **{
         "model.autocast": "none", "rollout.precision": "float32", "optim.lr": 1e-3,
         "reward.functions": "tests.test_resume_kill:varied_reward"}))
-    summary = train(cfg)
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    result = train(cfg)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if row.get("step") in (1, 2) and "final" not in row]
 
 

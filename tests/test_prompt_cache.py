@@ -15,6 +15,8 @@ from covey.config import Config
 from covey.models.load import load_policy
 from covey.passes.prompt_cache import EncodedPrompts
 from covey.runtime.precision import shared_weight_casts
+from covey.train.global_batch import global_normalizer
+from covey.train.plan import make_plan
 from covey.train.update import UpdateState, update_policy
 from tests.test_speed_forward import grouped_rollout
 
@@ -44,8 +46,8 @@ def one_step(model, rollout, micro_batch_size, monkeypatch, encode_once: bool):
     with monkeypatch.context() as patch:
         if not encode_once:
             patch.setattr(update, "encode_prompts", lambda *args, **kwargs: None)
-        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, cfg, 0.0, UpdateState(),
-                      torch.Generator().manual_seed(0))
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update, 0.0,
+                      UpdateState(), torch.Generator().manual_seed(0))
     return dict(model.named_parameters())
 
 
@@ -138,11 +140,11 @@ def test_one_bf16_cast_per_weight_for_the_whole_step(tiny_model_dir, monkeypatch
 
     def gradient_and_casts(shared: bool):
         model.zero_grad(set_to_none=True)
-        norm = update.distributed.global_normalizer("token_mean", rollout.response_mask, 7)
+        norm = global_normalizer("token_mean", rollout.response_mask, 7)
         context = shared_weight_casts("bfloat16") if shared else contextlib.nullcontext()
         with torch.profiler.profile(record_shapes=True) as prof, context:
-            finite, _ = update.policy_gradient(model, rollout, torch.arange(len(rollout)), norm, cfg, 0.0,
-                                               update.MetricAverager())
+            finite, _ = update.policy_gradient(model, rollout, torch.arange(len(rollout)), norm,
+                                               make_plan(cfg).update, 0.0, update.MetricAverager())
         assert finite
         casts = sum(e.count for e in prof.key_averages(group_by_input_shape=True)
                     if e.key == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == weight_shape)

@@ -54,7 +54,7 @@ def test_concat_keeps_groups_distinct(tiny_model_dir):
 
 
 def test_informative_groups_keeps_only_groups_with_reward_spread():
-    from covey.train.loop import informative_groups
+    from covey.train.rollout_phase import informative_groups
     from covey.batch import Rollout
     r = Rollout(prompt_ids=torch.zeros(6, 1, dtype=torch.long), prompt_mask=torch.ones(6, 1, dtype=torch.long),
                 response_ids=torch.zeros(6, 1, dtype=torch.long), response_mask=torch.ones(6, 1),

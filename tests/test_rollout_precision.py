@@ -11,7 +11,8 @@ from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
 from covey.train import loop as covey_train
-from covey.train.loop import build_run, make_engine, make_eval_engine, train_step
+from covey.train.loop import train_step
+from covey.train.setup import build_run, make_engine, make_eval_engine
 from tests.conftest import tiny_overrides
 
 

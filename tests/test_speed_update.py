@@ -7,6 +7,8 @@ import torch
 from covey.train import update
 from covey.config import Config
 from covey.models.load import load_policy
+from covey.train.plan import make_plan
+from covey.train.setup import allocate_adamw_state
 from covey.train.update import UpdateState, by_prompt, update_policy
 from tests.test_speed_forward import grouped_rollout
 
@@ -22,8 +24,8 @@ def one_update(model, rollout, cfg, order_fn, monkeypatch):
     model = copy.deepcopy(model)
     with monkeypatch.context() as patch:  # undoes only this patch (not conftest's)
         patch.setattr(update, "by_prompt", order_fn)
-        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, cfg, 0.0, UpdateState(),
-                      torch.Generator().manual_seed(0))
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update, 0.0,
+                      UpdateState(), torch.Generator().manual_seed(0))
     return dict(model.named_parameters())
 
 
@@ -45,7 +47,6 @@ def test_grouped_micro_batches_give_the_same_step_as_interleaved_ones(tiny_model
 def test_adamw_moments_allocated_up_front_give_the_same_steps():
     # allocate_adamw_state must leave AdamW exactly where its own lazy start would: same state
     # entries (dtypes, devices), and bit-equal parameters and moments after several steps
-    from covey.train.loop import allocate_adamw_state
     torch.manual_seed(0)
     start = [torch.randn(5, 3), torch.randn(7)]
     grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
@@ -71,7 +72,6 @@ def test_adamw_moments_allocated_up_front_give_the_same_steps():
 
 
 def test_adamw_state_is_left_alone_where_not_fused():
-    from covey.train.loop import allocate_adamw_state
     param = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([param], lr=0.1, fused=False)
     allocate_adamw_state(opt)

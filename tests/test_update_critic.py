@@ -7,6 +7,7 @@ from covey.config import Config
 from covey.passes.logprobs import batched_values
 from covey.models.critic import ValueModel
 from covey.models.load import load_policy
+from covey.train.plan import make_plan
 from covey.train.update import UpdateState, update_critic
 from tests.test_speed_forward import grouped_rollout
 
@@ -28,7 +29,8 @@ def test_critic_loss_decreases_when_fitting_fixed_returns(tiny_model_dir, micro_
     for _ in range(40):
         # As in training: V_old is read once per rollout, before the update clips against it.
         rollout.values = batched_values(critic, rollout, cfg.algo.micro_batch_size)
-        history.append(update_critic(critic, optimizer, rollout, cfg, UpdateState(), torch.Generator().manual_seed(0)))
+        history.append(update_critic(critic, optimizer, rollout, make_plan(cfg).update, UpdateState(),
+                                     torch.Generator().manual_seed(0)))
     # Step 1 by hand: the head starts at zero, so V = V_old = 0 and every token's loss is
     # 0.5 * max((0 - (+-1))^2, (clip(0, -0.2, 0.2) - (+-1))^2) = 0.5; any mean of 0.5 is 0.5.
     # Explained variance 1 - Var(R - 0) / Var(R) = 0; nothing clipped (the two terms are equal).

@@ -1,8 +1,7 @@
 """covey command line: train | eval | train-rm | eval-rm | serve-reward | plot | compare | advantages.
 
-This module builds the parser from one module per command (covey/cli/<command>.py; serve-reward's
-lives beside the server it starts, covey/rewards/server.py), and holds the entry point and the
-error policy: a user error is one line and exit 2, a stopped run exits 130/143, a reader that
+This module builds the parser from one module per command (covey/cli/<command>.py), and holds
+the entry point and the error policy: a user error is one line and exit 2, a stopped run exits 130/143, a reader that
 closes stdout early ends the command quietly.
 """
 
@@ -21,12 +20,11 @@ STDOUT_CLOSED_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer who
 
 def build_parser() -> argparse.ArgumentParser:
     # Here, not at the top: entry() may restart the interpreter before any command module is needed.
-    from covey.cli import advantages, compare, plot, rm, train
+    from covey.cli import advantages, compare, plot, rm, serve, train
     from covey.cli import eval as eval_command
-    from covey.rewards import server
     parser = argparse.ArgumentParser(prog="covey", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (train, eval_command, rm, server, plot, compare, advantages):
+    for command in (train, eval_command, rm, serve, plot, compare, advantages):
         command.add_parser(sub)
     for sub_parser in sub.choices.values():  # argument errors are reported by the command's own parser
         sub_parser.set_defaults(command_parser=sub_parser)

@@ -30,6 +30,6 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
-    from covey.train.loop import train
+    from covey.train.api import train
     train(cfg)
     return 0

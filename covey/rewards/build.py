@@ -3,35 +3,48 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable, Iterable
 
 from covey.rewards.combine import Rewarder, RewardTerm, load_callable
+from covey.rewards.learned import load_learned_rewards
+from covey.rewards.remote import RemoteReward
+from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
 
 
-def parse_functions(spec: str) -> list[tuple[str, float]]:
-    """'pkg.mod:fn:0.5,other:fn2' -> [('pkg.mod:fn', 0.5), ('other:fn2', 1.0)]."""
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        parts = item.split(":")
-        if len(parts) == 3:
-            try:
-                out.append((f"{parts[0]}:{parts[1]}", float(parts[2])))
-            except ValueError:
-                raise ValueError(f"reward.functions: weight of '{item}' is not a number") from None
-        elif len(parts) == 2:
-            out.append((item, 1.0))
+def parse_function(item: str) -> tuple[str, float]:
+    """'pkg.mod:fn:0.5' -> ('pkg.mod:fn', 0.5); without a weight, 1.0."""
+    parts = item.split(":")
+    if len(parts) == 3:
+        try:
+            return f"{parts[0]}:{parts[1]}", float(parts[2])
+        except ValueError:
+            raise ValueError(f"reward.functions: weight of '{item}' is not a number") from None
+    if len(parts) == 2:
+        return item, 1.0
+    raise ValueError(f"reward.functions: '{item}' must be module:function[:weight]")
+
+
+def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
+    """Reward terms of Python callables (weight 1, named by `__name__`) and "module:function[:weight]" strings."""
+    terms = []
+    for fn in funcs:
+        if isinstance(fn, str):
+            spec, weight = parse_function(fn.strip())
+            terms.append(RewardTerm(spec, load_callable(spec), weight))
+        elif callable(fn):
+            terms.append(RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0))
         else:
-            raise ValueError(f"reward.functions: '{item}' must be module:function[:weight]")
-    return out
+            raise ValueError(f"reward function {fn!r} is neither a callable nor a 'module:function[:weight]' string")
+    return terms
 
 
-def build_rewarder(cfg, learned=None) -> Rewarder:
-    """Rule terms, user callables, learned RM / PRM (`learned`, loaded from cfg if None) and a remote service.
+def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> Rewarder:
+    """Rule terms, user callables (reward.functions, then `extra`), learned RM / PRM (`learned`, loaded
+    from cfg if None) and a remote service.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
     """
-    from covey.rewards.learned import load_learned_rewards
-    from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
     r = cfg.reward
     learned = learned if learned is not None else load_learned_rewards(cfg.reward)
     monitor = bool(learned.outcome or learned.process or r.remote_url)
@@ -46,13 +59,11 @@ def build_rewarder(cfg, learned=None) -> Rewarder:
     if r.language:
         fn = functools.partial(language_consistency, language=r.language_target)
         terms.append(RewardTerm("language", fn, r.language))
-    for spec, weight in parse_functions(r.functions):
-        terms.append(RewardTerm(spec, load_callable(spec), weight))
+    terms += user_terms([*filter(None, (s.strip() for s in r.functions.split(","))), *extra])
     if learned.outcome is not None:
         terms.append(RewardTerm("rm", learned.outcome, r.model_weight))
     if learned.process is not None and r.prm_weight:
         terms.append(RewardTerm("prm", learned.process, r.prm_weight))
     if r.remote_url:
-        from covey.rewards.remote import RemoteReward
         terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
     return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)

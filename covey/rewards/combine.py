@@ -1,9 +1,11 @@
 """Weighted sum of reward functions with an explicit failure policy.
 
-A reward function has TRL's shape `fn(prompts, completions, **columns) ->
-list[float | None]`, where `columns` holds the dataset columns (`answer`, ...)
-and `completion_lengths` (tokens). A function that raises, times out, returns
-the wrong count, None, NaN or inf is a *fault*. Policy (`reward.on_error`):
+A reward function has TRL's shape and is called the TRL way, with keyword arguments only:
+`fn(prompts=[...], completions=[...], answer=[...], completion_lengths=[...], **other columns)
+-> list[float | None]`, where the columns are the dataset's (`answer`, ...) and
+`completion_lengths` counts tokens; `def fn(completions, **kwargs)` is enough. A function
+that raises, times out, returns the wrong count, None, NaN or inf is a *fault*. Policy
+(`reward.on_error`):
 
 - raise: stop with one line naming the function and the first bad sample;
 - zero:  that sample scores 0 for that function (counted in reward/errors);
@@ -111,6 +113,10 @@ class Rewarder:
     def __init__(self, terms: list[RewardTerm], on_error: str = "raise", timeout_s: float = 30.0):
         if not terms:
             raise ValueError("no reward function configured (all weights are 0)")
+        names = [term.name for term in terms]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"reward function name {twice[0]!r} is given twice (metrics are named reward/<name>)")
         self.terms = terms
         self.on_error = on_error
         self.timeout_s = timeout_s
@@ -119,7 +125,7 @@ class Rewarder:
         """Values of one term and, per sample, a fault description or None."""
         n = len(completions)
         try:
-            out = _call_with_timeout(term.fn, self.timeout_s, prompts, completions, **columns)
+            out = _call_with_timeout(term.fn, self.timeout_s, prompts=prompts, completions=completions, **columns)
         except cf.TimeoutError:
             return [0.0] * n, [f"timed out after {self.timeout_s:g}s"] * n
         except Exception as e:  # noqa: BLE001 - any user failure is a reward fault

@@ -44,7 +44,7 @@ from covey.batch import Rollout
 from covey.config import ModelConfig, RolloutConfig
 from covey.models.load import resolve_model_path
 from covey.rollout.hf import eos_ids
-from covey.runtime.dist import full_state_dict
+from covey.runtime.fsdp import full_state_dict
 
 # vLLM serves LoRA adapters of these ranks (max_lora_rank must be one of them).
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)

@@ -1,45 +1,25 @@
-"""Multi-process training on torch.distributed: `torchrun` starts the processes, FSDP2 shards.
+"""Processes and collectives on torch.distributed, with no RL in them.
 
 There is no launcher or communication layer of covey's own: `torchrun` sets RANK,
 WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; `init_distributed` reads them and opens
-one process group (nccl on GPUs, gloo on CPU, which is how CI tests this path);
-`fully_shard` (FSDP2) shards the policy, the critic and the reference.
-
-What "the same global batch" takes, so that W processes compute what one process
-computes on the same B prompts (the test in tests/test_distributed_torchrun.py):
-
-1. prompts: every rank draws the same B ids from the same seeded PromptStream and keeps
-   a contiguous share of B/W prompts; a prompt's G samples stay on one rank;
-2. samples: with ``rollout.seeding=per_prompt`` each group is sampled from its own seed
-   (run seed, draw index of the prompt in the shuffled stream), so what is drawn does not
-   depend on how the batch is split (with ``global`` it does: each rank has its own RNG);
-3. advantages: computed on the gathered global batch (``gather_rows``), exact also for
-   batch-wide whitening (REINFORCE++) and reward-side statistics;
-4. loss: one ``Normalizer`` per optimizer step from all-reduced totals, times W
-   because FSDP averages gradients over ranks (docs/algorithms.md, Aggregation);
-5. mini-batches: each rank shuffles its own share; with ``algo.minibatches=1`` the
-   optimizer steps see exactly the global batch, with more they see other (equally
-   valid) splits than a single process would.
-
-Models are only unsharded (all-gathered) for generation with the HF engine, where ranks
-run different numbers of decoding steps and so cannot take part in per-layer collectives.
+one process group (nccl on GPUs, gloo on CPU, which is how CI tests this path).
+Here: the `World` of a process, collectives that are a no-op in one process
+(all-reduce, gathers of per-row tensors, broadcast of an object, agreement on a flag),
+each rank's share of a list, and how rank metrics and held-out results are pooled.
+FSDP2 sharding lives in `covey.runtime.fsdp`; what makes W ranks compute one global
+batch in `covey.train.global_batch`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime
 import os
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-from covey import algos
 
 # Metrics combined across ranks by sum or max; every other number is averaged.
 SUMMED_METRICS = ("reward/errors", "reward/dropped", "groups/resampled", "eval/n", "throughput/tokens_per_s")
@@ -127,7 +107,7 @@ def uneven_share(items: list, world: World) -> list:
     return items[world.rank::world.size]
 
 
-# --------------------------------------------------------------------------- global sums
+# --------------------------------------------------------------------------- collectives
 
 
 def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
@@ -137,19 +117,6 @@ def all_reduce(tensor: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
     work = tensor.detach().to(_collective_device(), copy=True)
     dist.all_reduce(work, op=op)
     return work.to(tensor.device)
-
-
-def global_normalizer(mode: str, step_mask: Tensor, max_len: int) -> algos.Normalizer:
-    """The optimizer step's normaliser over every rank's sequences (all-reduced totals).
-
-    Multiplied by the number of processes inside `aggregate`, because FSDP averages
-    the gradients of the ranks: the average of W scaled shares is the global loss.
-    """
-    size = world_size()
-    if size == 1:
-        return algos.make_normalizer(mode, step_mask, max_len=max_len)
-    tokens, seqs = (float(v) for v in all_reduce(algos.step_totals(step_mask)))
-    return algos.Normalizer.from_totals(mode, tokens, seqs, max_len, num_processes=size)
 
 
 def gather_rows(tensors: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
@@ -211,182 +178,7 @@ def reduce_eval(result: dict) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- FSDP2
-
-
-def block_classes(model: nn.Module) -> set[str]:
-    """Class names of the transformer blocks, from Hugging Face's `_no_split_modules`."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
-
-
-def shard_model(model: nn.Module | None, device: str) -> nn.Module | None:
-    """Move to the training device; under torchrun, `fully_shard` each block and the root.
-
-    Blocks are sharded one by one so only one block is all-gathered at a time; the
-    root group holds the rest (embeddings, tied output layer, norms, value head).
-    None, or a view without parameters of its own (the LoRA reference), is returned as is.
-    """
-    if model is None or next(model.parameters(), None) is None:
-        return model
-    model.to(device)
-    if world_size() == 1:
-        return model
-    from torch.distributed.fsdp import fully_shard
-
-    blocks = block_classes(model)
-    for module in list(model.modules()):
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(fsdp_root(model))
-    return model
-
-
-def fsdp_root(model: nn.Module) -> nn.Module:
-    """The module every forward enters: a PEFT wrapper's base model (its `generate` calls that, not the wrapper)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _fsdp_modules(model: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def unsharded(model: nn.Module):
-    """Whole parameters on every rank for the duration (no collectives inside); re-entrant.
-
-    HF generation runs as many forward passes as its longest sample needs, which
-    differs between ranks; sharded layers would all-gather in each and deadlock.
-    """
-    modules, root = _fsdp_modules(model), fsdp_root(model)
-    depth = getattr(model, "_covey_unsharded", 0)
-    if not modules or depth:  # nothing sharded, or an enclosing block already holds whole parameters
-        model._covey_unsharded = depth + 1
-        try:
-            yield model
-        finally:
-            model._covey_unsharded = depth
-        return
-    with torch.inference_mode(False):  # FSDP's buffers must not become inference tensors
-        for module in modules:
-            module.unshard()
-            module.set_reshard_after_forward(False, recurse=False)
-    model._covey_unsharded = 1
-    try:
-        yield model
-    finally:
-        model._covey_unsharded = 0
-        with torch.inference_mode(False):
-            for module in modules:  # fully_shard's default: blocks reshard after forward, the root not
-                module.set_reshard_after_forward(module is not root, recurse=False)
-                module.reshard()
-
-
-def _full_options(strict: bool = True, cpu_offload: bool = True):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, strict=strict)
-
-
-def full_state_dict(model: nn.Module, on_every_rank: bool = False) -> dict[str, Tensor]:
-    """Complete CPU state dict on rank 0 (empty on the others, unless `on_every_rank`); a collective under FSDP."""
-    if not _fsdp_modules(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    state = get_model_state_dict(model, options=_full_options(cpu_offload=not on_every_rank))
-    return {k: v.cpu() for k, v in state.items()} if on_every_rank else state
-
-
-class FullStateModel:
-    """A sharded model seen through whole tensors, for checkpoint code written for one process.
-
-    state_dict / save_pretrained use the full state gathered on rank 0; load_state_dict
-    takes a full state (read by every rank) and keeps each rank's shard of it.
-    """
-
-    def __init__(self, model: nn.Module, full: dict | None):
-        self.model, self.full = model, full
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def state_dict(self) -> dict:
-        """The full state when gathered; when loading, the model's own (its keys are what loaders match)."""
-        return self.full if self.full is not None else self.model.state_dict()
-
-    def save_pretrained(self, folder, **kwargs):
-        """HF folder; a tied weight (lm_head = embeddings) is stored once, as save_pretrained does."""
-        own = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
-        state = {k: v for k, v in self.full.items() if k in own}
-        return self.model.save_pretrained(folder, state_dict=state, **kwargs)
-
-    def load_state_dict(self, state: dict, strict: bool = True):
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-        return set_model_state_dict(self.model, state, options=_full_options(strict))
-
-
-class FullStateOptimizer:
-    """An optimizer over sharded parameters seen through full, name-keyed states (see FullStateModel)."""
-
-    def __init__(self, model: nn.Module, optimizer, full: dict | None):
-        self.model, self.optimizer, self.full = model, optimizer, full
-        self.state = (full or {}).get("state", {})
-        self.param_groups = (full or {}).get("param_groups", [])
-
-    def state_dict(self) -> dict:
-        return self.full
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.optimizer, self.keyed_by_name(state), options=_full_options())
-
-    def keyed_by_name(self, state: dict) -> dict:
-        """A one-process checkpoint keys parameters by position: rename them by parameter name."""
-        if all(isinstance(k, str) for k in state["state"]):
-            return state
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        groups = [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]
-        return {"state": {order[i]: s for i, s in state["state"].items()}, "param_groups": groups}
-
-
-@contextlib.contextmanager
-def whole_tensors(run, gather: bool):
-    """Within the block, `run`'s models and optimizers show whole tensors (a no-op without FSDP).
-
-    gather=True (saving): every rank joins the all-gathers, rank 0 holds the full CPU states.
-    gather=False (resuming): full states read from disk are loaded into each rank's shards.
-    """
-    names = [n for n in ("policy", "critic", "reference")
-             if getattr(run, n) is not None and _fsdp_modules(getattr(run, n))]
-    if not names:
-        yield run
-        return
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    saved = {n: getattr(run, n) for n in (*names, "optimizer", "critic_optimizer")}
-    for name in names:
-        setattr(run, name, FullStateModel(saved[name], full_state_dict(saved[name]) if gather else None))
-    for opt_name, model_name in (("optimizer", "policy"), ("critic_optimizer", "critic")):
-        if saved.get(opt_name) is not None and model_name in names:
-            model, opt = saved[model_name], saved[opt_name]
-            full = get_optimizer_state_dict(model, opt, options=_full_options()) if gather else None
-            setattr(run, opt_name, FullStateOptimizer(model, opt, full))
-    try:
-        yield run
-    finally:
-        for name, value in saved.items():
-            setattr(run, name, value)
-
-
-def save_on_main(run, write):
-    """`write(run)` on rank 0 from whole tensors (its result; None elsewhere); every rank joins the gathers."""
-    with whole_tensors(run, gather=True):
-        path = write(run) if is_main_process() else None
-    barrier()
-    return path
+# --------------------------------------------------------------------------- rank 0 speaks, every rank agrees
 
 
 class SilentLogger:
@@ -421,119 +213,3 @@ def on_all_ranks(flag: bool) -> bool:
     if world_size() == 1:
         return flag
     return bool(all_reduce(torch.tensor([float(flag)]), dist.ReduceOp.MIN)[0] > 0)
-
-
-def plain_norm(norm: Tensor) -> Tensor:
-    """clip_grad_norm_ returns a replicated DTensor under FSDP2: the plain tensor of its value."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def draw_share(stream, count: int, world: World) -> tuple[list[int], list[int]]:
-    """This rank's prompt ids among the next `count` of the stream, and their absolute draw indices.
-
-    Every rank draws the same global batch (same seeded stream); the draw index (position in
-    the endless shuffled stream) names a prompt draw uniquely across steps and resampling rounds.
-    """
-    first = stream.epoch * stream.size + stream.position
-    ids = stream.next(count)
-    return rank_share(ids, world), rank_share(list(range(first, first + count)), world)
-
-
-def prompt_seed(run_seed: int, draw: int) -> int:
-    return (run_seed * 1_000_003 + draw) % (2**63 - 1)
-
-
-def sample_groups(engine, prompts: list[str], group_size: int, seeds: list[int] | None):
-    """G samples per prompt; with seeds, each group from its own seed (per_prompt seeding).
-
-    The HF engine draws from torch's global generator, so each seeded group is one
-    generate call inside a forked RNG (the run's own stream is left untouched); an engine
-    that takes per-request seeds (vLLM) does the whole batch in one call.
-    """
-    if seeds is None:
-        return engine.generate(prompts, group_size)
-    if getattr(engine, "takes_seeds", False):
-        return engine.generate(prompts, group_size, seeds=seeds)
-    from covey.batch import concat_rollouts
-
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    whole = engine.whole_parameters() if hasattr(engine, "whole_parameters") else contextlib.nullcontext()
-    parts = []
-    with whole:  # under FSDP: gathered once for all the groups
-        for prompt, seed in zip(prompts, seeds):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
-                parts.append(engine.generate([prompt], group_size))
-    rollout = concat_rollouts(parts, engine.tokenizer.pad_token_id)
-    rollout.example_index = rollout.group_ids.tolist()  # position of the prompt in `prompts`
-    return rollout
-
-
-class GatheredGeneration:
-    """An engine that reads the (FSDP-sharded) policy itself, run on whole parameters.
-
-    Generation runs a different number of forward passes on each rank; with sharded
-    layers each would all-gather and the ranks would deadlock. Without FSDP this is a
-    plain pass-through.
-    """
-
-    def __init__(self, engine, policy: nn.Module):
-        self.engine, self.policy = engine, policy
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def whole_parameters(self):
-        return unsharded(self.policy)
-
-    def generate(self, *args, **kwargs):
-        with unsharded(self.policy):
-            return self.engine.generate(*args, **kwargs)
-
-
-# --------------------------------------------------------------------------- global views of a batch
-
-
-def global_advantages(name: str, inp: algos.AdvantageInput, opts: algos.AdvantageOptions):
-    """`algos.compute_advantages` on the batch of all ranks; returns this rank's rows.
-
-    Group-relative estimators would be exact per rank (groups are whole), but batch-wide
-    whitening (REINFORCE++, normalize=batch|global_token) needs every rank's sequences.
-    """
-    if world_size() == 1:
-        return algos.compute_advantages(name, inp, opts)
-    rows = {f.name: getattr(inp, f.name) for f in dataclasses.fields(inp)
-            if getattr(inp, f.name) is None or isinstance(getattr(inp, f.name), Tensor)}
-    if rows.get("step_scores") is not None and rows.get("step_mask") is None:
-        rows["step_mask"] = torch.ones_like(rows["step_scores"], dtype=torch.bool)  # padded steps become 0
-    rows["rank"] = torch.full((len(inp.scores),), dist.get_rank())
-    every = gather_rows(rows)
-    ranks = every.pop("rank")
-    every["group_ids"] = every["group_ids"] + ranks * (int(every["group_ids"].max()) + 1)  # one rank's group
-    adv, ret, metrics = algos.compute_advantages(name, dataclasses.replace(inp, **every), opts)
-    start = int((ranks < dist.get_rank()).sum())
-    mine, width = slice(start, start + len(inp.scores)), inp.response_mask.shape[1]
-    return adv[mine, :width], ret[mine, :width], metrics
-
-
-def global_batch_view(rollout) -> SimpleNamespace:
-    """What rollout metrics read (scores, reward parts, masks, truncation), gathered from all ranks."""
-    fields = {"scores": rollout.scores, "response_mask": rollout.response_mask, "truncated": rollout.truncated,
-              **{f"part/{k}": v for k, v in rollout.reward_parts.items()}}
-    every = gather_rows(fields)
-    parts = {k.removeprefix("part/"): v for k, v in every.items() if k.startswith("part/")}
-    return SimpleNamespace(scores=every["scores"], response_mask=every["response_mask"],
-                           truncated=every["truncated"], reward_parts=parts)
-
-
-def decorrelate_ranks(world: World, seed: int, step: int) -> None:
-    """seeding=global under torchrun: each rank continues its own torch stream (seed, step, rank).
-
-    Every rank starts from the same seed (the models must initialise identically); left
-    so, all ranks would drive their different prompts with the same random numbers.
-    """
-    if world.distributed:
-        torch.manual_seed(prompt_seed(seed, (step + 1) * 1_000_003 + world.rank))

@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from covey.config import Config, as_dict
+from covey.models.lora import load_adapter_weights
 from covey.runtime.errors import first_line
 from covey.runtime.signals import fault_point
 
@@ -293,7 +294,6 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
 def _load_policy_weights(run, path: Path) -> None:
     from safetensors.torch import load_file
     if (path / "policy" / "adapter_config.json").is_file():  # a LoRA run saves its adapters only
-        from covey.models.lora import load_adapter_weights
         load_adapter_weights(run.policy, path / "policy")
         return
     state = {}

@@ -1,10 +1,11 @@
-"""Iterative DPO (reference 002): the update phase of algo.learner=dpo.
+"""Iterative DPO: the update phase of algo.learner=dpo.
 
-Reference 002 describes it as the cheaper alternative that PPO beats: the model answers
+DPO (Rafailov et al. 2023, arXiv:2305.18290) applied online and repeated, the cheaper
+alternative that PPO is reported to beat (Xu et al. 2024, arXiv:2404.10719): the model answers
 each prompt n times, a reward picks the best and the worst answer, DPO trains on these
 pairs, and the loop repeats with the improved model. In covey one training step is one
 iteration: the loop samples B prompts x G answers and scores them exactly as for GRPO
-(`train.collect_rollout`), then this module
+(`covey.train.rollout_phase.collect_rollout`), then this module
 
 1. pairs the highest- with the lowest-scored answer of every group whose scores differ
    (`algos.best_worst_pairs`; groups where all answers tie carry no preference);
@@ -28,10 +29,10 @@ import time
 import torch
 
 from covey import algos
-from covey.config import Config
-from covey.passes.logprobs import batched_logprobs, policy_logprobs
 from covey.batch import Rollout
-from covey.train.update import MetricAverager, UpdateState, _optimizer_step
+from covey.passes.logprobs import batched_logprobs, policy_logprobs
+from covey.train.plan import UpdateOptions
+from covey.train.update import MetricAverager, UpdateState, optimizer_step
 
 
 def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
@@ -51,18 +52,18 @@ def pair_batches(num_pairs: int, epochs: int, minibatches: int, generator: torch
 
 
 def micro_dpo_loss(policy, pairs: Rollout, ref_seq: torch.Tensor, micro: torch.Tensor, num_pairs: int,
-                   ref_token_logp: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, dict]:
+                   ref_token_logp: torch.Tensor, opts: UpdateOptions) -> tuple[torch.Tensor, dict]:
     """DPO loss of the pairs `micro` (one forward over their chosen and rejected rows)."""
     total = len(ref_seq) // 2
     rows = torch.cat([micro, micro + total])
     part = pairs.select(rows)
-    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature, with_entropy=True,
-                                           precision=cfg.model.autocast)
+    logp, entropy, width = policy_logprobs(policy, part, opts.temperature, with_entropy=True,
+                                           precision=opts.autocast)
     mask = part.response_mask[:, :width]
     seq = algos.sequence_logprob(logp, mask)
     k = len(micro)
     loss, metrics = algos.dpo_loss(seq[:k], seq[k:], ref_seq[micro], ref_seq[micro + total],
-                                   cfg.algo.dpo_beta, num_pairs=num_pairs)
+                                   opts.dpo_beta, num_pairs=num_pairs)
     tokens = mask.sum().clamp(min=1)
     kl = algos.kl_penalty(logp.detach(), ref_token_logp[rows][:, :width], "k3")
     metrics["kl/ref"] = float((kl * mask).sum() / tokens)
@@ -70,8 +71,8 @@ def micro_dpo_loss(policy, pairs: Rollout, ref_seq: torch.Tensor, micro: torch.T
     return loss, metrics
 
 
-def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, cfg: Config, state: UpdateState,
-               generator: torch.Generator) -> dict:
+def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions,
+               state: UpdateState, generator: torch.Generator) -> dict:
     """Pair, score under the reference, and take the DPO optimizer steps of one iteration."""
     chosen, rejected = algos.best_worst_pairs(rollout.scores, rollout.group_ids)
     label_pairs(rollout, chosen, rejected)
@@ -81,20 +82,18 @@ def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, cfg: C
         return {**out, **{k: float("nan") for k in ("policy/entropy", "kl/ref", "optim/grad_norm")}}
     t0 = time.perf_counter()
     pairs = rollout.select(torch.cat([chosen, rejected]))
-    a = cfg.algo
-    ref_token_logp = batched_logprobs(reference, pairs, cfg.rollout.temperature, a.micro_batch_size,
-                                      cfg.model.autocast)
+    ref_token_logp = batched_logprobs(reference, pairs, opts.temperature, opts.micro_batch_size, opts.autocast)
     ref_seq = algos.sequence_logprob(ref_token_logp, pairs.response_mask)
     out["time/logprobs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     avg = MetricAverager()
-    for batch in pair_batches(num_pairs, a.epochs, a.minibatches, generator):
-        for micro in batch.split(max(a.micro_batch_size // 2, 1)):
-            loss, metrics = micro_dpo_loss(policy, pairs, ref_seq, micro, len(batch), ref_token_logp, cfg)
+    for batch in pair_batches(num_pairs, opts.epochs, opts.minibatches, generator):
+        for micro in batch.split(max(opts.micro_batch_size // 2, 1)):
+            loss, metrics = micro_dpo_loss(policy, pairs, ref_seq, micro, len(batch), ref_token_logp, opts)
             loss.backward()
             avg.add(metrics, float(len(micro)))
-        avg.add(_optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm, state,
-                                cfg.optim.max_skipped_steps, "policy"), 1.0)
+        avg.add(optimizer_step(policy.parameters(), optimizer, scheduler, opts.max_grad_norm, state,
+                               opts.max_skipped_steps, "policy"), 1.0)
     out.update(avg.result())
     out["optim/skipped_steps"] = state.skipped_steps
     out["time/update"] = time.perf_counter() - t0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from covey.rewards.rules import extract_answer, math_equal
 from covey.tasks.base import Example
 
 
 def correct_flags(completions: list[str], answers: list[str]) -> list[bool]:
-    from covey.rewards.rules import extract_answer, math_equal
     return [bool(math_equal(extract_answer(c), a)) for c, a in zip(completions, answers)]
 
 

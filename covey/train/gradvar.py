@@ -1,7 +1,7 @@
 """Variance of the policy-gradient estimate on one fixed rollout (optional: train.grad_var_every).
 
-Reference 001 claims GRPO's group-relative advantages give a lower-variance update than
-PPO's GAE. The advantages themselves cannot show it: every preset normalises them to unit
+A common claim is that GRPO's group-relative advantages (Shao et al. 2024, arXiv:2402.03300)
+give a lower-variance update than PPO's GAE. The advantages themselves cannot show it: every preset normalises them to unit
 scale. What matters is the noise of the gradient the optimizer receives, so this measures it:
 
 1. take the step's rollout after its advantages are computed and before the update
@@ -33,16 +33,17 @@ import time
 import torch
 
 from covey import algos
-from covey.config import Config
 from covey.batch import Rollout
+from covey.train.plan import UpdateOptions
 from covey.train.update import micro_policy_loss
 
 
-def add_minibatch_gradient(policy, rollout: Rollout, batch: torch.Tensor, cfg: Config, kl_coef: float) -> None:
+def add_minibatch_gradient(policy, rollout: Rollout, batch: torch.Tensor, opts: UpdateOptions,
+                           kl_coef: float) -> None:
     """Back-propagate the policy loss of the mini-batch `batch` (rows of the rollout) into .grad."""
-    norm = algos.make_normalizer(cfg.algo.loss_agg, rollout.response_mask[batch], max_len=cfg.rollout.max_new_tokens)
-    for micro in batch.split(cfg.algo.micro_batch_size):
-        loss, _ = micro_policy_loss(policy, rollout.select(micro), norm, cfg, kl_coef)
+    norm = algos.make_normalizer(opts.loss_agg, rollout.response_mask[batch], max_len=opts.max_len)
+    for micro in batch.split(opts.micro_batch_size):
+        loss, _ = micro_policy_loss(policy, rollout.select(micro), norm, opts, kl_coef)
         loss.backward()
 
 
@@ -55,23 +56,24 @@ def clear_grads(params) -> None:
         p.grad = None
 
 
-def measure_grad_variance(policy, rollout: Rollout, cfg: Config, kl_coef: float, seed: int) -> dict:
-    """The metrics described in the module docstring; the policy's parameters are left untouched."""
+def measure_grad_variance(policy, rollout: Rollout, opts: UpdateOptions, kl_coef: float, seed: int,
+                          num_batches: int) -> dict:
+    """The metrics described in the module docstring (M = `num_batches`); the policy's parameters are left untouched."""
     t0 = time.perf_counter()
     params = [p for p in policy.parameters() if p.requires_grad]
     if any(p.grad is not None for p in params):
         raise RuntimeError("measure_grad_variance needs cleared gradients (call it before the update)")
-    m = cfg.train.grad_var_batches
+    m = num_batches
     size = len(rollout) // m
     order = torch.randperm(len(rollout), generator=torch.Generator().manual_seed(seed))
     batches = [order[k * size:(k + 1) * size] for k in range(m)]
     sq_norms = []
     for batch in batches:  # pass 1: |g_m|^2, one mini-batch at a time
-        add_minibatch_gradient(policy, rollout, batch, cfg, kl_coef)
+        add_minibatch_gradient(policy, rollout, batch, opts, kl_coef)
         sq_norms.append(grad_squared_norm(params))
         clear_grads(params)
     for batch in batches:  # pass 2: sum_m g_m, accumulated in .grad
-        add_minibatch_gradient(policy, rollout, batch, cfg, kl_coef)
+        add_minibatch_gradient(policy, rollout, batch, opts, kl_coef)
     mean_sq = grad_squared_norm(params) / m ** 2
     clear_grads(params)
     var = max(sum(sq_norms) - m * mean_sq, 0.0) / (m - 1)

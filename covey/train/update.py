@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from covey import algos
-
-from covey.runtime import dist as distributed
-from covey.config import Config
-from covey.passes.logprobs import critic_values, encode_prompts, on_device, policy_logprobs
-from covey.runtime.precision import model_device, shared_weight_casts
 from covey.batch import Rollout
+from covey.passes.logprobs import critic_values, encode_prompts, on_device, policy_logprobs
+from covey.runtime.dist import all_finite
+from covey.runtime.fsdp import plain_norm
+from covey.runtime.precision import model_device, shared_weight_casts
+from covey.train.global_batch import global_normalizer
+from covey.train.plan import UpdateOptions
 
 
 class NonFiniteError(RuntimeError):
@@ -71,45 +72,37 @@ class MetricAverager:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
-def policy_loss_options(cfg: Config) -> algos.PolicyLossOptions:
-    a = cfg.algo
-    return algos.PolicyLossOptions(
-        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-        dual_clip=a.dual_clip or None, ratio_level=a.ratio_level, ratio_against=a.ratio_against)
-
-
-def micro_policy_loss(policy, part: Rollout, norm, cfg: Config, kl_coef: float,
+def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef: float,
                       prompts=None) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch (already scaled by the global normaliser) and its metrics.
 
-    `prompts`: the step's encoded prompts and this micro-batch's index into them (forward.encode_prompts).
+    `prompts`: the step's encoded prompts and this micro-batch's index into them (passes.logprobs.encode_prompts).
     """
-    a = cfg.algo
     # Entropy is always reported; it enters the loss only when entropy_coef > 0.
-    logp, entropy, width = policy_logprobs(policy, part, cfg.rollout.temperature, with_entropy=True,
-                                           precision=cfg.model.autocast, prompts=prompts)
+    logp, entropy, width = policy_logprobs(policy, part, opts.temperature, with_entropy=True,
+                                           precision=opts.autocast, prompts=prompts)
     mask = part.response_mask[:, :width]
     old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
     ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
-    loss, metrics = algos.policy_loss(a.policy_loss, logp, old, part.advantages[:, :width], mask, norm,
-                                      policy_loss_options(cfg), ref_logp=ref)
+    loss, metrics = algos.policy_loss(opts.policy_loss, logp, old, part.advantages[:, :width], mask, norm,
+                                      opts.loss, ref_logp=ref)
     tokens = mask.sum().clamp(min=1)
     if ref is not None:
-        kl = algos.kl_penalty(logp, ref, a.kl_estimator)
+        kl = algos.kl_penalty(logp, ref, opts.kl_estimator)
         metrics["kl/ref"] = float((kl.detach() * mask).sum() / tokens)
-        if a.kl_in == "loss" and kl_coef > 0:
+        if opts.kl_in_loss and kl_coef > 0:
             kl_term = algos.aggregate(kl, mask, norm)
             loss = loss + kl_coef * kl_term
     if entropy is not None:
         metrics["policy/entropy"] = float((entropy.detach() * mask).sum() / tokens)
-        if a.entropy_coef > 0:
-            loss = loss - a.entropy_coef * algos.aggregate(entropy, mask, norm)
+        if opts.entropy_coef > 0:
+            loss = loss - opts.entropy_coef * algos.aggregate(entropy, mask, norm)
     return loss, metrics
 
 
 def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> None:
     """Count an update of `what` (policy | critic) that was not applied; abort after `max_skips` in a row."""
-    streak = _streak_name(what)
+    streak = streak_name(what)
     setattr(state, streak, getattr(state, streak) + 1)
     state.skipped_steps += 1
     if getattr(state, streak) >= max_skips:
@@ -117,12 +110,13 @@ def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> N
                              "aborting (optim.max_skipped_steps); lower optim.lr or check the rewards")
 
 
-def _streak_name(what: str) -> str:
+def streak_name(what: str) -> str:
+    """The UpdateState counter of consecutive skips of `what`."""
     return "consecutive_skips" if what == "policy" else f"{what}_consecutive_skips"
 
 
-def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: UpdateState,
-                    max_skips: int, what: str, loss_finite: bool = True) -> dict:
+def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: UpdateState,
+                   max_skips: int, what: str, loss_finite: bool = True) -> dict:
     """Clip, check finiteness, step. A non-finite loss or gradient skips the update and is counted."""
     if not loss_finite:
         optimizer.zero_grad(set_to_none=True)
@@ -130,12 +124,12 @@ def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: U
         return {"optim/grad_norm": float("nan")}
     params = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    norm = distributed.plain_norm(norm)
+    norm = plain_norm(norm)
     if not torch.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)
         record_skip(state, max_skips, what, "non-finite gradient")
         return {"optim/grad_norm": float("nan")}
-    setattr(state, _streak_name(what), 0)
+    setattr(state, streak_name(what), 0)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -143,18 +137,17 @@ def _optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: U
     return {"optim/grad_norm": float(norm)}
 
 
-def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, cfg: Config, kl_coef: float,
+def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions, kl_coef: float,
                     avg: MetricAverager) -> tuple[bool, float]:
     """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss)."""
-    a = cfg.algo
     step_loss = 0.0
     # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
-    encoded = encode_prompts(policy, rollout, batch, cfg.model.autocast)
-    for micro in by_prompt(batch, rollout.group_ids).split(a.micro_batch_size):
+    encoded = encode_prompts(policy, rollout, batch, opts.autocast)
+    for micro in by_prompt(batch, rollout.group_ids).split(opts.micro_batch_size):
         part = on_device(rollout.select(micro), model_device(policy))
         prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
-        loss, metrics = micro_policy_loss(policy, part, norm, cfg, kl_coef, prompts)
-        if not distributed.all_finite(loss):  # checked before backward: no NaN reaches a gradient
+        loss, metrics = micro_policy_loss(policy, part, norm, opts, kl_coef, prompts)
+        if not all_finite(loss):  # checked before backward: no NaN reaches a gradient
             return False, step_loss
         loss.backward()
         if encoded is not None:
@@ -166,49 +159,53 @@ def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, cfg: Co
     return True, step_loss
 
 
-def update_policy(policy, optimizer, scheduler, rollout: Rollout, cfg: Config, kl_coef: float,
+def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions, kl_coef: float,
                   state: UpdateState, generator: torch.Generator) -> dict:
     """mu epochs of clipped policy-gradient updates over the rollout."""
-    a = cfg.algo
     avg = MetricAverager()
-    for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
-        norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
-        with shared_weight_casts(cfg.model.autocast, model_device(policy)):
-            finite, step_loss = policy_gradient(policy, rollout, batch, norm, cfg, kl_coef, avg)
-        step_metrics = _optimizer_step(policy.parameters(), optimizer, scheduler, cfg.optim.max_grad_norm,
-                                       state, cfg.optim.max_skipped_steps, "policy", finite)
+    for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
+        norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
+        with shared_weight_casts(opts.autocast, model_device(policy)):
+            finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg)
+        step_metrics = optimizer_step(policy.parameters(), optimizer, scheduler, opts.max_grad_norm,
+                                      state, opts.max_skipped_steps, "policy", finite)
         avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)
     out = avg.result()
     out["optim/skipped_steps"] = state.skipped_steps
     return out
 
 
-def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: UpdateState,
+def critic_gradient(critic, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions,
+                    avg: MetricAverager) -> tuple[bool, float, list]:
+    """Accumulate one optimizer step's value-loss gradient: (all losses finite, the step's loss, (V, R) fitted)."""
+    step_loss, fitted = 0.0, []
+    for micro in batch.split(opts.micro_batch_size):
+        part = on_device(rollout.select(micro), model_device(critic))
+        values, width = critic_values(critic, part, opts.autocast)
+        mask = part.response_mask[:, :width]
+        returns = part.returns[:, :width]
+        loss, metrics = algos.value_loss(values, part.values[:, :width], returns, mask, norm, opts.value_clip)
+        if not all_finite(loss):  # every rank skips, or none (FSDP collectives)
+            return False, step_loss, fitted
+        (opts.value_coef * loss).backward()
+        # Loss shares add up to the mini-batch's loss (like policy/loss); explained variance is
+        # not a mean of per-micro-batch values, so it is computed over the mini-batch's tokens.
+        step_loss += metrics.pop("critic/loss")
+        del metrics["critic/explained_var"]
+        fitted.append((values.detach()[mask.bool()], returns[mask.bool()]))
+        avg.add(metrics, float(mask.sum()))
+    return True, step_loss, fitted
+
+
+def update_critic(critic, optimizer, rollout: Rollout, opts: UpdateOptions, state: UpdateState,
                   generator: torch.Generator) -> dict:
     """Clipped value regression onto the returns, same schedule as the policy."""
-    a = cfg.algo
     avg = MetricAverager()
-    for batch in minibatch_schedule(len(rollout), a.epochs, a.minibatches, generator):
-        norm = distributed.global_normalizer(a.loss_agg, rollout.response_mask[batch], cfg.rollout.max_new_tokens)
-        finite, step_loss, fitted = True, 0.0, []
-        for micro in batch.split(a.micro_batch_size):
-            part = on_device(rollout.select(micro), model_device(critic))
-            values, width = critic_values(critic, part, cfg.model.autocast)
-            mask = part.response_mask[:, :width]
-            returns = part.returns[:, :width]
-            loss, metrics = algos.value_loss(values, part.values[:, :width], returns, mask, norm, a.value_clip or None)
-            if not distributed.all_finite(loss):  # every rank skips, or none (FSDP collectives)
-                finite = False
-                break
-            (a.value_coef * loss).backward()
-            # Loss shares add up to the mini-batch's loss (like policy/loss); explained variance is
-            # not a mean of per-micro-batch values, so it is computed over the mini-batch's tokens.
-            step_loss += metrics.pop("critic/loss")
-            del metrics["critic/explained_var"]
-            fitted.append((values.detach()[mask.bool()], returns[mask.bool()]))
-            avg.add(metrics, float(mask.sum()))
-        step_metrics = _optimizer_step(critic.parameters(), optimizer, None, cfg.optim.max_grad_norm, state,
-                                       cfg.optim.max_skipped_steps, "critic", finite)
+    for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
+        norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
+        finite, step_loss, fitted = critic_gradient(critic, rollout, batch, norm, opts, avg)
+        step_metrics = optimizer_step(critic.parameters(), optimizer, None, opts.max_grad_norm, state,
+                                      opts.max_skipped_steps, "critic", finite)
         step_metrics = {f"critic/{k.split('/')[-1]}": v for k, v in step_metrics.items()}
         if finite and fitted:
             v, r = (torch.cat(t) for t in zip(*fitted))
@@ -217,4 +214,3 @@ def update_critic(critic, optimizer, rollout: Rollout, cfg: Config, state: Updat
                                  "critic/explained_var": algos.explained_variance(v, r, every_token)})
         avg.add(step_metrics, 1.0)
     return avg.result()
-

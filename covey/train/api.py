@@ -1,0 +1,35 @@
+"""The Python API of a training run: `covey.train(config, reward_funcs=None) -> TrainResult`.
+
+    import covey
+    cfg = covey.load_config("grpo", ["train.steps=20", "rollout.group_size=8"])
+    def brevity(completions, **kwargs):          # TRL's reward calling convention
+        return [-len(c) / 100 for c in completions]
+    result = covey.train(cfg, reward_funcs=[brevity])
+    print(result.accuracy_before, result.accuracy_after, result.run_dir, result.metrics)
+
+`covey train` on the command line runs the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from covey.config import Config
+from covey.train import loop
+from covey.train.setup import TrainResult
+
+__all__ = ["TrainResult", "train"]
+
+
+def train(config: Config, reward_funcs: Iterable[Callable | str] | None = None) -> TrainResult:
+    """Train a policy as `config` says; returns the run folder, the saved model and held-out accuracies.
+
+    reward_funcs: Python callables and/or "module:function[:weight]" strings, added to the
+    configured rewards (reward.functions) with weight 1 unless given. Each is called with
+    keyword arguments, TRL's convention: fn(prompts=[...], completions=[...], answer=[...],
+    completion_lengths=[...], **other dataset columns) -> one float per completion, and is
+    reported as reward/<function name> in metrics.jsonl.
+    """
+    if not isinstance(config, Config):
+        raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
+    return loop.train(config, list(reward_funcs or ()))
