@@ -34,7 +34,7 @@ RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc m
                                                                    # bf16 sampling and autocast where bf16 is native
     "covey-fp32": ("run_covey.py", [], ["rollout.precision=float32", "model.autocast=none"], True),  # all fp32
     "covey-fp32-train": ("run_covey.py", [], ["model.autocast=none"], True),  # fp32 passes, bf16 sampling if native
-    "covey-plain-malloc": ("run_covey.py", [], [], False),          # without covey/cpu.py's malloc variables
+    "covey-plain-malloc": ("run_covey.py", [], [], False),          # without covey/runtime/cpu.py's malloc variables
     "covey-hf": ("run_covey.py", [], ["rollout.engine=hf"], True),  # HF generate instead of the fast engine
     "covey-bf16": ("run_covey.py", [], ["model.autocast=bfloat16"], True),
     "covey-mb16": ("run_covey.py", [], ["algo.micro_batch_size=16"], True),  # fewer, larger passes:
@@ -50,7 +50,7 @@ RUNS = {  # name -> (child script, its flags, covey key=value overrides, glibc m
 def run_child(name: str, steps: int, threads: int, log_dir: Path, tag: str = "") -> dict:
     result = log_dir / f"{name}{tag}.json"
     script, flags, overrides, malloc_keep = RUNS[name]
-    # the `covey` command restarts itself with these variables (covey/cpu.py); a child script must get them here
+    # the `covey` command restarts itself with these variables (covey/runtime/cpu.py); a child script must get them here
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
     if malloc_keep:
         env = {**env, **MALLOC_ENV}

@@ -87,22 +87,22 @@ def test_discounted_gamma_edge_cases():
     assert torch.allclose(g0, torch.tensor([[0, 0.5, 0], [0, 0, -0.5]], dtype=F64))
 
 
-def test_reference_001_worked_example():
-    """Ref. 001: rewards 0.8, 0.6, lengths 3, 4, gamma 0.99, discounted credit, global-token normalisation.
+def test_global_token_worked_example():
+    """A worked example that circulates in derivations: rewards 0.8, 0.6, lengths 3, 4, gamma 0.99, discounted credit, global-token normalisation.
 
-    Step 1: mean 0.7, A_seq = +0.1, -0.1 (the document agrees).
+    Step 1: mean 0.7, A_seq = +0.1, -0.1 (as the circulating example has it).
     Step 2: seq 1 weights 0.99^2, 0.99, 1 = 0.9801, 0.99, 1 (sum 2.9701):
               0.1 * w / 2.9701 = 0.0329989, 0.0333322, 0.0336689
             seq 2 weights 0.970299, 0.9801, 0.99, 1 (sum 3.940399):
              -0.1 * w / 3.940399 = -0.0246244, -0.0248731, -0.0251244, -0.0253781
-            (the document agrees to 4 decimals).
+            (the circulating example agrees to 4 decimals).
     Step 3: the 7 values sum to 0.1 - 0.1 = 0, so mu = 0 exactly.
             sum of squares = 0.00333356 + 0.00250032 = 0.00583387; population variance / 7 = 0.000833410,
-            sigma = 0.0288688 (the document says 0.0291).
+            sigma = 0.0288688 (the circulating example says 0.0291).
             normalised = value / 0.0288688:
               seq 1:  1.14306,  1.15461,  1.16627
               seq 2: -0.85297, -0.86159, -0.87029, -0.87908
-    The document prints 0.1134, 0.1145, 0.1159 / -0.0846, ... : each value / 0.291 instead of / 0.0291,
+    The circulating example prints 0.1134, 0.1145, 0.1159 / -0.0846, ... : each value / 0.291 instead of / 0.0291,
     ten times too small.
     """
     adv, _, m = run("grpo", [0.8, 0.6], [3, 4], [0, 0],
@@ -112,7 +112,7 @@ def test_reference_001_worked_example():
     assert torch.allclose(adv, expected, atol=1e-6)
     assert m["advantages/mean"] == pytest.approx(0.0, abs=1e-12)
     assert m["advantages/std"] == pytest.approx(1.0)
-    # the document's numbers are off by a factor of ~10
+    # the circulating numbers are off by a factor of ~10
     assert adv[0, 0].item() / 0.1134 == pytest.approx(10.08, abs=0.01)
 
 

@@ -2,7 +2,7 @@
 
 The extraction rules (priority: \\boxed > #### > "answer is"/"Answer:" > last
 number; a marked span with two different numbers is ambiguous -> None) are in
-covey/rewards/answers.py's docstring.
+covey/tasks/answers.py's docstring.
 """
 
 import threading

@@ -125,7 +125,7 @@ def test_a_sharded_policy_cannot_be_copied():
 @pytest.mark.parametrize("engine_name", ["fast", "hf"])
 @pytest.mark.parametrize("precision, expected", [("bfloat16", "eager"), ("float32", "sdpa")])
 def test_cpu_sampling_from_a_bf16_copy_runs_eager_attention(tiny_model_dir, engine_name, precision, expected):
-    """SDPA's CPU flash kernel took 43% of a bf16 rollout (covey/attention.py): the bf16 copy decodes with eager
+    """SDPA's CPU flash kernel took 43% of a bf16 rollout (covey/models/attention.py): the bf16 copy decodes with eager
     attention, an fp32 policy keeps SDPA, and the model's setting is restored after."""
     model, tok = load_policy(tiny_model_dir)
     engine = local_engine(engine_name, model, tok, max_new_tokens=3, precision=precision)

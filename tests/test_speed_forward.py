@@ -130,7 +130,7 @@ def test_batched_reference_logprobs_unchanged(tiny, monkeypatch):
     ("none", torch.bfloat16, forward.BF16_WIDTH_MULTIPLE)])
 def test_packed_width_is_bucketed_whenever_the_pass_runs_in_bf16(tiny_model_dir, monkeypatch, precision, weights,
                                                                  multiple):
-    """bf16 autocast or bf16 weights: oneDNN would keep memory for every width (covey/packing.py)."""
+    """bf16 autocast or bf16 weights: oneDNN would keep memory for every width (covey/passes/packing.py)."""
     model, tokenizer = load_policy(tiny_model_dir, dtype=weights)
     seen = []
     monkeypatch.setattr(forward, "pack", lambda *a, **k: seen.append(k["width_multiple"]) or packing.pack(*a, **k))

@@ -42,9 +42,9 @@ def scale(centred: Tensor, raw: Tensor, stats: GroupStats, mode: str, opts: Adva
 
 
 def spread_over_tokens(seq_adv: Tensor, mask: Tensor, credit: str, gamma: float) -> Tensor:
-    """(N,) -> (N, L) token credit of ref. 001, with k = 1..T_i the rank of a token among the valid ones:
+    """(N,) -> (N, L) token credit, with k = 1..T_i the rank of a token among the valid ones:
 
-    shared:     A_i                                   (GRPO, ref. 000)
+    shared:     A_i                                   (GRPO: Shao et al. 2024, arXiv:2402.03300)
     uniform:    A_i / T_i
     discounted: gamma^(T_i - k) A_i / sum_{j=1..T_i} gamma^(T_i - j)
     """
@@ -96,10 +96,11 @@ def _sequence_estimator(name: str, baseline: Callable, inp: AdvantageInput, opts
 
 
 def grpo(inp: AdvantageInput, opts: AdvantageOptions):
-    """GRPO outcome supervision (ref. 000, 003; Shao et al. 2024): A_i = (r_i - mean_g) / (std_g + eps).
+    """GRPO outcome supervision (Shao et al. 2024, arXiv:2402.03300): A_i = (r_i - mean_g) / (std_g + eps).
 
     std_normalize=False gives Dr. GRPO (r_i - mean_g). With normalize=global_token and
-    token_credit uniform/discounted this is ref. 001's variant.
+    token_credit uniform/discounted, the sequence advantage is spread over its tokens
+    (a variant that circulates in worked examples, not the paper's shared credit).
     """
     return _sequence_estimator("grpo", _group_mean_baseline, inp, opts)
 
@@ -143,7 +144,7 @@ def steps_to_tokens(step_values: Tensor, ends: Tensor, valid: Tensor, mask: Tens
 
 
 def grpo_process(inp: AdvantageInput, opts: AdvantageOptions):
-    """GRPO process supervision (ref. 000): normalise every step reward by the mean and std of
+    """GRPO process supervision (Shao et al. 2024, arXiv:2402.03300, section 4.1.3): normalise every step reward by the mean and std of
     all real step rewards of the group; A_t = sum of the normalised rewards of the steps ending at or after t.
     """
     mode = resolve_normalize("grpo_process", opts)

@@ -1,7 +1,7 @@
 """DPO (Rafailov et al. 2023) on best-vs-worst pairs: the loss as a pure function.
 
-Reference 002 names DPO and its iterative form (sample n answers per prompt, keep the
-best and the worst by reward, train DPO, repeat) as the cheaper alternative to PPO.
+Its iterative form (sample n answers per prompt, keep the best and the worst by reward,
+train DPO, repeat; Xiong et al. 2024, arXiv:2312.11456) is a cheaper alternative to PPO.
 
     l_i = -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))
 

@@ -59,12 +59,13 @@ def log_ratio(logp: Tensor, base_logp: Tensor, mask: Tensor, level: str) -> Tens
 
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
                   opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
-    """PPO clipped surrogate (Schulman et al. 2017; ref. 003), per token:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token:
 
         l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
         dual clip (Ye et al. 2020), A < 0 only: l = min(l, -c * A)
 
-    ratio against old_logp (default) or ref_logp (ref. 001's form, opts.ratio_against='ref').
+    ratio against old_logp (default) or ref_logp (opts.ratio_against='ref', a form that circulates
+    in derivations: no trust region around the sampling policy).
     """
     opts.validate()
     mask = as_bool_mask(response_mask)
@@ -188,7 +189,7 @@ def entropy_loss(entropy: Tensor, response_mask: Tensor, norm: Normalizer, coef:
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, norm: Normalizer, coef: float,
             kind: str = "k3") -> tuple[Tensor, dict]:
-    """GRPO's KL term in the loss (ref. 000, 003): coef * aggregate(kl_penalty(logp, ref_logp, kind)).
+    """GRPO's KL term in the loss (Shao et al. 2024, arXiv:2402.03300): coef * aggregate(kl_penalty(logp, ref_logp, kind)).
     Metric kl/ref (mean estimate over valid tokens)."""
     mask = as_bool_mask(response_mask)
     kl = kl_penalty(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp.detach().to(logp.dtype), mask), kind)

@@ -57,9 +57,9 @@ class AdvantageOptions:
     std_normalize: bool = True
     """Divide by the std of the chosen normalisation (False = Dr. GRPO: only subtract the mean)."""
     ddof: int = 0
-    """Delta degrees of freedom of every std: 0 = population std (numpy, ref. 001); 1 = torch.std (TRL, verl)."""
+    """Delta degrees of freedom of every std: 0 = population std (numpy); 1 = torch.std (TRL, verl)."""
     token_credit: str = "shared"
-    """Sequence-level estimators: shared | uniform (A/T) | discounted (ref. 001)."""
+    """Sequence-level estimators: shared (the paper's) | uniform (A/T) | discounted."""
     normalize: str = "auto"
     """auto | group | batch | global_token | none; auto = the estimator's paper default."""
 
@@ -88,7 +88,7 @@ class PolicyLossOptions:
     ratio_level: str = "token"
     """token | sequence (GSPO: exp of the mean token log-ratio of the sequence)."""
     ratio_against: str = "old"
-    """old (sampling policy, PPO/GRPO) | ref (ref. 001's form; not a trust region)."""
+    """old (sampling policy, PPO/GRPO) | ref (the reference model: not a trust region)."""
 
     def validate(self) -> None:
         if not (self.clip_eps_low >= 0 and self.clip_eps_high >= 0):

@@ -1,4 +1,4 @@
-"""Token-level estimators: REINFORCE++ (ref. 002) and GAE (ref. 003).
+"""Token-level estimators: REINFORCE++ (Hu 2025, arXiv:2501.03262) and GAE (Schulman et al. 2016, arXiv:1506.02438).
 
 Both build per-token rewards from the outcome score and the KL-in-reward term,
 
@@ -104,7 +104,7 @@ def _reinforce(name: str, inp: AdvantageInput, opts: AdvantageOptions, subtract_
 
 
 def reinforce_pp(inp: AdvantageInput, opts: AdvantageOptions):
-    """REINFORCE++ (ref. 002; Hu 2025): A_t = whiten_batch(G_t), G_t = r_t + gamma G_{t+1}.
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): A_t = whiten_batch(G_t), G_t = r_t + gamma G_{t+1}.
 
     r_t = score on the last token - kl_coef * token_kl_t. Whitening is over all valid
     tokens of the batch (normalize auto = global_token; none = raw returns).
@@ -118,7 +118,7 @@ def reinforce_pp_baseline(inp: AdvantageInput, opts: AdvantageOptions):
 
 
 def gae(inp: AdvantageInput, opts: AdvantageOptions):
-    """PPO's GAE (ref. 003): needs inp.values. normalize auto = none; global_token whitens A
+    """PPO's GAE (Schulman et al. 2016, arXiv:1506.02438): needs inp.values. normalize auto = none; global_token whitens A
     over the batch (returns stay A + V of the un-whitened A)."""
     mode = resolve_normalize("gae", opts)
     p = prepare(inp)

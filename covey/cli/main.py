@@ -107,7 +107,7 @@ def exit_without_teardown(code: int) -> None:
     interpreter finalization.
 
     Now and then a rank aborted there, after the run had saved its model ("terminate called
-    without an active exception", SIGABRT: seen twice in the two-process test, LOG.md), which
+    without an active exception", SIGABRT: seen twice in the two-process test, dev/LOG.md), which
     turned a finished run into a failed one. The likely cause is gloo work objects freed during
     teardown (pytorch/pytorch#179291). covey's own files are closed after every write.
     """

@@ -4,7 +4,7 @@ torch's CPU flash-attention kernel (what SDPA picks there) is slow in bf16 at co
 sizes: a decode step's attention over a 70-position cache took 0.9 ms per layer, 43% of a
 bf16 rollout, and the packed training pass with its block mask ran 15% slower than with
 eager attention (bf16 products, float32 softmax). In float32 SDPA is the faster one
-(LOG.md, 2026-11-25), and GPUs keep their fused kernels.
+(dev/LOG.md, 2026-11-25), and GPUs keep their fused kernels.
 """
 
 from __future__ import annotations

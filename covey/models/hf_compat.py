@@ -34,7 +34,7 @@ def last_positions(count: int, width: int, device) -> torch.Tensor:
     With an int, transformers projects a strided view of the hidden states; when the weight
     needs no gradient (the reference, the bf16 sampling copy) torch.matmul does not fold such
     a view into one matrix product but runs a batched one over a copy of the (V, d) weight per
-    row: a (4, 576, 49152) copy, 93 ms of a bf16 prefill of 4 prompts (LOG.md, 2026-11-25).
+    row: a (4, 576, 49152) copy, 93 ms of a bf16 prefill of 4 prompts (dev/LOG.md, 2026-11-25).
     Indexing gathers a contiguous input instead.
     """
     return torch.arange(width - count, width, device=device)

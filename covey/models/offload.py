@@ -11,7 +11,7 @@ The weights are read into ordinary heap tensors, not memory-mapped: the update's
 activations, freed by then, leave that much heap that glibc keeps (covey/runtime/cpu.py), and the
 reads land in it, while the pages of a mapped file count in the resident set on top of the
 heap. Mapped, the reference pass was where a step's RSS peaked: +0.5 GB over the update
-(LOG.md, 2026-11-25). Reading the 0.5 GB from the page cache into the
+(dev/LOG.md, 2026-11-25). Reading the 0.5 GB from the page cache into the
 kept heap takes 75 ms; mapping it and touching every page took 45 ms.
 
 Under bf16 autocast a frozen reference's Linear weights are held in bf16

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 MIN_CAPACITY = 1024  # tokens per packed row; below it the quadratic masked attention is cheap
-EAGER_CAPACITY = 128  # eager attention materialises the masked scores: short rows ran 5% faster (LOG.md)
+EAGER_CAPACITY = 128  # eager attention materialises the masked scores: short rows ran 5% faster (dev/LOG.md)
 
 
 @dataclass
@@ -71,7 +71,7 @@ def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tens
     A row holds at most max(longest response, `min_capacity`) tokens (default MIN_CAPACITY).
     The packed width is padded up to a multiple of `width_multiple`: oneDNN's bf16 kernels keep
     memory for every matrix shape they have seen, so a width that differs at every micro-batch
-    grew a bf16 run's resident memory by gigabytes (LOG.md, 2026-11-25); a few widths do not.
+    grew a bf16 run's resident memory by gigabytes (dev/LOG.md, 2026-11-25); a few widths do not.
     """
     fed = (lengths - 1).clamp(min=0).tolist()
     owner_of_row = prompt_of_row.tolist()

@@ -3,7 +3,7 @@
 The packed pass (covey/passes/logprobs.py) runs a micro-batch's responses on top of the KV cache
 of its prompts. Encoding the prompts inside every micro-batch is a pass over a few dozen
 tokens per micro-batch: its matrix products are too small to run fast, yet it has as many
-operations as the packed pass, and it took about 0.4 s of a 3.6 s bf16 update (LOG.md,
+operations as the packed pass, and it took about 0.4 s of a 3.6 s bf16 update (dev/LOG.md,
 2026-11-25). Here all the prompts run in one pass. Each micro-batch reads its prompts'
 slice of that cache, and of their last-position logits, through fresh leaf tensors, so its
 backward stops there; the gradients reaching the leaves are summed, and one backward

@@ -14,7 +14,7 @@ PANELS = [
     ("policy/clipfrac", "clip fraction"), ("response/len_mean", "response length (tokens)"),
     ("time/step", "seconds per step"),
 ]
-# Learned-reward panels, drawn only when some run logged them (covey/reward_models.py).
+# Learned-reward panels, drawn only when some run logged them (covey/rm/).
 OPTIONAL_PANELS = [
     ("rm/agreement", "RM / verifier agreement"), ("prm/agreement", "PRM / verifier agreement"),
     ("prm/step_accuracy", "PRM step accuracy (exact labels)"), ("steps/score_mean", "mean step reward (PRM or exact)"),

@@ -4,7 +4,7 @@ A step of `FastEngine` feeds one new token per row through the model. HF's forwa
 that through ~30 modules of Python per layer, builds a 4-D mask from the 2-D one, and
 copies each layer's keys and values three times over for grouped-query attention
 (`repeat_kv`). On a 2-core CPU that overhead is about a fifth of a SmolLM2-135M step
-at 32 rows (75 -> 60 ms, LOG.md, 2026-11-25), and more as rows finish.
+at 32 rows (75 -> 60 ms, dev/LOG.md, 2026-11-25), and more as rows finish.
 
 `lean_step` runs the same operations in the same order and precision as HF's eager Llama
 forward: float32 RMSNorm, bf16 rotary tables, scores scaled then masked by adding the

@@ -6,7 +6,7 @@ pages and trims the top of its heap on `free`, so a reused buffer faults its pag
 again: about 40,000 minor page faults per second during `covey train` on a 2-core CPU,
 with up to a third of the CPU time in the kernel. With `mmap` off and trimming off
 (glibc's MALLOC_* variables), freed memory stays in the heap and is reused. glibc reads
-these variables when the process starts, and that form is what the A/B in LOG.md
+these variables when the process starts, and that form is what the A/B in dev/LOG.md
 (2026-11-24) measured (a `mallopt` call after start-up cut the kernel time too, but its
 speed was never measured cleanly), so the command line restarts itself once with them
 set (`covey.cli.main.entry`). Off with COVEY_MALLOC_KEEP=0; variables the user set are kept.

@@ -2,7 +2,7 @@
 
 On an x86 CPU without AMX-BF16 or AVX512-BF16, torch emulates bf16 matrix products
 (about 1 GFLOP/s on a Zen 3 where fp32 runs at 180); with them, bf16 runs 2.3-4x faster than
-fp32 (424 against 184 GFLOP/s on a 2-core Zen 4, 818 against 193 on a Zen 5: LOG.md, 2026-11-25).
+fp32 (424 against 184 GFLOP/s on a 2-core Zen 4, 818 against 193 on a Zen 5: dev/LOG.md, 2026-11-25).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def shared_weight_casts(precision: str, device: torch.device | str = "cpu"):
 
     autocast caches the bf16 copy of a weight that requires grad until the outermost autocast
     region exits, so each micro-batch's `autocast_context` made its own copies, and the step's
-    prompt pass (covey/prompt_cache.py), whose backward comes after the last micro-batch, kept a
+    prompt pass (covey/passes/prompt_cache.py), whose backward comes after the last micro-batch, kept a
     second set alive. An enclosing region with autocast off keeps one set for the whole step
     and leaves the backwards inside it outside autocast. Exit before the optimizer steps (the
     copies would go stale), and run no no-grad pass of the same weights inside: autocast would
