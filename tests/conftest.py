@@ -32,16 +32,6 @@ def tiny_model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def tiny_overrides(model_dir: str, out_dir, **extra) -> list[str]:
-    """key=value overrides for a fast CLI run on the tiny model."""
-    base = {
-        "model.path": model_dir, "train.output_dir": str(out_dir), "train.run_name": "t",
-        "train.steps": 2, "task.train_size": 16, "task.eval_size": 4,
-        "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 8,
-        "rollout.eval_max_new_tokens": 8, "train.progress": "false", "algo.micro_batch_size": 4,
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
 
 
 def pytest_collection_modifyitems(config, items):

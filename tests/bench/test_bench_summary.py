@@ -1,0 +1,33 @@
+"""The benchmark's arithmetic (bench/): steps 2..N summarised, interleaved rounds pooled."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from bench_grpo import pooled  # noqa: E402
+from common import summarize  # noqa: E402
+
+
+def result(seconds, updates, flops, rss):
+    steps = [{"step": i + 1, "seconds": s, "phases": {"generate": 1.0, "update": u}, "completion_tokens": 100,
+              "train_flops": f} for i, (s, u, f) in enumerate(zip(seconds, updates, flops))]
+    return {"name": "covey", "peak_rss_mib": rss, "steps": steps, "precision": "bfloat16 (autocast)"}
+
+
+def test_summary_skips_the_first_step_and_rates_the_update():
+    # timed steps 2..4: 10, 12, 11 s -> median 11, min 10; FLOP rate (4 + 6 + 5) TFLOP / (4 + 6 + 5) s = 1000 GFLOP/s
+    r = summarize(result([99, 10, 12, 11], [50, 4, 6, 5], [1e12, 4e12, 6e12, 5e12], 4096))
+    assert (r["median_s"], r["min_s"], r["steps_timed"]) == (11, 10, 3)
+    assert r["train_gflops"] == 1000 and r["update_s"] == 5
+    assert r["tokens_per_s"] == 300 / 33 and r["gen_tokens_per_s"] == 100
+
+
+def test_rounds_pool_their_timed_steps_and_keep_the_highest_peak():
+    # round 1 times 10, 20 after its first step, round 2 times 30, 40: pooled median of 10, 20, 30, 40 = 25;
+    # neither round's untimed first step (99, 98) counts; the peak RSS is the larger of 4096 and 5000
+    one = result([99, 10, 20], [9, 2, 2], [0, 2e12, 2e12], 4096)
+    two = result([98, 30, 40], [9, 4, 4], [0, 4e12, 4e12], 5000)
+    r = summarize(pooled([one, two]))
+    assert r["median_s"] == 25 and r["steps_timed"] == 4 and r["peak_rss_mib"] == 5000
+    assert r["train_gflops"] == 12e12 / 12 / 1e9

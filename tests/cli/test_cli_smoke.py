@@ -1,0 +1,126 @@
+"""The real CLI, end to end, on a tiny random Llama (seconds per run)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from covey.cli.main import main
+from covey.config import as_dict, load_config, preset_names
+from tests.helpers import tiny_overrides
+
+PRESETS = preset_names()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_trains_two_steps(preset, tiny_model_dir, tmp_path):
+    code = main(["train", preset, *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward/mean", "reward/std", "accuracy", "groups/zero_std_frac", "policy/clipfrac",
+                "policy/approx_kl", "policy/entropy", "response/len_mean", "response/len_max",
+                "response/truncated_frac", "optim/grad_norm", "optim/lr", "time/generate", "time/score",
+                "time/logprobs", "time/update", "throughput/tokens_per_s", "memory/peak_rss_mb"):
+        if preset == "dpo_iterative" and key in ("policy/clipfrac", "policy/approx_kl"):
+            continue  # DPO has no importance ratio to clip
+        assert key in steps[-1], key
+    if preset == "dpo_iterative":
+        assert "dpo/pairs" in steps[-1] and "memory/params_mb/reference" in steps[-1]
+    if preset == "ppo":
+        assert "critic/loss" in steps[-1] and "critic/explained_var" in steps[-1]
+        assert "memory/params_mb/critic" in steps[-1]
+    assert (tmp_path / "t" / "final" / "config.json").is_file()
+    assert rows[-1]["final"] == 1 and "eval/accuracy" in rows[-1]
+
+
+def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
+    """`python -m covey.cli train` in a subprocess, then `covey eval --model runs/<name>/final`."""
+    cmd = [sys.executable, "-m", "covey.cli", "train", *tiny_overrides(tiny_model_dir, tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "held-out accuracy" in done.stdout
+    final = tmp_path / "t" / "final"
+    cmd = [sys.executable, "-m", "covey.cli", "eval", "--model", str(final), "task.eval_size=4",
+           "task.train_size=16", "rollout.eval_max_new_tokens=4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["eval/n"] == 4
+
+
+PRINT_CONFIG = """
+import sys
+from covey.cli.main import main
+code = main(sys.argv[1:])
+heavy = [m for m in ("transformers", "covey.train.loop", "covey.models.load", "covey.rollout.hf") if m in sys.modules]
+print("# loaded:", ",".join(heavy))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("argv, preset, overrides", [
+    (["train", "ppo", "--print-config"], "ppo", []),
+    (["train", "rloo", "algo.beta=0.1", "steps=3", "--print-config"], "rloo", ["algo.beta=0.1", "steps=3"]),
+    (["train", "--print-config", "steps=3"], None, ["steps=3"]),
+])
+def test_print_config_prints_the_resolved_config_and_loads_nothing(argv, preset, overrides):
+    done = subprocess.run([sys.executable, "-c", PRINT_CONFIG, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text, loaded = done.stdout.rsplit("# loaded:", 1)
+    assert loaded.strip() == ""  # no model, no training loop
+    assert yaml.safe_load(text) == as_dict(load_config(preset, overrides))
+
+
+def test_train_with_a_yaml_file_and_an_unknown_preset(tmp_path, capsys):
+    path = tmp_path / "mine.yaml"
+    path.write_text("algo:\n  estimator: rloo\n")
+    assert main(["train", str(path), "steps=2", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algo"]["estimator"] == "rloo" and printed["train"]["steps"] == 2
+    assert main(["train", "pppo", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("covey train: error: unknown preset 'pppo' (did you mean 'ppo'?); presets: "
+                   + ", ".join(preset_names()))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "stepz=3"], "unknown config key 'stepz' (did you mean 'steps'?)"),
+    (["train", "algo.beta=x"], "config key 'algo.beta' expects float"),
+    (["train", "model.path=./no/such/model"], "model path not found"),
+    (["train", "task.name=jsonl", "task.path=/no/such.jsonl"], "file not found"),
+    # key=value overrides on both sides of an option reach the config (so the bad key is named)
+    (["compare", "task.eval_size=4", "--algos", "grpo", "bogus.key=1"], "unknown config key 'bogus.key'"),
+])
+def test_bad_input_one_line_exit_2(args, message, capsys, tmp_path):
+    code = main(args + [f"train.output_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, capsys, tiny_model_dir):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?"\n')
+    code = main(["train", "task.name=jsonl", f"task.path={data}", *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 2
+    assert f"{data}:2:" in capsys.readouterr().err
+
+
+def test_prompt_longer_than_context(tmp_path, capsys, tiny_model_dir):
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "7 " * 3000, "answer": "1"}, {"prompt": "1+1?", "answer": "2"},
+            {"prompt": "2+2?", "answer": "4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(["train", "task.name=jsonl", f"task.path={data}", "task.eval_size=1",
+                 *tiny_overrides(tiny_model_dir, tmp_path)])
+    assert code == 2
+    assert "prompt is" in capsys.readouterr().err
+
+
+def test_unknown_option_is_still_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["eval", "--bogus", "task.eval_size=4"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""The Python API: `covey.load_config` and `covey.train`, run as the README shows it."""
+
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import covey
+from covey.config import load_config
+from covey.rewards.build import build_rewarder
+from tests.helpers import tiny_overrides
+
+# The README's Python example (section "Python"), read from the README itself.
+README = Path(__file__).resolve().parents[2] / "README.md"
+EXAMPLE = re.search(r"## Python\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
+
+
+def tiny_example(model_dir, out_dir) -> str:
+    """The example with the tiny model and sizes appended to its overrides (its group size of 8 kept):
+    one prompt per step, so the 8 samples of a step are all in samples.jsonl."""
+    tiny = [o for o in tiny_overrides(model_dir, out_dir, **{"train.steps": 3, "rollout.prompts_per_step": 1,
+                                                            "train.samples_every": 1})
+            if not o.startswith("rollout.group_size=")]
+    call = 'covey.load_config("grpo", ["train.steps=20", "rollout.group_size=8"])'
+    assert call in EXAMPLE
+    return EXAMPLE.replace(call, f'covey.load_config("grpo", ["train.steps=20", "rollout.group_size=8", *{tiny!r}])')
+
+
+def test_the_readme_example_trains_with_a_python_reward(tiny_model_dir, tmp_path):
+    printed = io.StringIO()
+    scope = {}
+    with contextlib.redirect_stdout(printed):
+        exec(compile(tiny_example(tiny_model_dir, tmp_path), "README example", "exec"), scope)
+    result = scope["result"]
+    assert result.run_dir == tmp_path / "t" and (result.run_dir / "metrics.jsonl").is_file()
+    assert (result.final_model / "config.json").is_file() and result.steps == 3
+    assert 0.0 <= result.accuracy_before <= 1.0 and 0.0 <= result.accuracy_after <= 1.0
+    assert printed.getvalue().splitlines()[-1].startswith(f"{result.accuracy_before} {result.accuracy_after} "
+                                                          f"{result.run_dir} {{")
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward/mean" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert result.metrics["reward/mean"] == steps[-1]["reward/mean"] and {"step", *result.metrics} == set(steps[-1])
+    for row in steps:  # each step's 8 samples are logged: the metric is their mean brevity
+        completions = [s["completion"] for s in samples if s["step"] == row["step"]]
+        assert len(completions) == 8
+        assert row["reward/brevity"] == pytest.approx(-sum(map(len, completions)) / len(completions) / 100, abs=1e-6)
+        # added to the configured reward (correctness) with weight 1
+        assert row["reward/mean"] == pytest.approx(row["reward/correctness"] + row["reward/brevity"], abs=1e-6)
+
+
+def lengths_reward(prompts, completions, answer, completion_lengths, **columns):
+    """Reads the columns by keyword, as TRL passes them."""
+    assert len(prompts) == len(completions) == len(answer) == len(completion_lengths)
+    return [float(n) for n in completion_lengths]
+
+
+def test_reward_funcs_take_callables_and_weighted_strings_by_keyword():
+    cfg = load_config(None, ["reward.functions=tests.train.test_api:lengths_reward:0.25"])
+    rewarder = build_rewarder(cfg, extra=[lengths_reward, "tests.helpers:varied_reward:2"])
+    assert [(t.name, t.weight) for t in rewarder.terms] == [
+        ("correctness", 1.0), ("tests.train.test_api:lengths_reward", 0.25), ("lengths_reward", 1.0),
+        ("tests.helpers:varied_reward", 2.0)]
+    completions = ["The answer is 12.", "no idea"]
+    scores = rewarder(["What is 3 * 4?"] * 2, completions, {"answer": ["12", "12"], "completion_lengths": [5, 3]})
+    assert scores.parts["correctness"].tolist() == [1.0, 0.0] and scores.parts["lengths_reward"].tolist() == [5.0, 3.0]
+    varied = [(sum(map(ord, c)) % 7) / 6 for c in completions]
+    expected = [c + 0.25 * n + n + 2 * v for c, n, v in zip([1.0, 0.0], [5.0, 3.0], varied)]
+    assert scores.total.tolist() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("funcs, message", [
+    ([lengths_reward, lengths_reward], "reward function name 'lengths_reward' is given twice "
+                                        "(metrics are named reward/<name>)"),
+    ([3], "reward function 3 is neither a callable nor a 'module:function[:weight]' string"),
+    (["tests.train.test_api:absent"], "reward function 'tests.train.test_api:absent': tests.train.test_api has no callable 'absent'"),
+])
+def test_unusable_reward_funcs_fail_in_one_line(funcs, message):
+    with pytest.raises(ValueError) as err:
+        build_rewarder(load_config(None, []), extra=funcs)
+    assert str(err.value) == message
+
+
+def test_covey_is_light_and_covey_train_is_a_callable_package():
+    code = ("import sys, covey; assert 'torch' not in sys.modules, 'import covey imported torch'; "
+            "import covey.train.loop, types; assert callable(covey.train) and isinstance(covey.train.loop, "
+            "types.ModuleType); print(covey.train.api.train is not None)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    with pytest.raises(TypeError, match="covey.train takes the Config of covey.load_config"):
+        covey.train("grpo")

@@ -1,0 +1,110 @@
+"""Graceful stop: the first SIGINT/SIGTERM finishes the step, checkpoints, exits 130/143;
+a second one abandons the step at once (the last checkpoint stays the newest).
+
+The signals are sent by the reward function of step 2, so they arrive mid-step
+(the subprocess SIGTERM test is in test_resume_kill.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from covey.train.checkpoint import list_checkpoints
+from covey.cli.main import main
+from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
+from tests.helpers import tiny_overrides
+
+PLAN = {"calls": 0, "signals": ()}
+
+
+def signalling_reward(prompts, completions, **_):
+    """Varied rewards; on the second call (step 2) sends the planned signals to this process."""
+    PLAN["calls"] += 1
+    if PLAN["calls"] == 2:
+        for signum in PLAN["signals"]:
+            installed = signal.getsignal(signum)
+            # Reward functions run in a worker thread; a process-directed signal may land on that
+            # thread and wake the main thread only when the reward returns. Ctrl-C from a terminal
+            # reaches the main thread, so deliver there.
+            signal.pthread_kill(threading.main_thread().ident, signum)
+            # Two signals sent at once would merge into one: wait until covey's handler ran
+            # (it puts the previous handler back), as a person pressing Ctrl-C twice does.
+            deadline = time.monotonic() + 10
+            while signal.getsignal(signum) is installed and time.monotonic() < deadline:
+                time.sleep(0.01)
+    return [(sum(map(ord, c)) % 5) / 4 for c in completions]
+
+
+def train(model_dir, out, signals=(), **extra) -> int:
+    PLAN.update(calls=0, signals=signals)
+    return main(["train", *tiny_overrides(model_dir, out, **{
+        "model.threads": 1, "train.steps": 4, "optim.lr": 1e-3, "train.resume": "auto",
+        "reward.functions": "tests.train.test_resume_signals:signalling_reward", **extra})])
+
+
+def deterministic(run_dir):
+    return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)}
+            for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_first_signal_finishes_the_step_checkpoints_and_resumes_exactly(tiny_model_dir, tmp_path, capsys,
+                                                                        signum, code):
+    assert train(tiny_model_dir, tmp_path / "whole") == 0
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert train(tiny_model_dir, tmp_path, signals=(signum,)) == code
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers, "handlers restored"
+    run_dir = tmp_path / "t"
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"covey train: stopped by {name} after step 2; checkpoint {run_dir}/checkpoints/step-000002 "
+        "(continue with train.resume=auto)")
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-000002"]  # save_every=0: written for the stop
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
+    assert train(tiny_model_dir, tmp_path) == 0
+    assert deterministic(run_dir) == deterministic(tmp_path / "whole" / "t")
+
+
+def test_second_signal_abandons_the_step(tiny_model_dir, tmp_path):
+    code = train(tiny_model_dir, tmp_path, signals=(signal.SIGINT, signal.SIGINT), **{"train.save_every": 1})
+    assert code == 130
+    run_dir = tmp_path / "t"
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-000001"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+    assert train(tiny_model_dir, tmp_path, **{"train.save_every": 1}) == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4, 4]
+
+
+def _agree_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from covey.runtime.signals import StopFlag
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    flag = StopFlag()
+    first = flag.agreed()  # nobody signalled
+    if rank == 1:
+        flag.signum = signal.SIGINT  # as if rank 1 alone received Ctrl-C
+    results.put((rank, first, flag.agreed(), flag.signum))
+    dist.destroy_process_group()
+
+
+def test_under_torchrun_every_rank_stops_when_one_is_signalled():
+    import multiprocessing as mp
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_agree_worker, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGINT)]

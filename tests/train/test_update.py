@@ -1,0 +1,78 @@
+"""Micro-batch ordering (covey.train.update.by_prompt) groups a mini-batch by prompt without changing the update."""
+
+import copy
+
+import torch
+
+from covey.train import update
+from covey.config import Config
+from covey.models.load import load_policy
+from covey.train.plan import make_plan
+from covey.train.setup import allocate_adamw_state
+from covey.train.update import UpdateState, by_prompt, update_policy
+from tests.helpers import grouped_rollout
+
+
+def test_by_prompt_puts_groups_together_stably():
+    groups = torch.tensor([2, 0, 1, 0, 2, 1, 0])
+    batch = torch.tensor([6, 1, 4, 3, 0])
+    assert by_prompt(batch, groups).tolist() == [6, 1, 3, 4, 0]  # groups 0, 0, 0, 2, 2 in batch order
+
+
+def one_update(model, rollout, cfg, order_fn, monkeypatch):
+    """Parameters after one SGD(lr=1) step of update_policy with micro-batches in `order_fn`'s order."""
+    model = copy.deepcopy(model)
+    with monkeypatch.context() as patch:  # undoes only this patch (not conftest's)
+        patch.setattr(update, "by_prompt", order_fn)
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update, 0.0,
+                      UpdateState(), torch.Generator().manual_seed(0))
+    return dict(model.named_parameters())
+
+
+def test_grouped_micro_batches_give_the_same_step_as_interleaved_ones(tiny_model_dir, monkeypatch):
+    model, tokenizer = load_policy(tiny_model_dir)
+    rollout = grouped_rollout(tokenizer, groups=3, group_size=2)
+    shape = rollout.response_ids.shape
+    rollout.advantages = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    cfg = Config()
+    cfg.algo.micro_batch_size, cfg.optim.max_grad_norm, cfg.rollout.max_new_tokens = 2, 0.0, 7
+    grouped = one_update(model, rollout, cfg, by_prompt, monkeypatch)
+    interleaved = one_update(model, rollout, cfg, lambda batch, groups: batch[torch.tensor([0, 2, 4, 1, 3, 5])],
+                             monkeypatch)
+    for name, param in grouped.items():
+        torch.testing.assert_close(param, interleaved[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(grouped.values(), model.parameters()))  # it did move
+
+
+def test_adamw_moments_allocated_up_front_give_the_same_steps():
+    # allocate_adamw_state must leave AdamW exactly where its own lazy start would: same state
+    # entries (dtypes, devices), and bit-equal parameters and moments after several steps
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3), torch.randn(7)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    runs = []
+    for up_front in (False, True):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.99), weight_decay=0.01, fused=True)
+        if up_front:
+            allocate_adamw_state(opt)
+            assert all(int(opt.state[p]["step"]) == 0 and not opt.state[p]["exp_avg"].any() for p in params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((params, opt.state))
+    (lazy, lazy_state), (primed, primed_state) = runs
+    for a, b in zip(lazy, primed):
+        assert torch.equal(a, b)
+        assert lazy_state[a].keys() == primed_state[b].keys()
+        for key in lazy_state[a]:
+            x, y = lazy_state[a][key], primed_state[b][key]
+            assert (x.dtype, x.device) == (y.dtype, y.device) and torch.equal(x, y)
+
+
+def test_adamw_state_is_left_alone_where_not_fused():
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=False)
+    allocate_adamw_state(opt)
+    assert len(opt.state) == 0
