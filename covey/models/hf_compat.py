@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
+from torch import Tensor
 
 from transformers.modeling_outputs import BaseModelOutputWithPast
 

@@ -3,13 +3,11 @@
 import pytest
 import torch
 
-from covey.passes import logprobs as forward
-
-from covey.passes import packing
 from covey.models.attention import attention_implementation
 from covey.models.load import load_policy
-from covey.batch import Rollout
-
+from covey.passes import logprobs as forward
+from covey.passes import packing
+from tests.helpers import grouped_rollout
 
 
 
