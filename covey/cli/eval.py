@@ -27,12 +27,13 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     """Evaluate cfg.model.path on the held-out split of cfg.task; prints and returns the result."""
     import json
 
+    from covey.cli.common import command_device
     from covey.models.load import load_policy
     from covey.rollout.hf import HFEngine
     from covey.tasks.data import format_prompts, load_task_data
     from covey.train.evaluate import evaluate
     data = load_task_data(cfg.task, cfg.train.seed)
-    policy, tokenizer = load_policy(cfg.model.path)
+    policy, tokenizer = load_policy(cfg.model.path, device=command_device(cfg, "eval"))
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)

@@ -22,20 +22,21 @@ def add_parser(sub) -> None:
 
 
 def run_train(args) -> int:
-    from covey.cli.common import config_with_cpu_settings
+    from covey.cli.common import command_device, config_with_cpu_settings
     from covey.rm.trainer import train_reward_model
     cfg = config_with_cpu_settings(args.args)
     train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
-                       seed=cfg.train.seed)
+                       seed=cfg.train.seed, device=command_device(cfg, "train-rm"))
     return 0
 
 
 def run_eval(args) -> int:
     import json
 
-    from covey.cli.common import config_with_cpu_settings
+    from covey.cli.common import command_device, config_with_cpu_settings
     from covey.rm.trainer import evaluate_reward_model
     cfg = config_with_cpu_settings(args.args)
     print(json.dumps(evaluate_reward_model(args.folder, args.data or None, task=cfg.task, seed=cfg.train.seed,
-                                           batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast)))
+                                           batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast,
+                                           device=command_device(cfg, "eval-rm"))))
     return 0

@@ -42,6 +42,7 @@ CHOICES = {
     "algo.token_credit": TOKEN_CREDITS,
     "algo.normalize": NORMALIZE_MODES,
     "train.logger": ("jsonl", "tensorboard"),
+    "train.device": ("auto", "cpu", "cuda"),
 }
 
 POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",

@@ -31,7 +31,9 @@ class ModelConfig:
     critic_path: str = ""
     """Critic backbone for PPO; empty = initialise from the policy."""
     offload_reference: bool = True
-    """Read an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/models/offload.py)."""
+    """On a CPU, read an unchanging reference from its model files only for its pass (-0.5 GB peak for 135M; covey/models/offload.py)."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (policy and critic): less memory, about a third more update time."""
     lora_rank: int = 0
     """LoRA adapter rank (PEFT); 0 = train every weight. With LoRA the reference is the base (adapters off)."""
     lora_alpha: int = 16
@@ -312,6 +314,8 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 60
     """Training steps (one rollout each)."""
+    device: str = "auto"
+    """Where every model and engine runs: auto (cuda:LOCAL_RANK when torch sees a CUDA GPU, else cpu) | cpu | cuda."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     eval_every: int = 0

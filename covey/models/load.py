@@ -134,3 +134,23 @@ def optimizer_state_mb(optimizer: torch.optim.Optimizer) -> float:
     for state in optimizer.state.values():
         total += sum(_nbytes(v) for v in state.values() if isinstance(v, Tensor))
     return total / MiB
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> bool:
+    """model.gradient_checkpointing: recompute each transformer block in the backward pass.
+
+    Non-reentrant checkpoints, so a block whose inputs need no gradient (a LoRA policy's frozen
+    embeddings) still back-propagates into its adapters. A ValueModel checkpoints its backbone.
+    Returns whether the model supports it.
+    """
+    target = getattr(model, "backbone", model)
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        return False
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
+def checkpoints_activations(model: nn.Module) -> bool:
+    """Whether some block of the model recomputes its activations in the backward pass (its
+    cache is then dropped under grad, so a pass must not rely on a prompt's KV cache)."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

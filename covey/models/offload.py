@@ -135,9 +135,11 @@ def unchanging_reference(reference: nn.Module | None, model: ModelConfig, world_
 
 def maybe_offload_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
                             reference_moves: bool) -> bool:
-    """model.offload_reference, where the reference is the unchanging start model of one process."""
+    """model.offload_reference, where the reference is the unchanging start model of one process on a CPU."""
     if not model.offload_reference or not unchanging_reference(reference, model, world_size,
                                                                reference_moves=reference_moves):
+        return False
+    if model_device(reference).type != "cpu":  # a GPU's copy stays resident: reading it back costs more than it saves
         return False
     return offload_reference(reference, resolve_model_path(model.path))
 

@@ -21,6 +21,7 @@ from covey.runtime.precision import autocast_context, model_device, resolve_auto
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
 from covey.models.hf_compat import last_positions, position_ids, with_cache
+from covey.models.load import checkpoints_activations
 from covey.passes.packing import pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
 from covey.batch import Rollout
@@ -90,8 +91,10 @@ def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
 
 
 def packs(model) -> bool:
-    """The packed pass needs an attention that takes a 4-D mask (SDPA or eager, not flash-attention)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
+    """The packed pass needs an attention that takes a 4-D mask (SDPA or eager, not flash-attention),
+    and a prompt KV cache that survives under grad (gradient checkpointing drops it)."""
+    return (getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
+            and not checkpoints_activations(model))
 
 
 def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:

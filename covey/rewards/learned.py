@@ -95,6 +95,11 @@ class Encoded:
     position_mask: Tensor
     counts: list[int]
 
+    def to(self, device) -> "Encoded":
+        """The batch's tensors on the reward model's device."""
+        return Encoded(self.input_ids.to(device), self.attention_mask.to(device), self.positions.to(device),
+                       self.position_mask.to(device), self.counts)
+
 
 def _last_token_before(offsets: list, char_end: int) -> int:
     """Index of the last token that starts before `char_end` (-1 if none)."""
@@ -244,11 +249,15 @@ class LearnedReward:
             for start in range(0, len(whole), self.batch_size):
                 batch = whole[start:start + self.batch_size]
                 enc = encode(self.tokenizer, [prompts[i] for i in batch], [completions[i] for i in batch],
-                             self.max_length, separator, end)
+                             self.max_length, separator, end).to(self.device)
                 for i, v in zip(batch, self._read(read_values(self.model, enc), enc)):
                     out[i] = v
             self.model.train(was_training)
         return out
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.head.weight.device
 
     def _by_prompt(self, prompts: list) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
@@ -264,12 +273,12 @@ class LearnedReward:
 
     def _prefix_values(self, head_ids: list[int], pieces: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Values of completions of one prompt: the prompt runs once, the completions on its cache."""
-        backbone, n, width = self.model.backbone, len(pieces), len(head_ids)
-        cache = cache_of(backbone(input_ids=torch.tensor([head_ids]), use_cache=True))
+        backbone, n, width, device = self.model.backbone, len(pieces), len(head_ids), self.device
+        cache = cache_of(backbone(input_ids=torch.tensor([head_ids], device=device), use_cache=True))
         cache.batch_repeat_interleave(n)
-        enc = _right_padded(self.tokenizer, [ids for ids, _ in pieces], [points for _, points in pieces])
+        enc = _right_padded(self.tokenizer, [ids for ids, _ in pieces], [points for _, points in pieces]).to(device)
         mask = torch.cat([enc.attention_mask.new_ones(n, width), enc.attention_mask], dim=1)
-        positions = width + torch.arange(enc.input_ids.shape[1]).expand(n, -1)
+        positions = width + torch.arange(enc.input_ids.shape[1], device=device).expand(n, -1)
         hidden = backbone(input_ids=enc.input_ids, attention_mask=mask, position_ids=positions,
                           **with_cache(cache), use_cache=True).last_hidden_state
         values = self.model.head(hidden.float()).squeeze(-1)
@@ -341,9 +350,14 @@ class LearnedRewards:
     process: ProcessRewardModel | None = None
 
 
-def load_learned_rewards(reward: RewardConfig) -> LearnedRewards:
-    """Load reward.model_path / reward.prm_path (the PRM reads steps split by reward.step_separator)."""
+def load_learned_rewards(reward: RewardConfig, device: str = "cpu") -> LearnedRewards:
+    """Load reward.model_path / reward.prm_path onto `device` (the PRM reads steps split by
+    reward.step_separator)."""
     r = reward
-    return LearnedRewards(
+    learned = LearnedRewards(
         outcome=OutcomeRewardModel.load(r.model_path) if r.model_path else None,
         process=ProcessRewardModel.load(r.prm_path, separator=r.step_separator) if r.prm_path else None)
+    for model in (learned.outcome, learned.process):
+        if model is not None:
+            model.model.to(device)
+    return learned

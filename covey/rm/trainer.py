@@ -68,7 +68,7 @@ class RMTrainer:
 
     def _values(self, prompts: list, completions: list[str], separator: str | None):
         """(values at the read-outs (n, S), the encoded batch); through the frozen-layer cache if filled."""
-        enc = encode(self.tokenizer, prompts, completions, self.max_length, separator, self.end_text)
+        enc = encode(self.tokenizer, prompts, completions, self.max_length, separator, self.end_text).to(self.device)
         with self._autocast():
             if not self.hidden_cache:
                 return read_values(self.model, enc).float(), enc
@@ -77,8 +77,12 @@ class RMTrainer:
             values = self.model.values_from_hidden(hidden, enc.attention_mask, self.cached_layers)
         return values.float().gather(1, enc.positions), enc
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.head.weight.device
+
     def _autocast(self):
-        return autocast_context(self.precision, self.model.head.weight.device)
+        return autocast_context(self.precision, self.device)
 
     def cache_frozen_layers(self, examples: list) -> int:
         """Run the frozen lower layers once per input row and keep their output, so every epoch
@@ -88,7 +92,7 @@ class RMTrainer:
             return 0
         for start in range(0, len(examples), self.batch_size):
             prompts, texts, separator = self._rows(examples[start:start + self.batch_size])
-            enc = encode(self.tokenizer, prompts, texts, self.max_length, separator, self.end_text)
+            enc = encode(self.tokenizer, prompts, texts, self.max_length, separator, self.end_text).to(self.device)
             with torch.no_grad(), self._autocast():
                 hidden = self.model.hidden_below(enc.input_ids, enc.attention_mask, self.cached_layers)
             for i, row in enumerate(zip(prompts, texts)):
@@ -100,8 +104,9 @@ class RMTrainer:
         values, enc = self._values(*self._rows(batch))
         if self.objective == "bt":
             scores = values[:, 0]
-            return scores[:len(batch)], scores[len(batch):], torch.ones(len(batch), dtype=torch.bool)
-        labels = torch.zeros(enc.positions.shape)
+            return scores[:len(batch)], scores[len(batch):], torch.ones(len(batch), dtype=torch.bool,
+                                                                      device=self.device)
+        labels = torch.zeros(enc.positions.shape, device=self.device)
         for i, ex in enumerate(batch):
             labels[i, :len(ex.labels)] = torch.tensor(ex.labels, dtype=torch.float)
         return values, labels, enc.position_mask
@@ -251,16 +256,17 @@ def _split_examples(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, *, p
 
 
 def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, model: ModelConfig, *,
-                       step_separator: str, seed: int, log=print) -> dict:
+                       step_separator: str, seed: int, device: str = "cpu", log=print) -> dict:
     """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder.
 
     `model` is the policy (model.path samples generated data; model.autocast runs the passes),
-    `step_separator` is reward.step_separator and `seed` train.seed."""
+    `step_separator` is reward.step_separator, `seed` train.seed, `device` where the RM trains."""
     torch.manual_seed(seed)
     train, held, extra = _split_examples(rm, task, rollout, policy_path=model.path, step_separator=step_separator,
                                          seed=seed, log=log)
     log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
     value_model, tokenizer = _load_start_model(rm.base_model)
+    value_model.to(device)
     freeze_lower_layers(value_model, rm.train_layers)
     end_marker = uses_end_marker(rm.base_model, rm.objective)
     trainer = RMTrainer(value_model, tokenizer, rm.objective, lr=rm.learning_rate, batch_size=rm.batch_size,
@@ -290,12 +296,13 @@ def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, m
 
 
 def evaluate_reward_model(folder: str | Path, data: str | Path | None = None, *, task: TaskConfig, seed: int,
-                          batch_size: int, autocast: str) -> dict:
+                          batch_size: int, autocast: str, device: str = "cpu") -> dict:
     """`covey eval-rm`: pair / step accuracy of a saved RM on a data file (default: its own
     held-out data); for a PRM on the multistep task also the accuracy by kind of step.
     `seed` (train.seed) draws the task's prompts, `batch_size` is rm.batch_size, `autocast` model.autocast."""
     objective = read_rm_meta(folder).get("objective")
     scorer = {"bt": OutcomeRewardModel, "prm": ProcessRewardModel}[objective].load(folder)
+    scorer.model.to(device)
     data = Path(data) if data else Path(folder) / "eval_data.jsonl"
     examples = load_rm_data(data, objective, scorer.separator)
     trainer = RMTrainer(scorer.model, scorer.tokenizer, objective, lr=0.0, batch_size=batch_size,

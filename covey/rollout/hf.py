@@ -66,8 +66,9 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         with sampling_attention(self.model):
+            device = next(self.model.parameters()).device
             out = self.model.generate(
-                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
                 max_new_tokens=max_new_tokens or self.max_new_tokens,
                 num_return_sequences=group_size, do_sample=not greedy,
                 pad_token_id=tok.pad_token_id, eos_token_id=self.eos,

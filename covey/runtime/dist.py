@@ -45,23 +45,50 @@ class World:
         return self.size > 1
 
 
-def init_distributed(use_cuda: bool = False, timeout_s: float = 1800.0) -> World:
-    """World of this process; opens the process group when torchrun started several.
+class DeviceError(ValueError):
+    """A device was asked for that this machine does not have (a one-line user error, exit 2)."""
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> str:
+    """train.device -> "cpu" | "cuda:LOCAL_RANK". auto: CUDA when torch sees a GPU, else the CPU."""
+    if setting not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"train.device={setting!r} is not one of: auto, cpu, cuda")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise DeviceError("train.device=cuda, but torch sees no CUDA GPU (torch "
+                          f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use train.device=cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise DeviceError(f"process LOCAL_RANK={local_rank} needs cuda:{local_rank}, but torch sees "
+                          f"{torch.cuda.device_count()} GPU(s)")
+    return f"cuda:{local_rank}"
+
+
+def describe_device(device: str) -> str:
+    """One line for the start of a run: the device, its name and its memory."""
+    if not device.startswith("cuda"):
+        return f"cpu ({torch.get_num_threads()} threads)"
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
+
+
+def init_distributed(device_setting: str = "auto", timeout_s: float = 1800.0) -> World:
+    """World of this process on its device (train.device); opens the process group when torchrun
+    started several: nccl on GPUs, gloo on CPUs.
 
     `timeout_s` bounds every collective: a rank that dies makes the others raise
     instead of waiting forever.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("a CUDA device is needed (rollout.engine=vllm) but torch sees none")
-    device = f"cuda:{local_rank}" if use_cuda else "cpu"
-    if use_cuda:
+    device = resolve_device(device_setting, local_rank)
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
         torch.cuda.set_device(local_rank)
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=size,
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=torch.device(device) if use_cuda else None)
+                                device_id=torch.device(device) if on_gpu else None)
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
 

@@ -312,10 +312,10 @@ def _load_models(run, path: Path, st: dict) -> None:
     if run.critic is not None:
         if not (path / "critic.pt").is_file():
             raise CheckpointError(f"{path}: no critic.pt, but this run trains a critic")
-        run.critic.load_state_dict(torch.load(path / "critic.pt"))
+        run.critic.load_state_dict(torch.load(path / "critic.pt", map_location="cpu"))
         run.critic_optimizer.load_state_dict(st["critic_optimizer"])
     if run.reference is not None and (path / "reference.pt").is_file():
-        run.reference.load_state_dict(torch.load(path / "reference.pt"))
+        run.reference.load_state_dict(torch.load(path / "reference.pt", map_location="cpu"))
 
 
 def load_checkpoint(run, path: Path) -> Resumed:
@@ -326,7 +326,7 @@ def load_checkpoint(run, path: Path) -> Resumed:
     if diffs and not run.cfg.train.resume_force:
         raise CheckpointError(f"resume from {path}: config changed in keys that change results: "
                               f"{', '.join(diffs)} (set train.resume_force=true to override)")
-    st = torch.load(path / STATE_FILE, weights_only=False)  # our own file: RNG states are not tensors
+    st = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")  # GPU run -> CPU resume too
     _load_models(run, path, st)
     run.optimizer.load_state_dict(st["optimizer"])
     run.scheduler.load_state_dict(st["scheduler"])

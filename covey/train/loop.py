@@ -34,6 +34,7 @@ from covey.rewards.build import build_rewarder
 from covey.rewards.learned import load_learned_rewards
 from covey.models.offload import release_weights
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
+from covey.runtime.memory import record_gpu_peak, take_gpu_peak_mb
 from covey.runtime.dist import close_distributed, reduce_eval, reduce_metrics, uneven_share
 from covey.runtime.signals import TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_task_data
@@ -67,7 +68,7 @@ def train(cfg: Config, reward_funcs=None) -> TrainResult:
     print_header(run_dir, cfg.task.name, data)
     print_plan(plan)
     seed_everything(cfg.train.seed)
-    learned = load_learned_rewards(cfg.reward)
+    learned = load_learned_rewards(cfg.reward, world.device)
     rewarder = build_rewarder(cfg, learned, reward_funcs or ())
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned)
@@ -137,7 +138,9 @@ def out_of_time(run: Run) -> bool:
 def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     """One step: sample -> score -> (log-probs -> advantages -> update) or (pairs -> DPO update)."""
     t0 = time.perf_counter()
+    take_gpu_peak_mb(run.world.device)  # each phase's peak is its own (runtime/memory.py)
     rollout, metrics = collect_rollout(run, engine, rewarder, data.train, prompts)
+    record_gpu_peak(metrics, run.world.device, "generate")
     release_sampling_copy(engine)
     if len(rollout) == 0:  # reward.on_error=drop removed every sample: nothing to learn from
         return skip_empty_step(run, metrics, t0)
@@ -207,7 +210,7 @@ def add_logprobs(run: Run, rollout: Rollout) -> dict:
         release_weights(run.reference)  # an offloaded reference leaves memory before the update
     if run.critic is not None:
         rollout.values = batched_values(run.critic, rollout, mb, prec)
-    return {"time/logprobs": time.perf_counter() - t0}
+    return record_gpu_peak({"time/logprobs": time.perf_counter() - t0}, run.world.device, "logprobs")
 
 
 def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dict:
@@ -259,14 +262,14 @@ def update(run: Run, rollout: Rollout) -> dict:
                                      run.shuffle_generator))
     metrics["optim/lr"] = run.scheduler.get_last_lr()[0]
     metrics["time/update"] = time.perf_counter() - t0
-    return metrics
+    return record_gpu_peak(metrics, run.world.device, "update")
 
 
 def learn_from_pairs(run: Run, rollout: Rollout) -> dict:
     """Iterative DPO (covey.train.dpo): best-vs-worst pairs of each group, DPO steps against the reference."""
     metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.plan.update,
                          run.update_state, run.shuffle_generator)
-    return {**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}
+    return record_gpu_peak({**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}, run.world.device, "update")
 
 
 def sync_engine(run: Run, engine) -> dict:
@@ -310,7 +313,7 @@ def run_eval(run: Run, engine, prompts, examples) -> dict:
                    pass_k=cfg.train.eval_pass_k)
     out = reduce_eval(out)
     out["time/eval"] = time.perf_counter() - t0
-    return out
+    return record_gpu_peak(out, run.world.device, "eval")
 
 
 def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:

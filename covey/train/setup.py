@@ -17,9 +17,9 @@ import torch
 import yaml
 
 from covey import algos
-from covey.config import Config, as_dict, validate_world
+from covey.config import Config, ConfigError, as_dict, validate_world
 from covey.models.critic import ValueModel
-from covey.models.load import load_policy
+from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
@@ -27,7 +27,8 @@ from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, resolve_precision
 from covey.rollout.vllm import VLLMEngine
 from covey.runtime.cpu import apply_cpu_settings
-from covey.runtime.dist import SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
+from covey.runtime.dist import (DeviceError, SilentLogger, World, broadcast_object, describe_device,
+                                init_distributed, quiet_unless_main)
 from covey.runtime.fsdp import shard_model
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
@@ -113,10 +114,13 @@ class StepClock:
 
 def open_world(cfg: Config) -> World:
     """This process among the torchrun processes (one without torchrun); rank 0 alone prints."""
-    world = init_distributed(use_cuda=cfg.rollout.engine == "vllm", timeout_s=cfg.train.dist_timeout_s)
+    world = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    if cfg.rollout.engine == "vllm" and not world.device.startswith("cuda"):
+        raise DeviceError("rollout.engine=vllm samples on a GPU: it needs train.device=cuda (or auto with a GPU)")
     validate_world(cfg, world.size)
     quiet_unless_main(world)
     apply_cpu_settings(cfg)
+    print(f"covey: device {describe_device(world.device)}")
     return world
 
 
@@ -200,6 +204,8 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
     reference = frozen_reference(policy) if plan.needs_reference else None
     critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
               if plan.needs_critic else None)
+    if cfg.model.gradient_checkpointing:
+        checkpoint_activations(policy, critic)
     # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
     policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
     moves = bool(cfg.algo.ref_refresh_every or cfg.algo.ref_ema)  # a refreshed or EMA reference changes
@@ -214,6 +220,13 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
     run.extra_state["clock"] = StepClock()
     return run
+
+
+def checkpoint_activations(*models) -> None:
+    """model.gradient_checkpointing on the trained models (the reference runs without gradients)."""
+    for model in models:
+        if model is not None and not enable_gradient_checkpointing(model):
+            raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
 
 
 def attach_reward_models(run: Run, learned) -> None:
