@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import typing
 
 
@@ -16,10 +15,8 @@ def config_with_cpu_settings(items: typing.Sequence[str]):
     return cfg
 
 
-def command_device(cfg, command: str) -> str:
-    """train.device resolved for a command that runs one model (eval, train-rm, eval-rm), printed
-    to stderr so a command's JSON on stdout stays clean; a missing GPU is a one-line error."""
-    from covey.runtime.dist import describe_device, resolve_device
-    device = resolve_device(cfg.train.device)
-    print(f"covey {command}: device {describe_device(device)}", file=sys.stderr)
-    return device
+def command_device(cfg) -> str:
+    """train.device resolved for a command that runs one model (eval, train-rm, eval-rm); a
+    missing GPU is a one-line error."""
+    from covey.runtime.dist import resolve_device
+    return resolve_device(cfg.train.device)

@@ -33,7 +33,7 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     from covey.tasks.data import format_prompts, load_task_data
     from covey.train.evaluate import evaluate
     data = load_task_data(cfg.task, cfg.train.seed)
-    policy, tokenizer = load_policy(cfg.model.path, device=command_device(cfg, "eval"))
+    policy, tokenizer = load_policy(cfg.model.path, device=command_device(cfg))
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)

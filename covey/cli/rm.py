@@ -26,7 +26,7 @@ def run_train(args) -> int:
     from covey.rm.trainer import train_reward_model
     cfg = config_with_cpu_settings(args.args)
     train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
-                       seed=cfg.train.seed, device=command_device(cfg, "train-rm"))
+                       seed=cfg.train.seed, device=command_device(cfg))
     return 0
 
 
@@ -38,5 +38,5 @@ def run_eval(args) -> int:
     cfg = config_with_cpu_settings(args.args)
     print(json.dumps(evaluate_reward_model(args.folder, args.data or None, task=cfg.task, seed=cfg.train.seed,
                                            batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast,
-                                           device=command_device(cfg, "eval-rm"))))
+                                           device=command_device(cfg))))
     return 0

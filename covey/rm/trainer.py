@@ -264,7 +264,7 @@ def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, m
     torch.manual_seed(seed)
     train, held, extra = _split_examples(rm, task, rollout, policy_path=model.path, step_separator=step_separator,
                                          seed=seed, log=log)
-    log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples")
+    log(f"covey train-rm: {rm.objective} on {len(train)} train / {len(held)} held-out examples, on {device}")
     value_model, tokenizer = _load_start_model(rm.base_model)
     value_model.to(device)
     freeze_lower_layers(value_model, rm.train_layers)

@@ -88,7 +88,7 @@ def test_a_reward_model_trains_and_scores_on_cuda(tiny_model_dir, tmp_path, caps
                          for a in range(10, 30)])
     assert main(["train-rm", f"rm.base_model={tiny_model_dir}", f"rm.data={pairs}", f"rm.output={rm_dir}",
                  "rm.train_epochs=1", "train.device=cuda"]) == 0
-    assert "covey train-rm: device cuda:0" in capsys.readouterr().err
+    assert "held-out examples, on cuda" in capsys.readouterr().out
     assert run_cli("grpo", *tiny_overrides(tiny_model_dir, tmp_path / "policy", **{
         "train.device": "cuda", "reward.model_path": str(rm_dir), "reward.correctness": 0.0})) == 0
     rows = step_rows(tmp_path / "policy" / "t")
