@@ -152,5 +152,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> bool:
 
 def checkpoints_activations(model: nn.Module) -> bool:
     """Whether some block of the model recomputes its activations in the backward pass (its
-    cache is then dropped under grad, so a pass must not rely on a prompt's KV cache)."""
+    cache is then dropped, so a pass must not rely on a prompt's KV cache). A view over another
+    model's modules (the LoRA reference) answers for that model."""
+    model = getattr(model, "viewed_model", model)
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

@@ -74,6 +74,11 @@ class BaseModelView(nn.Module):
         return self._policy[0]
 
     @property
+    def viewed_model(self) -> nn.Module:
+        """The model whose modules this view runs (for checks that walk modules, e.g. checkpointing)."""
+        return self.policy
+
+    @property
     def config(self):
         return self.policy.config
 

@@ -36,8 +36,9 @@ from covey.models.lora import load_adapter_weights
 from covey.runtime.errors import first_line
 from covey.runtime.signals import fault_point
 
-# Keys that change only logging, speed or length of the run, never its numbers.
-RESULT_NEUTRAL = {
+# Keys that change only logging, speed, memory or length of the run, never its numbers (the device and
+# gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU).
+RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing",
     "train.steps", "train.resume", "train.progress", "train.save_every", "train.keep_checkpoints",
     "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",

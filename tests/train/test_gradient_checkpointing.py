@@ -7,6 +7,7 @@ import pytest
 from covey.config import load_config
 from covey.models.load import checkpoints_activations, enable_gradient_checkpointing, load_policy
 from covey.models.critic import ValueModel
+from covey.models.lora import add_adapters, frozen_reference
 from covey.passes.logprobs import packs
 from covey.train.api import train
 from tests.helpers import tiny_overrides
@@ -21,6 +22,18 @@ def test_enabling_it_marks_the_blocks_and_turns_the_packed_pass_off(tiny_model_d
     assert checkpoints_activations(model) and not packs(model)
     critic = ValueModel.from_policy_path(tiny_model_dir)
     assert enable_gradient_checkpointing(critic) and checkpoints_activations(critic.backbone)
+
+
+def test_the_lora_reference_view_answers_for_the_policy_it_runs(tiny_model_dir):
+    """The LoRA reference runs the policy's own blocks (adapters off): checkpointed, they drop a
+    prompt cache too (some transformers versions even without grad), so its passes do not pack."""
+    pytest.importorskip("peft")
+    policy, _ = load_policy(tiny_model_dir)
+    policy = add_adapters(policy, 4, 16, "all-linear")
+    reference = frozen_reference(policy)
+    assert packs(reference)
+    assert enable_gradient_checkpointing(policy)
+    assert checkpoints_activations(reference) and not packs(reference)
 
 
 def test_a_ppo_step_is_the_same_with_and_without_it(tiny_model_dir, tmp_path):
