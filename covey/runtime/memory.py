@@ -1,13 +1,25 @@
-"""Peak GPU memory per phase of a step (generate, log-probs, update, eval).
+"""Memory: peak GPU memory per phase of a step, and out-of-memory that halves the micro-batch.
 
 `torch.cuda.max_memory_allocated` counts tensors allocated by torch on the device, the
 quantity that decides an out-of-memory error (the caching allocator's reserve is larger).
 Each reading resets the peak, so a phase's figure is its own: memory/gpu_peak_mb/<phase>.
+
+Out of memory: covey's losses are normalised over the whole optimizer step, so the micro-batch
+size never changes a result. A log-prob pass or an optimizer step's gradient that runs out of
+memory is therefore undone and redone at half the micro-batch (`halving_on_oom`); the size is kept
+for the rest of the run, logged (memory/oom_retries, memory/micro_batch/<phase>) and checkpointed.
+Sampling and evaluation batches are not halved yet.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+from typing import Callable, TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 MiB = 2**20
 
@@ -31,3 +43,80 @@ def record_gpu_peak(metrics: dict, device: str | torch.device, phase: str) -> di
     if peak is not None:
         metrics[f"memory/gpu_peak_mb/{phase}"] = peak
     return metrics
+
+
+# --------------------------------------------------------------------------- out of memory
+
+
+class OutOfMemoryAtOneRow(RuntimeError):
+    """A pass ran out of memory with one sequence per micro-batch: nothing left to halve."""
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch's out-of-memory error (CUDA), or the CPU allocator's failure, which torch raises as a
+    plain RuntimeError."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def release_cached_memory(device: str | torch.device) -> None:
+    """Give the failed attempt's blocks back before the retry (on a GPU, torch's cache holds them)."""
+    gc.collect()
+    if on_gpu(device):
+        torch.cuda.empty_cache()
+
+
+class MicroBatchSizes:
+    """The micro-batch size of each phase that halves on out-of-memory (checkpointed with the run).
+
+    Losses are normalised over the whole optimizer step, so a smaller micro-batch gives the same
+    result (tests/algos); a halved size is kept for the rest of the run.
+    """
+
+    PHASES = ("logprobs", "update")
+
+    def __init__(self, size: int):
+        self.sizes = dict.fromkeys(self.PHASES, size)
+        self.oom_retries = 0
+
+    def halve(self, phase: str) -> int:
+        self.sizes[phase] = max(1, self.sizes[phase] // 2)
+        self.oom_retries += 1
+        return self.sizes[phase]
+
+    def metrics(self) -> dict:
+        return {"memory/oom_retries": self.oom_retries,
+                **{f"memory/micro_batch/{phase}": size for phase, size in self.sizes.items()}}
+
+    def state_dict(self) -> dict:
+        return {"sizes": dict(self.sizes), "oom_retries": self.oom_retries}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sizes.update(state["sizes"])
+        self.oom_retries = int(state["oom_retries"])
+
+
+def halving_on_oom(phase: str, sizes: MicroBatchSizes, attempt: Callable[[int], T], device: str | torch.device,
+                   cleanup: Callable[[], None] | None = None) -> T:
+    """attempt(micro_batch_size) at the phase's size; on out-of-memory, undo (`cleanup`), halve the
+    size and try again. At one sequence per micro-batch the run ends with one line naming the
+    phase, the sizes and the knobs left."""
+    while True:
+        size = sizes.sizes[phase]
+        try:
+            return attempt(size)
+        except (RuntimeError, torch.OutOfMemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            if cleanup is not None:
+                cleanup()
+            release_cached_memory(device)
+            if size == 1:
+                raise OutOfMemoryAtOneRow(
+                    f"out of memory in the {phase} phase with one sequence per micro-batch (sizes now: "
+                    + ", ".join(f"{p} {s}" for p, s in sizes.sizes.items())
+                    + f"; {sizes.oom_retries} halvings so far): lower rollout.max_new_tokens, set "
+                    "model.gradient_checkpointing=true or model.lora_rank; saved checkpoints are kept") from None
+            print(f"covey: out of memory in the {phase} phase at micro-batch {size}: redone at "
+                  f"{sizes.halve(phase)}", file=sys.stderr)

@@ -34,7 +34,7 @@ from covey.rewards.build import build_rewarder
 from covey.rewards.learned import load_learned_rewards
 from covey.models.offload import release_weights
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
-from covey.runtime.memory import record_gpu_peak, take_gpu_peak_mb
+from covey.runtime.memory import halving_on_oom, record_gpu_peak, take_gpu_peak_mb
 from covey.runtime.dist import close_distributed, reduce_eval, reduce_metrics, uneven_share
 from covey.runtime.signals import TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_task_data
@@ -201,15 +201,18 @@ def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | N
 
 def add_logprobs(run: Run, rollout: Rollout) -> dict:
     """pi_old and pi_ref log-probs and critic values, each only where something uses it."""
-    plan, t0 = run.plan, time.perf_counter()
-    mb, temp, prec = plan.update.micro_batch_size, plan.update.temperature, plan.update.autocast
+    plan, t0, sizes, device = run.plan, time.perf_counter(), run.extra_state["micro_batches"], run.world.device
+    temp, prec = plan.update.temperature, plan.update.autocast
     if plan.needs_old_logprobs:
-        rollout.old_logp = batched_logprobs(run.policy, rollout, temp, mb, prec)
+        rollout.old_logp = halving_on_oom("logprobs", sizes, lambda mb: batched_logprobs(
+            run.policy, rollout, temp, mb, prec), device)
     if run.reference is not None:
-        rollout.ref_logp = batched_logprobs(run.reference, rollout, temp, mb, prec)
+        rollout.ref_logp = halving_on_oom("logprobs", sizes, lambda mb: batched_logprobs(
+            run.reference, rollout, temp, mb, prec), device)
         release_weights(run.reference)  # an offloaded reference leaves memory before the update
     if run.critic is not None:
-        rollout.values = batched_values(run.critic, rollout, mb, prec)
+        rollout.values = halving_on_oom("logprobs", sizes, lambda mb: batched_values(run.critic, rollout, mb, prec),
+                                        device)
     return record_gpu_peak({"time/logprobs": time.perf_counter() - t0}, run.world.device, "logprobs")
 
 
@@ -255,11 +258,13 @@ def update(run: Run, rollout: Rollout) -> dict:
                                         seed=cfg.train.seed * 100003 + run.step,
                                         num_batches=cfg.train.grad_var_batches)
     t0 = time.perf_counter()
+    sizes = run.extra_state["micro_batches"]
     metrics.update(update_policy(run.policy, run.optimizer, run.scheduler, rollout, opts, run.kl_controller.value,
-                                 run.update_state, run.shuffle_generator))
+                                 run.update_state, run.shuffle_generator, sizes))
     if run.critic is not None:
         metrics.update(update_critic(run.critic, run.critic_optimizer, rollout, opts, run.update_state,
-                                     run.shuffle_generator))
+                                     run.shuffle_generator, sizes))
+    metrics.update(sizes.metrics())
     metrics["optim/lr"] = run.scheduler.get_last_lr()[0]
     metrics["time/update"] = time.perf_counter() - t0
     return record_gpu_peak(metrics, run.world.device, "update")

@@ -30,6 +30,7 @@ from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import (DeviceError, SilentLogger, World, broadcast_object, describe_device,
                                 init_distributed, quiet_unless_main)
 from covey.runtime.fsdp import shard_model
+from covey.runtime.memory import MicroBatchSizes
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
@@ -219,6 +220,7 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               stream=PromptStream(train_size, cfg.train.seed), world=world)
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
     run.extra_state["clock"] = StepClock()
+    run.extra_state["micro_batches"] = MicroBatchSizes(plan.update.micro_batch_size)  # halved on out-of-memory
     return run
 
 

@@ -18,6 +18,7 @@ from covey.batch import Rollout
 from covey.passes.logprobs import critic_values, encode_prompts, on_device, policy_logprobs
 from covey.runtime.dist import all_finite
 from covey.runtime.fsdp import plain_norm
+from covey.runtime.memory import MicroBatchSizes, halving_on_oom
 from covey.runtime.precision import model_device, shared_weight_casts
 from covey.train.global_batch import global_normalizer
 from covey.train.plan import UpdateOptions
@@ -67,6 +68,11 @@ class MetricAverager:
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self.sums[k] += v * weight
                 self.weights[k] += weight
+
+    def merge(self, other: "MetricAverager") -> None:
+        for k in other.sums:
+            self.sums[k] += other.sums[k]
+            self.weights[k] += other.weights[k]
 
     def result(self) -> dict:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
@@ -138,12 +144,13 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: Up
 
 
 def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions, kl_coef: float,
-                    avg: MetricAverager) -> tuple[bool, float]:
-    """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss)."""
+                    avg: MetricAverager, micro_batch_size: int | None = None) -> tuple[bool, float]:
+    """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss).
+    `micro_batch_size`: the size in use (halved after an out-of-memory); default opts.micro_batch_size."""
     step_loss = 0.0
     # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
     encoded = encode_prompts(policy, rollout, batch, opts.autocast)
-    for micro in by_prompt(batch, rollout.group_ids).split(opts.micro_batch_size):
+    for micro in by_prompt(batch, rollout.group_ids).split(micro_batch_size or opts.micro_batch_size):
         part = on_device(rollout.select(micro), model_device(policy))
         prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
         loss, metrics = micro_policy_loss(policy, part, norm, opts, kl_coef, prompts)
@@ -160,13 +167,20 @@ def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: U
 
 
 def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions, kl_coef: float,
-                  state: UpdateState, generator: torch.Generator) -> dict:
-    """mu epochs of clipped policy-gradient updates over the rollout."""
-    avg = MetricAverager()
+                  state: UpdateState, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
+    """mu epochs of clipped policy-gradient updates over the rollout. An optimizer step's gradient
+    that runs out of memory is redone from zero at half the micro-batch (`sizes`, kept for the run)."""
+    avg, sizes, device = MetricAverager(), sizes or MicroBatchSizes(opts.micro_batch_size), model_device(policy)
     for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
         norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
-        with shared_weight_casts(opts.autocast, model_device(policy)):
-            finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg)
+
+        def attempt(size: int):
+            step_avg = MetricAverager()
+            with shared_weight_casts(opts.autocast, device):
+                return policy_gradient(policy, rollout, batch, norm, opts, kl_coef, step_avg, size), step_avg
+        (finite, step_loss), step_avg = halving_on_oom("update", sizes, attempt, device,
+                                                       cleanup=lambda: policy.zero_grad(set_to_none=True))
+        avg.merge(step_avg)
         step_metrics = optimizer_step(policy.parameters(), optimizer, scheduler, opts.max_grad_norm,
                                       state, opts.max_skipped_steps, "policy", finite)
         avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)
@@ -176,10 +190,10 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOp
 
 
 def critic_gradient(critic, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions,
-                    avg: MetricAverager) -> tuple[bool, float, list]:
+                    avg: MetricAverager, micro_batch_size: int | None = None) -> tuple[bool, float, list]:
     """Accumulate one optimizer step's value-loss gradient: (all losses finite, the step's loss, (V, R) fitted)."""
     step_loss, fitted = 0.0, []
-    for micro in batch.split(opts.micro_batch_size):
+    for micro in batch.split(micro_batch_size or opts.micro_batch_size):
         part = on_device(rollout.select(micro), model_device(critic))
         values, width = critic_values(critic, part, opts.autocast)
         mask = part.response_mask[:, :width]
@@ -198,12 +212,19 @@ def critic_gradient(critic, rollout: Rollout, batch: torch.Tensor, norm, opts: U
 
 
 def update_critic(critic, optimizer, rollout: Rollout, opts: UpdateOptions, state: UpdateState,
-                  generator: torch.Generator) -> dict:
-    """Clipped value regression onto the returns, same schedule as the policy."""
-    avg = MetricAverager()
+                  generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
+    """Clipped value regression onto the returns, same schedule as the policy (and the same
+    halving of the update's micro-batch on out-of-memory)."""
+    avg, sizes = MetricAverager(), sizes or MicroBatchSizes(opts.micro_batch_size)
     for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
         norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
-        finite, step_loss, fitted = critic_gradient(critic, rollout, batch, norm, opts, avg)
+
+        def attempt(size: int):
+            step_avg = MetricAverager()
+            return critic_gradient(critic, rollout, batch, norm, opts, step_avg, size), step_avg
+        (finite, step_loss, fitted), step_avg = halving_on_oom("update", sizes, attempt, model_device(critic),
+                                                               cleanup=lambda: critic.zero_grad(set_to_none=True))
+        avg.merge(step_avg)
         step_metrics = optimizer_step(critic.parameters(), optimizer, None, opts.max_grad_norm, state,
                                       opts.max_skipped_steps, "critic", finite)
         step_metrics = {f"critic/{k.split('/')[-1]}": v for k, v in step_metrics.items()}

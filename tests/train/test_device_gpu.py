@@ -2,8 +2,8 @@
 
 End to end through the CLI on the tiny model: GRPO and PPO steps on cuda with per-phase GPU memory
 in the metrics, a checkpoint moving GPU -> CPU and CPU -> GPU, LoRA, gradient checkpointing, a
-reward model trained and scored on the GPU; and one micro-batch's loss and gradients on CPU and
-GPU (fp32 on both) within float tolerance.
+reward model trained and scored on the GPU; one optimizer step's loss and gradients on CPU and
+GPU (fp32 on both) within float tolerance; a real CUDA out-of-memory halved away.
 """
 
 import json
@@ -16,6 +16,7 @@ from covey.cli.main import main
 from covey.config import load_config
 from covey.models.load import load_policy
 from covey.rm.data import PreferencePair, save_rm_data
+from covey.runtime.memory import MicroBatchSizes, OutOfMemoryAtOneRow, halving_on_oom
 from covey.train.global_batch import global_normalizer
 from covey.train.plan import make_plan
 from covey.train.update import MetricAverager, policy_gradient
@@ -93,6 +94,23 @@ def test_a_reward_model_trains_and_scores_on_cuda(tiny_model_dir, tmp_path, caps
         "train.device": "cuda", "reward.model_path": str(rm_dir), "reward.correctness": 0.0})) == 0
     rows = step_rows(tmp_path / "policy" / "t")
     assert rows and all(row["reward/mean"] == pytest.approx(row["reward/rm"]) for row in rows)  # the RM alone
+
+
+def test_a_real_cuda_out_of_memory_is_halved_away_and_a_row_that_never_fits_ends_in_one_line():
+    """Attempts that allocate `size` blocks of a third of the free memory: 8 and 4 fail for real, 2 fits."""
+    free, _ = torch.cuda.mem_get_info()
+    block = free // 3
+    sizes = MicroBatchSizes(8)
+
+    def attempt(size):
+        rows = torch.empty(size * block, dtype=torch.uint8, device="cuda")
+        return size, rows.numel()
+
+    assert halving_on_oom("update", sizes, attempt, "cuda")[0] == 2 and sizes.oom_retries == 2
+    torch.cuda.empty_cache()
+    with pytest.raises(OutOfMemoryAtOneRow, match="out of memory in the logprobs phase with one sequence"):
+        halving_on_oom("logprobs", MicroBatchSizes(2), lambda size: torch.empty(2 * free, dtype=torch.uint8,
+                                                                                 device="cuda"), "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torchrun with nccl needs two GPUs")

@@ -1,0 +1,79 @@
+"""Out-of-memory that halves the micro-batch: the retry loop on its own (the run-level test is
+tests/train/test_out_of_memory.py; a real CUDA one is in tests/train/test_device_gpu.py)."""
+
+import pytest
+import torch
+
+from covey.runtime.memory import MicroBatchSizes, OutOfMemoryAtOneRow, halving_on_oom, is_out_of_memory
+
+
+def oom():
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def test_what_counts_as_out_of_memory():
+    assert is_out_of_memory(oom())
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                                         "can't allocate memory: you tried to allocate 8589934592 bytes"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(ValueError("x"))
+
+
+def test_it_halves_until_the_pass_fits_and_keeps_the_size(capsys):
+    sizes, tried, cleaned = MicroBatchSizes(8), [], []
+
+    def attempt(size):
+        tried.append(size)
+        if size > 2:
+            raise oom()
+        return f"done at {size}"
+
+    assert halving_on_oom("update", sizes, attempt, "cpu", cleanup=lambda: cleaned.append(1)) == "done at 2"
+    assert tried == [8, 4, 2] and len(cleaned) == 2  # every failed attempt is undone before the next
+    assert sizes.sizes == {"logprobs": 8, "update": 2} and sizes.oom_retries == 2
+    assert sizes.metrics() == {"memory/oom_retries": 2, "memory/micro_batch/logprobs": 8,
+                               "memory/micro_batch/update": 2}
+    assert "out of memory in the update phase at micro-batch 8: redone at 4" in capsys.readouterr().err
+    # the next step starts at the kept size: one attempt
+    tried.clear()
+    halving_on_oom("update", sizes, attempt, "cpu")
+    assert tried == [2]
+
+
+def test_odd_sizes_round_down_and_stop_at_one():
+    sizes = MicroBatchSizes(5)
+    assert [sizes.halve("logprobs") for _ in range(3)] == [2, 1, 1]
+
+
+def test_one_row_that_does_not_fit_ends_with_one_line_naming_phase_sizes_and_knobs():
+    sizes = MicroBatchSizes(2)
+
+    def attempt(size):
+        raise oom()
+
+    with pytest.raises(OutOfMemoryAtOneRow) as err:
+        halving_on_oom("logprobs", sizes, attempt, "cpu")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("out of memory in the logprobs phase with one sequence per micro-batch "
+                              "(sizes now: logprobs 1, update 2; 1 halvings so far)")
+    for knob in ("rollout.max_new_tokens", "model.gradient_checkpointing=true", "model.lora_rank"):
+        assert knob in message
+
+
+def test_other_errors_pass_through_untouched():
+    sizes = MicroBatchSizes(4)
+
+    def attempt(size):
+        raise RuntimeError("expected scalar type Float")
+
+    with pytest.raises(RuntimeError, match="expected scalar type Float"):
+        halving_on_oom("update", sizes, attempt, "cpu")
+    assert sizes.sizes["update"] == 4 and sizes.oom_retries == 0
+
+
+def test_sizes_are_saved_and_restored():
+    sizes = MicroBatchSizes(8)
+    sizes.halve("update")
+    restored = MicroBatchSizes(8)
+    restored.load_state_dict(sizes.state_dict())
+    assert restored.sizes == {"logprobs": 8, "update": 4} and restored.oom_retries == 1

@@ -1,0 +1,67 @@
+"""A pass that runs out of memory is redone at half the micro-batch: the step's metrics and the
+trained weights equal those of a run that started at the smaller size, and the size is kept,
+logged and checkpointed. The out-of-memory error is injected for micro-batches above 2 rows."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from covey.config import load_config
+from covey.passes import logprobs as passes
+from covey.train import update as update_module
+from covey.train.api import train
+from tests.helpers import tiny_overrides
+
+ROWS_THAT_FIT = 2
+
+
+def failing_above(limit, real):
+    def wrapped(model, part, *args, **kwargs):
+        if len(part) > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {len(part)} rows)")
+        return real(model, part, *args, **kwargs)
+    return wrapped
+
+
+def run_ppo(tiny_model_dir, out_dir, micro_batch_size):
+    cfg = load_config("ppo", tiny_overrides(tiny_model_dir, out_dir, **{
+        "model.autocast": "none", "rollout.precision": "float32", "optim.lr": 1e-3, "train.save_every": 1,
+        "reward.functions": "tests.helpers:varied_reward", "algo.micro_batch_size": micro_batch_size}))
+    result = train(cfg)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward/mean" in row]
+    weights = load_file(str(next((result.final_model).glob("*.safetensors"))))
+    return steps, weights, result
+
+
+def comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/", "throughput/"))}
+
+
+def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monkeypatch):
+    small_steps, small_weights, _ = run_ppo(tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
+    with monkeypatch.context() as patch:
+        for module in (passes, update_module):
+            patch.setattr(module, "policy_logprobs", failing_above(ROWS_THAT_FIT, module.policy_logprobs))
+            patch.setattr(module, "critic_values", failing_above(ROWS_THAT_FIT, module.critic_values))
+        steps, weights, result = run_ppo(tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
+    assert [comparable(row) for row in steps] == [comparable(row) for row in small_steps]
+    assert weights.keys() == small_weights.keys()
+    assert all(torch.equal(weights[k], small_weights[k]) for k in weights)
+    # 8 -> 4 -> 2 in each phase, on the first step only; the sizes are logged and checkpointed
+    assert [row["memory/oom_retries"] for row in steps] == [4, 4]
+    assert steps[-1]["memory/micro_batch/update"] == steps[-1]["memory/micro_batch/logprobs"] == ROWS_THAT_FIT
+    state = torch.load(result.run_dir / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
+    assert state["extra"]["micro_batches"] == {"sizes": {"logprobs": 2, "update": 2}, "oom_retries": 4}
+
+
+def test_a_row_that_does_not_fit_ends_the_run_with_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from covey.cli.main import main
+    monkeypatch.setattr(update_module, "policy_logprobs", failing_above(0, update_module.policy_logprobs))
+    code = main(["train", "grpo", *tiny_overrides(tiny_model_dir, tmp_path, **{"algo.micro_batch_size": 2})])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("covey train: error: out of memory in the update phase with one sequence per "
+                              "micro-batch (sizes now: logprobs 2, update 1;")
+    assert "covey: out of memory in the update phase at micro-batch 2: redone at 1" in err
