@@ -6,9 +6,10 @@ Each reading resets the peak, so a phase's figure is its own: memory/gpu_peak_mb
 
 Out of memory: covey's losses are normalised over the whole optimizer step, so the micro-batch
 size never changes a result. A log-prob pass or an optimizer step's gradient that runs out of
-memory is therefore undone and redone at half the micro-batch (`halving_on_oom`); the size is kept
-for the rest of the run, logged (memory/oom_retries, memory/micro_batch/<phase>) and checkpointed.
-Sampling and evaluation batches are not halved yet.
+memory is therefore undone and redone at half the micro-batch (`halving_on_oom`), and sampling at
+half the prompts per generate call; the size is kept for the rest of the run, logged
+(memory/oom_retries, memory/micro_batch/<phase>) and checkpointed. Evaluation batches are not
+halved yet.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -68,16 +70,19 @@ def release_cached_memory(device: str | torch.device) -> None:
 
 
 class MicroBatchSizes:
-    """The micro-batch size of each phase that halves on out-of-memory (checkpointed with the run).
+    """The batch size of each phase that halves on out-of-memory (checkpointed with the run):
+    prompts per generate call (`generate`), sequences per log-prob pass (`logprobs`) and per
+    gradient micro-batch (`update`).
 
     Losses are normalised over the whole optimizer step, so a smaller micro-batch gives the same
     result (tests/algos); a halved size is kept for the rest of the run.
     """
 
-    PHASES = ("logprobs", "update")
+    PHASES = ("generate", "logprobs", "update")
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, prompts_per_call: int | None = None):
         self.sizes = dict.fromkeys(self.PHASES, size)
+        self.sizes["generate"] = prompts_per_call or size
         self.oom_retries = 0
 
     def halve(self, phase: str) -> int:
@@ -112,6 +117,11 @@ def halving_on_oom(phase: str, sizes: MicroBatchSizes, attempt: Callable[[int], 
             if cleanup is not None:
                 cleanup()
             release_cached_memory(device)
+            if dist.is_initialized() and dist.get_world_size() > 1:  # one rank alone cannot change its passes
+                raise OutOfMemoryAtOneRow(
+                    f"out of memory in the {phase} phase at batch size {size} on one of the torchrun "
+                    f"processes, which cannot halve alone (their collectives must match): restart with a "
+                    f"smaller size (algo.micro_batch_size, rollout.prompts_per_step)") from None
             if size == 1:
                 raise OutOfMemoryAtOneRow(
                     f"out of memory in the {phase} phase with one sequence per micro-batch (sizes now: "

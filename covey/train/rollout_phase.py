@@ -15,6 +15,7 @@ import time
 import torch
 
 from covey.batch import Rollout, concat_rollouts
+from covey.runtime.memory import halving_on_oom
 from covey.train.global_batch import draw_share, prompt_seed, sample_groups
 from covey.train.setup import Run
 
@@ -38,7 +39,8 @@ def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dic
     ids, draws = draw_share(run.stream, cfg.rollout.prompts_per_step, run.world)
     seeds = [prompt_seed(cfg.train.seed, d) for d in draws] if cfg.rollout.seeding == "per_prompt" else None
     t0 = time.perf_counter()
-    rollout = sample_groups(engine, [prompts[i] for i in ids], cfg.rollout.group_size, seeds)
+    rollout = halving_on_oom("generate", run.extra_state["micro_batches"], lambda per_call: sample_in_calls(
+        engine, [prompts[i] for i in ids], cfg.rollout.group_size, seeds, per_call), run.world.device)
     rollout.example_index = [ids[i] for i in rollout.example_index]
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -52,6 +54,24 @@ def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dic
         rollout.baseline_scores = greedy.scores[rollout.group_ids]
     timings["time/score"] += time.perf_counter() - t0
     return rollout, metrics
+
+
+def sample_in_calls(engine, prompts: list[str], group_size: int, seeds: list[int] | None, per_call: int) -> Rollout:
+    """G samples of each prompt, `per_call` prompts per generate call (fewer after an out-of-memory).
+
+    With rollout.seeding=per_prompt each group has its own seed, so the samples are the same
+    however the prompts are split; with one global stream they are new draws of the same
+    distribution.
+    """
+    if per_call >= len(prompts):
+        return sample_groups(engine, prompts, group_size, seeds)
+    parts = []
+    for start in range(0, len(prompts), per_call):
+        part = sample_groups(engine, prompts[start:start + per_call], group_size,
+                             seeds[start:start + per_call] if seeds is not None else None)
+        part.example_index = [start + i for i in part.example_index]
+        parts.append(part)
+    return concat_rollouts(parts, engine.tokenizer.pad_token_id)
 
 
 def score(rollout: Rollout, rewarder, examples, prompts) -> dict:

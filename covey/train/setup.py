@@ -220,7 +220,8 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               stream=PromptStream(train_size, cfg.train.seed), world=world)
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
     run.extra_state["clock"] = StepClock()
-    run.extra_state["micro_batches"] = MicroBatchSizes(plan.update.micro_batch_size)  # halved on out-of-memory
+    run.extra_state["micro_batches"] = MicroBatchSizes(plan.update.micro_batch_size,  # halved on out-of-memory
+                                                       prompts_per_call=cfg.rollout.prompts_per_step)
     return run
 
 

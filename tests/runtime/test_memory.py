@@ -29,9 +29,9 @@ def test_it_halves_until_the_pass_fits_and_keeps_the_size(capsys):
 
     assert halving_on_oom("update", sizes, attempt, "cpu", cleanup=lambda: cleaned.append(1)) == "done at 2"
     assert tried == [8, 4, 2] and len(cleaned) == 2  # every failed attempt is undone before the next
-    assert sizes.sizes == {"logprobs": 8, "update": 2} and sizes.oom_retries == 2
-    assert sizes.metrics() == {"memory/oom_retries": 2, "memory/micro_batch/logprobs": 8,
-                               "memory/micro_batch/update": 2}
+    assert sizes.sizes == {"generate": 8, "logprobs": 8, "update": 2} and sizes.oom_retries == 2
+    assert sizes.metrics() == {"memory/oom_retries": 2, "memory/micro_batch/generate": 8,
+                               "memory/micro_batch/logprobs": 8, "memory/micro_batch/update": 2}
     assert "out of memory in the update phase at micro-batch 8: redone at 4" in capsys.readouterr().err
     # the next step starts at the kept size: one attempt
     tried.clear()
@@ -45,7 +45,7 @@ def test_odd_sizes_round_down_and_stop_at_one():
 
 
 def test_one_row_that_does_not_fit_ends_with_one_line_naming_phase_sizes_and_knobs():
-    sizes = MicroBatchSizes(2)
+    sizes = MicroBatchSizes(2, prompts_per_call=4)
 
     def attempt(size):
         raise oom()
@@ -55,7 +55,7 @@ def test_one_row_that_does_not_fit_ends_with_one_line_naming_phase_sizes_and_kno
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("out of memory in the logprobs phase with one sequence per micro-batch "
-                              "(sizes now: logprobs 1, update 2; 1 halvings so far)")
+                              "(sizes now: generate 4, logprobs 1, update 2; 1 halvings so far)")
     for knob in ("rollout.max_new_tokens", "model.gradient_checkpointing=true", "model.lora_rank"):
         assert knob in message
 
@@ -76,4 +76,4 @@ def test_sizes_are_saved_and_restored():
     sizes.halve("update")
     restored = MicroBatchSizes(8)
     restored.load_state_dict(sizes.state_dict())
-    assert restored.sizes == {"logprobs": 8, "update": 4} and restored.oom_retries == 1
+    assert restored.sizes == {"generate": 8, "logprobs": 8, "update": 4} and restored.oom_retries == 1

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from covey.config import load_config
 from covey.passes import logprobs as passes
+from covey.rollout.fast import FastEngine
 from covey.train import update as update_module
 from covey.train.api import train
 from tests.helpers import tiny_overrides
@@ -53,7 +54,8 @@ def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monk
     assert [row["memory/oom_retries"] for row in steps] == [4, 4]
     assert steps[-1]["memory/micro_batch/update"] == steps[-1]["memory/micro_batch/logprobs"] == ROWS_THAT_FIT
     state = torch.load(result.run_dir / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
-    assert state["extra"]["micro_batches"] == {"sizes": {"logprobs": 2, "update": 2}, "oom_retries": 4}
+    assert state["extra"]["micro_batches"] == {"sizes": {"generate": 2, "logprobs": 2, "update": 2},
+                                               "oom_retries": 4}
 
 
 def test_a_row_that_does_not_fit_ends_the_run_with_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -63,5 +65,31 @@ def test_a_row_that_does_not_fit_ends_the_run_with_one_line(tiny_model_dir, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("covey train: error: out of memory in the update phase with one sequence per "
-                              "micro-batch (sizes now: logprobs 2, update 1;")
+                              "micro-batch (sizes now: generate 2, logprobs 2, update 1;")
     assert "covey: out of memory in the update phase at micro-batch 2: redone at 1" in err
+
+
+def test_sampling_in_fewer_prompts_per_call_gives_the_same_samples_with_per_prompt_seeds(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """rollout.seeding=per_prompt: each group has its own seed, so generating one prompt per call
+    after an out-of-memory gives the very samples of one call for all."""
+    def run(out_dir):
+        cfg = load_config("grpo", tiny_overrides(tiny_model_dir, out_dir, **{
+            "rollout.seeding": "per_prompt", "model.autocast": "none", "rollout.precision": "float32",
+            "reward.functions": "tests.helpers:varied_reward"}))
+        result = train(cfg)
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [row for row in rows if "reward/mean" in row]
+
+    whole = run(tmp_path / "whole")
+    real = FastEngine.generate
+
+    def one_prompt_at_a_time(self, prompts, group_size, *args, **kwargs):
+        if len(prompts) > 1 and group_size > 1:  # the training samples (held-out evaluation is greedy, G = 1)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, prompts, group_size, *args, **kwargs)
+
+    monkeypatch.setattr(FastEngine, "generate", one_prompt_at_a_time)
+    split = run(tmp_path / "split")
+    assert [comparable(row) for row in split] == [comparable(row) for row in whole]
+    assert split[-1]["memory/micro_batch/generate"] == 1 and split[-1]["memory/oom_retries"] == 1
