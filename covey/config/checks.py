@@ -51,6 +51,20 @@ POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_t
             "rm.num_examples", "rm.train_epochs", "rm.batch_size", "rm.max_length",
             "rm.replay_capacity")
 
+# Numbers with a floor, checked before any model loads: key -> (least value, whether it is allowed).
+AT_LEAST = {
+    "optim.lr": (0.0, False), "optim.critic_lr": (0.0, False), "rm.learning_rate": (0.0, False),
+    "optim.weight_decay": (0.0, True), "optim.max_grad_norm": (0.0, True), "optim.warmup_steps": (0, True),
+    "optim.max_skipped_steps": (1, True), "algo.beta": (0.0, True), "algo.kl_target": (0.0, True),
+    "algo.kl_horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.value_clip": (0.0, True),
+    "algo.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
+    "algo.max_resample_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
+    "reward.timeout_s": (0.0, True), "reward.overlong_buffer": (0, True), "model.threads": (0, True),
+    "train.eval_every": (0, True), "train.save_every": (0, True), "train.keep_checkpoints": (1, True),
+    "train.samples_every": (0, True), "train.eval_pass_k": (0, True), "task.train_size": (1, True),
+    "task.eval_size": (1, True),
+}
+
 
 def parse_corruptions(spec: str) -> tuple[str, ...]:
     """'result, carry' -> ('result', 'carry'); ValueError for an empty list or an unknown kind."""
@@ -84,6 +98,19 @@ def validate_choices(cfg: Config) -> None:
     for key in POSITIVE:
         if value_of(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {value_of(cfg, key)}")
+    for key, (least, allowed) in AT_LEAST.items():
+        value = value_of(cfg, key)
+        if value < least or (value == least and not allowed):
+            raise ConfigError(f"{key} must be {'>=' if allowed else '>'} {least}, got {value}")
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p must lie in (0, 1], got {cfg.rollout.top_p}")
+    betas = cfg.optim.betas.split(",")
+    try:
+        ok = len(betas) == 2 and all(0.0 <= float(b) < 1.0 for b in betas)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1) such as '0.9,0.99', got {cfg.optim.betas!r}")
 
 
 def validate_algo(cfg: Config) -> None:

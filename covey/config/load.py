@@ -102,12 +102,44 @@ def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(as_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
+# Names users of TRL, verl and OpenRLHF type, and covey's keys for them. A bare name here is never
+# read as a leaf of some other section (`learning_rate` would otherwise land on rm.learning_rate).
+PEER_NAMES = {
+    "learning_rate": "optim.lr (the policy's; the reward model's is rm.learning_rate)",
+    "actor_learning_rate": "optim.lr", "critic_learning_rate": "optim.critic_lr",
+    "kl_coef": "algo.beta", "init_kl_coef": "algo.beta", "kl_beta": "algo.beta", "kl_loss_coef": "algo.beta",
+    "kl_target": "algo.kl_target", "use_kl_loss": "algo.kl_in=loss", "kl_loss_type": "algo.kl_estimator",
+    "num_generations": "rollout.group_size", "n_samples_per_prompt": "rollout.group_size",
+    "rollout_n": "rollout.group_size",
+    "max_completion_length": "rollout.max_new_tokens", "response_length": "rollout.max_new_tokens",
+    "generate_max_len": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
+    "per_device_train_batch_size": "rollout.prompts_per_step (prompts per step; each gets rollout.group_size "
+                                   "samples) and algo.micro_batch_size (sequences per forward/backward)",
+    "train_batch_size": "rollout.prompts_per_step", "rollout_batch_size": "rollout.prompts_per_step",
+    "micro_train_batch_size": "algo.micro_batch_size", "ppo_micro_batch_size": "algo.micro_batch_size",
+    "mini_batch_size": "algo.minibatches (optimizer steps per rollout pass)",
+    "num_iterations": "algo.epochs", "ppo_epochs": "algo.epochs", "max_epochs": "algo.epochs",
+    "num_train_epochs": "train.steps", "max_steps": "train.steps",
+    "epsilon": "algo.clip_eps_low and algo.clip_eps_high", "cliprange": "algo.clip_eps_low and algo.clip_eps_high",
+    "clip_ratio": "algo.clip_eps_low and algo.clip_eps_high", "eps_clip": "algo.clip_eps_low and algo.clip_eps_high",
+    "epsilon_high": "algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
+    "loss_type": "algo.loss_agg", "loss_agg_mode": "algo.loss_agg",
+    "cliprange_value": "algo.value_clip", "vf_coef": "algo.value_coef", "entropy_coeff": "algo.entropy_coef",
+    "adv_estimator": "algo.estimator", "advantage_estimator": "algo.estimator",
+    "model_name_or_path": "model.path", "pretrain": "model.path", "lora_r": "model.lora_rank",
+    "scale_rewards": "algo.std_normalize",
+}
+
+
 def resolve_key(key: str) -> tuple[str, str]:
-    """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works."""
+    """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works, except the
+    names other trainers use (PEER_NAMES), which fail with covey's key for them."""
     keys = leaf_keys()
     if key in keys:
         section, name = key.split(".")
         return section, name
+    if key in PEER_NAMES:
+        raise ConfigError(f"unknown config key '{key}' (another trainer's name): covey's is {PEER_NAMES[key]}")
     if "." not in key:
         matches = [k for k in keys if k.split(".")[1] == key]
         if len(matches) == 1:
