@@ -14,9 +14,13 @@ The critic and the reward model (`ValueModel`) live in `covey.models.critic`.
 from __future__ import annotations
 
 import copy
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from torch import Tensor, nn
 
 from covey.models.default import DEFAULT_ALIASES, build_cached, cache_root, prepare_default_model, prepare_gguf
@@ -57,7 +61,31 @@ def resolve_model_path(spec: str) -> str:
         raise ModelError(f"model path is a file, not a Hugging Face folder or .gguf: {spec}")
     if _looks_like_path(spec):
         raise ModelError(f"model path not found: {spec}")
+    check_hub_id(spec)
     return spec
+
+
+def check_hub_id(spec: str) -> None:
+    """A hub id that is not in the local Hugging Face cache needs the hub: when it is offline
+    (HF_HUB_OFFLINE, or no answer within 2 s) fail at once in one line, not after minutes of retries."""
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if offline or not hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ModelError(f"model '{spec}' is not a local folder or .gguf, not in the Hugging Face cache, "
+                         f"and {why}: give a folder, a .gguf file, 'default', or a cached hub id")
+
+
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a connection within `timeout_s`."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def as_dtype(dtype) -> torch.dtype:

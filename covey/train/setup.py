@@ -7,6 +7,7 @@ what a checkpoint restores; `Feed` what the steps read and never checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 from dataclasses import dataclass, field
@@ -122,7 +123,19 @@ def open_world(cfg: Config) -> World:
     quiet_unless_main(world)
     apply_cpu_settings(cfg)
     print(f"covey: device {describe_device(world.device)}")
+    check_extras(cfg)
     return world
+
+
+def check_extras(cfg: Config) -> None:
+    """An optional package a setting needs is one line naming its pip extra, before any model loads."""
+    needs = (("train.logger=tensorboard", cfg.train.logger == "tensorboard", "tensorboard", "tensorboard"),
+             (f"model.lora_rank={cfg.model.lora_rank}", cfg.model.lora_rank > 0, "peft", "lora"),
+             ("task.name=hf", cfg.task.name == "hf", "datasets", "datasets"),
+             ("rollout.engine=vllm", cfg.rollout.engine == "vllm", "vllm", "vllm"))
+    for setting, used, package, extra in needs:
+        if used and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{setting} needs the optional package {package}: pip install 'covey[{extra}]'")
 
 
 def prepare_run_dir(cfg: Config, label: str) -> Path:

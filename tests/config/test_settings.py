@@ -53,3 +53,17 @@ def test_a_run_ended_by_its_time_budget_says_so(tiny_model_dir, tmp_path, capsys
     assert "after 1 steps" in last and "stopped by the time budget train.max_minutes=1e-06 before train.steps=5" in last
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["final"] == 1 and rows[-1]["train/stopped_by_budget"] == 1
+
+
+@pytest.mark.parametrize("override,package,extra", [
+    ("model.lora_rank=4", "peft", "lora"), ("train.logger=tensorboard", "tensorboard", "tensorboard"),
+])
+def test_a_missing_optional_package_is_one_line_naming_its_extra(override, package, extra, monkeypatch, capsys,
+                                                                  tmp_path):
+    from covey.train import setup
+    real = setup.importlib.util.find_spec
+    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    code = main(["train", *tiny_overrides("no-such-model", tmp_path), override])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == f"covey train: error: {override} needs the optional package {package}: pip install 'covey[{extra}]'"

@@ -170,16 +170,35 @@ def test_last_token_scores_left_and_right_padding():
 # --------------------------------------------------------------------------- resolve / cache
 
 
-def test_resolve_model_path(tiny_dir, tmp_path):
+def test_resolve_model_path(tiny_dir, tmp_path, monkeypatch):
     assert models.resolve_model_path(str(tiny_dir)) == str(tiny_dir)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: True)
     assert models.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == \
-        "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id: left to from_pretrained
+        "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id with a hub: left to from_pretrained
     for missing in ["./nope", "/nonexistent/model", "runs/x/final", "~/none.gguf", "missing.gguf"]:
         with pytest.raises(ModelError, match="model path not found"):
             models.resolve_model_path(missing)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelError, match="is a file"):
         models.resolve_model_path(str(tmp_path / "weights.bin"))
+
+
+def test_a_hub_id_without_cache_or_hub_fails_at_once_in_one_line(monkeypatch):
+    """No minutes of download retries on a machine without network: one line, at once."""
+    monkeypatch.setattr(models, "try_to_load_from_cache", lambda repo, name: None)
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(ModelError, match=r"^model 'no-such-model' is not a local folder or \.gguf, not in the "
+                                         r"Hugging Face cache, and the hub cannot be reached: give a folder"):
+        models.resolve_model_path("no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: True)
+    with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):
+        models.resolve_model_path("org/model")
+    # in the cache: used offline as it is
+    monkeypatch.setattr(models, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
+    assert models.resolve_model_path("org/model") == "org/model"
 
 
 def test_load_policy_bad_folder_is_model_error(tmp_path):
