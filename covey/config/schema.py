@@ -327,7 +327,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the newest K checkpoints."""
     samples_every: int = 5
-    """Write sample completions every N steps."""
+    """Write sample completions at step 1 and every N steps (0 = never)."""
     output_dir: str = "runs"
     """Parent folder of run folders."""
     run_name: str = ""

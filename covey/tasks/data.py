@@ -52,7 +52,10 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
 
 
 def format_prompts(tokenizer, examples: list[Example], system_prompt: str = "") -> list[str]:
-    """Apply the tokenizer's chat template (generation prompt appended)."""
+    """Apply the tokenizer's chat template (generation prompt appended). A model without one (a
+    base model) gets the plain question, after the system prompt if any, as TRL does for plain prompts."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [f"{system_prompt}\n\n{ex.prompt}" if system_prompt else ex.prompt for ex in examples]
     return [tokenizer.apply_chat_template(build_messages(ex, system_prompt or None),
                                           tokenize=False, add_generation_prompt=True)
             for ex in examples]

@@ -159,7 +159,8 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     metrics["time/elapsed"] = run.extra_state["clock"].add(metrics["time/step"])
     metrics["throughput/tokens_per_s"] = float(rollout.response_mask.sum()) / max(metrics["time/generate"], 1e-9)
     metrics.update(memory_metrics(run))
-    if run.cfg.train.samples_every and run.step % run.cfg.train.samples_every == 0:
+    every = run.cfg.train.samples_every
+    if every and (run.step % every == 0 or run.step == 1):  # the first step too: a short run shows samples
         run.logger.log_samples(run.step, sample_rows(rollout, data.train))
     return reduce_metrics(metrics)  # under torchrun: pooled over ranks (docs/scale.md, Metrics)
 

@@ -67,3 +67,9 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra(override, packa
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err == f"covey train: error: {override} needs the optional package {package}: pip install 'covey[{extra}]'"
+
+
+def test_a_run_shorter_than_samples_every_still_writes_samples(tiny_model_dir, tmp_path):
+    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path)]) == 0  # 2 steps, train.samples_every=5
+    rows = [json.loads(line) for line in (tmp_path / "t" / "samples.jsonl").read_text().splitlines()]
+    assert rows and {row["step"] for row in rows} == {1}

@@ -93,3 +93,16 @@ def test_example_and_messages():
     assert build_messages(ex) == [{"role": "user", "content": "What is 2 + 2?"}]
     assert build_messages(ex, "Be brief.") == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+def test_a_model_without_a_chat_template_gets_plain_prompts(tiny_model_dir):
+    """A base model has no chat template: the question text itself (after the system prompt), as
+    TRL does for plain prompts; a chat model gets its template."""
+    from covey.models.load import load_tokenizer
+    from covey.tasks.data import format_prompts
+    tokenizer = load_tokenizer(tiny_model_dir)
+    example = Example(prompt="What is 12 * 3?", answer="36")
+    assert format_prompts(tokenizer, [example])[0] != example.prompt  # the tiny model's template applied
+    tokenizer.chat_template = None
+    assert format_prompts(tokenizer, [example]) == ["What is 12 * 3?"]
+    assert format_prompts(tokenizer, [example], "Be brief.") == ["Be brief.\n\nWhat is 12 * 3?"]
