@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
+import importlib.util
 import math
+import os
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from covey.runtime.errors import first_line
 
 
 class RewardError(RuntimeError):
@@ -45,18 +51,41 @@ class Scores:
 
 
 def load_callable(spec: str) -> Callable:
-    """'package.module:function' -> the function; clear error when it cannot be found."""
+    """'package.module:function' or 'path/to/file.py:function' -> the function; one clear line when
+    it cannot be found. A module in the current folder imports however covey was started (the
+    `covey` script does not put the current folder on sys.path; `python -m` does)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward function '{spec}' must look like module:function")
+        raise ValueError(f"reward function '{spec}' must look like module:function or file.py:function")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward function '{spec}': cannot import {module_name}: {e}") from None
+        module = import_file(Path(module_name)) if module_name.endswith(".py") else import_here(module_name)
+    except Exception as e:  # noqa: BLE001 - the user's module: any error while importing it, in one line
+        raise ValueError(f"reward function '{spec}': cannot import {module_name}: {first_line(e)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward function '{spec}': {module_name} has no callable '{attr}'")
     return fn
+
+
+def import_here(module_name: str):
+    """import_module, with the current folder searched after everything else on sys.path."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(module_name)
+
+
+def import_file(path: Path):
+    """A module from a .py file (its own name space: covey_user.<file stem>)."""
+    path = path.expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {path}")
+    name = f"covey_user.{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    spec.loader.exec_module(module)
+    return module
 
 
 def _call_with_timeout(fn: Callable, timeout_s: float, *args, **kwargs):
