@@ -53,6 +53,7 @@ POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_t
 
 # Numbers with a floor, checked before any model loads: key -> (least value, whether it is allowed).
 AT_LEAST = {
+    **{key: (0, False) for key in POSITIVE},
     "optim.lr": (0.0, False), "optim.critic_lr": (0.0, False), "rm.learning_rate": (0.0, False),
     "optim.weight_decay": (0.0, True), "optim.max_grad_norm": (0.0, True), "optim.warmup_steps": (0, True),
     "optim.max_skipped_steps": (1, True), "algo.beta": (0.0, True), "algo.kl_target": (0.0, True),
@@ -95,9 +96,6 @@ def validate_choices(cfg: Config) -> None:
     for key, options in CHOICES.items():
         if value_of(cfg, key) not in options:
             raise ConfigError(f"{key}={value_of(cfg, key)!r} is not one of: {', '.join(options)}")
-    for key in POSITIVE:
-        if value_of(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value_of(cfg, key)}")
     for key, (least, allowed) in AT_LEAST.items():
         value = value_of(cfg, key)
         if value < least or (value == least and not allowed):

@@ -324,14 +324,15 @@ def run_eval(run: Run, engine, prompts, examples) -> dict:
 
 def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:
     """Evaluate the trained policy, save it, close the process group."""
+    by_budget = run.step < run.cfg.train.steps and out_of_time(run)
     after = run_eval(run, feed.eval_engine, feed.eval_prompts, feed.data.eval)
-    run.logger.log(run.step, {**after, "final": 1, "train/stopped_by_budget": int(out_of_time(run))})
+    run.logger.log(run.step, {**after, "final": 1, "train/stopped_by_budget": int(by_budget)})
     final_dir = save_on_main(run, save_final) or run.run_dir / "final"  # rank 0 writes it
     result = TrainResult(run_dir=run.run_dir, final_model=final_dir, steps=run.step, metrics=last,
                          accuracy_before=before["eval/accuracy"], accuracy_after=after["eval/accuracy"])
     budget = run.cfg.train.max_minutes
     stopped = (f" (stopped by the time budget train.max_minutes={budget:g} before train.steps={run.cfg.train.steps}; "
-               "train.max_minutes=0 for no limit)" if run.step < run.cfg.train.steps and out_of_time(run) else "")
+               "train.max_minutes=0 for no limit)" if by_budget else "")
     print(f"covey: held-out accuracy {result.accuracy_before:.1%} -> {result.accuracy_after:.1%} "
           f"after {run.step} steps; model saved to {final_dir}{stopped}")
     close_distributed()

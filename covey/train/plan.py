@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from covey import algos
-from covey.config import Config, ConfigError
+from covey.config import Config, ConfigError, validate
 
 
 @dataclass(frozen=True)
@@ -102,10 +102,13 @@ class Plan:
 
 
 def make_plan(cfg: Config) -> Plan:
-    """The run's plan; a combination that cannot work fails here with one line naming its key."""
+    """The run's plan; a combination that cannot work fails here with one line naming its key.
+
+    The config's own checks run first (the ones load_config runs: a Config built or changed in
+    code gets them too); then the option objects check themselves.
+    """
+    validate(cfg)
     a = cfg.algo
-    if a.estimator not in algos.ESTIMATORS:
-        raise ConfigError(f"algo.estimator={a.estimator!r} is not one of: {', '.join(algos.ESTIMATORS)}")
     traits = algos.ESTIMATORS[a.estimator]
     sizes = step_sizes(cfg)
     learns_advantages = a.learner == "advantage"
@@ -121,7 +124,11 @@ def make_plan(cfg: Config) -> Plan:
         update=update_options(cfg),
         kl=KLOptions(beta=a.beta, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator,
                      placement=a.kl_in))
-    check_plan(plan, cfg)
+    for options in (plan.advantage, plan.update.loss):
+        try:
+            options.validate()
+        except ValueError as err:
+            raise ConfigError(f"algo: {err}") from None
     return plan
 
 
@@ -145,32 +152,6 @@ def update_options(cfg: Config) -> UpdateOptions:
         max_len=cfg.rollout.max_new_tokens, policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
         value_coef=a.value_coef, dpo_beta=a.dpo_beta)
-
-
-def check_plan(plan: Plan, cfg: Config) -> None:
-    """The option objects and what the estimator's traits require of the rest of the config."""
-    u, traits = plan.update, plan.traits
-    for key, value, allowed in (("algo.policy_loss", u.policy_loss, algos.POLICY_LOSSES),
-                                ("algo.loss_agg", u.loss_agg, algos.AGGREGATIONS),
-                                ("algo.kl_estimator", u.kl_estimator, algos.KL_ESTIMATORS)):
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(allowed)}")
-    for options in (plan.advantage, u.loss):
-        try:
-            options.validate()
-        except ValueError as err:
-            raise ConfigError(f"algo: {err}") from None
-    if u.value_clip is not None and u.value_clip < 0:
-        raise ConfigError(f"algo.value_clip must be >= 0 (0 = off), got {u.value_clip}")
-    if plan.learner != "advantage":
-        return
-    if cfg.rollout.group_size < traits.min_group_size:
-        raise ConfigError(f"estimator {plan.estimator} compares samples of a prompt: rollout.group_size must be "
-                          f">= {traits.min_group_size}")
-    if cfg.algo.dynamic_sampling and traits.min_group_size < 2:
-        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {plan.estimator}")
-    if plan.kl.placement == "reward" and not traits.per_token_rewards:
-        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator, not {plan.estimator}")
 
 
 def print_plan(plan: Plan) -> None:
