@@ -12,7 +12,9 @@ SmolLM2-135M decode step at N=32 in docs/benchmark.md):
 - a token is drawn by inverse CDF from one uniform per row (`torch.multinomial` draws V
   exponentials per row: ~30 ms per step at N=32 on one core, as long as the forward);
 - a bf16 Llama on a CPU decodes with `lean_step` (covey/rollout/lean_decode.py), the same
-  operations as HF's forward without its per-module Python and mask building.
+  operations as HF's forward without its per-module Python and mask building;
+- on a GPU (rollout.static_cache) the cache is allocated once for all steps and calls, and each
+  step is one replay of a CUDA graph (covey/rollout/static_decode.py).
 
 The distribution sampled from is HF's: the same temperature, top-k and top-p warpers
 (transformers' own classes) applied to the same logits. So samples follow the same
@@ -22,6 +24,8 @@ every row, finished or not, so the tokens do not depend on when rows are dropped
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -33,6 +37,8 @@ from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
+from covey.rollout.static_decode import StaticDecoder
+from covey.rollout.static_step import supports_static_decode
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
 
@@ -124,7 +130,11 @@ class FastEngine:
     takes_seeds = True  # per-prompt seeds in one batched call (rollout.seeding=per_prompt)
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True):
+                 top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True,
+                 static_cache: bool = False, cuda_graphs: bool = False, compile_decode: bool = False,
+                 persistent: bool = True):
+        """`static_cache`: decode on buffers allocated once (`cuda_graphs`: each step a graph replay,
+        `compile_decode`: through torch.compile); `persistent`: keep them between calls."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -132,6 +142,12 @@ class FastEngine:
         self.share_prefix = share_prefix  # False: encode G copies like `generate` (for tests)
         self.lean = lean  # False: every step through the model's forward (for tests)
         self.eos = eos_ids(model, tokenizer)
+        self.static = StaticDecoder(cuda_graphs, compile_decode, persistent) if static_cache else None
+
+    @property
+    def keeps_weights(self) -> bool:
+        """A static cache's graphs read the weights where they were captured: a sampling copy stays resident."""
+        return self.static is not None
 
     def sync_weights(self, model) -> None:
         self.model = model
@@ -158,12 +174,16 @@ class FastEngine:
         self.model.eval()
         try:
             with sampling_attention(self.model):
-                tokens = self._decode(enc["input_ids"], enc["attention_mask"], index,
-                                      max_new_tokens or self.max_new_tokens, greedy,
-                                      Uniforms(len(index), group_size, seeds))
+                decode = self._decode
+                if self.static is not None and supports_static_decode(self.model):
+                    decode = functools.partial(self.static.decode, self)
+                tokens = decode(enc["input_ids"], enc["attention_mask"], index, max_new_tokens or self.max_new_tokens,
+                                greedy, Uniforms(len(index), group_size, seeds)).cpu()
         finally:
             self.model.train(was_training)
         mask, truncated = response_mask_from_ids(tokens, self.eos)
+        longest = max(int(mask.sum(1).max()), 1) if len(mask) else tokens.shape[1]
+        tokens, mask = tokens[:, :longest], mask[:, :longest]  # a static decode runs to its next check
         tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, tok.pad_token_id))
         return Rollout(
             prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index],

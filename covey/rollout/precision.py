@@ -70,7 +70,10 @@ class LowPrecisionEngine:
         return getattr(self.engine, name)
 
     def release_weights(self) -> None:
-        """Free the copy's weights until `sync_weights` (or the next `generate`) fills them again."""
+        """Free the copy's weights until `sync_weights` (or the next `generate`) fills them again; kept
+        where the engine's CUDA graphs read them in place (a static cache: `keeps_weights`)."""
+        if getattr(self.engine, "keeps_weights", False):
+            return
         for p in self.copy.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.released = True

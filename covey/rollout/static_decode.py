@@ -1,0 +1,197 @@
+"""The fast engine's decoding loop on a static KV cache, its step replayed as a CUDA graph
+(rollout.static_cache, rollout.cuda_graphs, rollout.compile_decode).
+
+On a GPU a decode step of a small model is a few hundred short kernels, and launching them one by
+one from Python takes longer than running them. Here the prompts run once through the model's own
+forward (SDPA: the flash or memory-efficient kernels), their keys and values are copied into
+buffers sized once (covey/rollout/static_step.py), and every later step is one replay of a
+captured CUDA graph of `decode_step`; sampling runs eagerly between replays. What makes graphs
+reusable from step to step and from one rollout to the next:
+
+- rows are held in buckets of 8, 16, 32, ... (a batch of 48 runs in the 64-row graphs, its last 16
+  rows idle); when enough rows have finished, the live ones move to a smaller bucket;
+- a step attends over the first columns of the cache rounded up to a multiple of LENGTH_STEP, so
+  one graph serves LENGTH_STEP steps; the capacity only grows (rounded up to CAPACITY_STEP);
+- the graphs, buffers and the weights they read stay where they were captured: an engine with a
+  static cache keeps its sampling copy resident (`keeps_weights`), and a change of any weight's
+  address (a model swapped in) drops the graphs, which are captured again.
+
+The loop checks whether every row has finished only every CHECK_EVERY steps (a check waits for
+the GPU); rows that finished keep decoding in the meantime and their tokens are replaced by
+padding, so the tokens are those of the plain loop: greedy tokens equal `generate`'s (tested on
+CPU, and under graph capture on a GPU), and sampled ones follow the same distribution from the
+same uniforms (all drawn up front, one per row and step, as the plain loop draws them).
+
+`compile` runs the step through torch.compile (inductor's fused kernels) and captures those in
+the same graphs: what torch.compile(mode="reduce-overhead") does, with the engine's own buckets.
+Without CUDA the same loop runs eagerly (how CI tests it); on a CPU the plain loop is the default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from covey.models.hf_compat import cache_tensors, last_positions, position_ids, with_cache
+from covey.rollout.static_step import DecodeWeights, StaticState, decode_step, gather_weights
+
+LENGTH_STEP = 64      # attended columns rounded up to this: one graph per LENGTH_STEP steps
+CAPACITY_STEP = 128   # cache positions rounded up to this, so prompts a little longer reuse the buffers
+CHECK_EVERY = 16      # steps between checks that every row has finished
+SMALLEST_BUCKET = 8
+
+
+def row_bucket(n: int) -> int:
+    """The smallest power of two >= n (at least SMALLEST_BUCKET)."""
+    size = SMALLEST_BUCKET
+    while size < n:
+        size *= 2
+    return size
+
+
+def round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+class StepRunner:
+    """`decode_step` eagerly, or replayed from CUDA graphs captured once per (rows, attended columns)."""
+
+    def __init__(self, graphs: bool, compile_step: bool):
+        self.graphs_on = graphs
+        self.step = torch.compile(decode_step, dynamic=True, fullgraph=True) if compile_step else decode_step
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = None
+        self.signature: tuple[int, ...] | None = None
+        self.captures = 0  # graphs captured so far (tests and the benchmark read it)
+
+    def check_weights(self, weights: DecodeWeights) -> None:
+        """Drop graphs captured on tensors that have moved."""
+        signature = weights.signature()
+        if signature != self.signature:
+            self.graphs.clear()
+            self.signature = signature
+
+    def forget(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+    def __call__(self, weights: DecodeWeights, state: StaticState, length: int) -> Tensor:
+        if not self.graphs_on:
+            return self.step(weights, state, length)
+        key = (id(state), state.rows, length)
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(weights, state, length)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits
+
+    def capture(self, weights: DecodeWeights, state: StaticState, length: int):
+        """Warm up on a side stream (compiles, if compiling), undo the warm-up's advance, capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(weights, state, length)  # writes the column's keys/values the replay writes again
+            state.positions.sub_(1)
+            state.column.sub_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.step(weights, state, length)
+        self.captures += 1
+        return graph, logits
+
+
+class StaticDecoder:
+    """Buffers, graphs and fused weights of one engine, kept between its generate calls."""
+
+    def __init__(self, cuda_graphs: bool = False, compile_step: bool = False, persistent: bool = True):
+        self.runner = StepRunner(cuda_graphs, compile_step)
+        self.persistent = persistent  # False: free buffers and graphs after each call (held-out evaluation)
+        self.states: dict[int, StaticState] = {}  # rows bucket -> buffers, all of one capacity
+        self.fused: dict = {}
+        self.steps = 0  # decode steps run (replays or eager), for the benchmark
+
+    def weights(self, model) -> DecodeWeights:
+        """Fused q/k/v and gate/up where the model is frozen (a sampling copy), its own tensors otherwise."""
+        frozen = not any(p.requires_grad for p in model.parameters())
+        weights = gather_weights(model, self.fused if frozen else None)
+        self.runner.check_weights(weights)
+        return weights
+
+    def state(self, weights: DecodeWeights, rows: int, positions: int, dtype, device) -> StaticState:
+        capacity = max((s.capacity for s in self.states.values()), default=0)
+        if positions > capacity or any(s.dtype != dtype for s in self.states.values()):
+            self.states.clear()  # buffers of another size: their graphs go with them
+            self.runner.forget()
+            capacity = round_up(positions, CAPACITY_STEP)
+        if rows not in self.states:
+            self.states[rows] = StaticState(weights, rows, capacity, dtype, device)
+        return self.states[rows]
+
+    def release(self) -> None:
+        self.states.clear()
+        self.runner.forget()
+
+    def prefill(self, model, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[list, Tensor]:
+        """The distinct prompts through the model's forward: (keys/values per layer, last logits (U, V))."""
+        from transformers import DynamicCache
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                    **with_cache(cache), use_cache=True,
+                    logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))
+        return cache_tensors(cache), out.logits[:, -1].float()
+
+    def decode(self, engine, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, max_new: int,
+               greedy: bool, uniforms) -> Tensor:
+        """(N, steps) new tokens, padding after each row's EOS, as `FastEngine` returns them."""
+        model = engine.model
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask, index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
+        n, width = len(index), prompt_ids.shape[1]
+        weights = self.weights(model)
+        state = self.state(weights, row_bucket(n), width + max_new, weights.embed.dtype, device)
+        pairs, first_logits = self.prefill(model, prompt_ids, prompt_mask)
+        draws = None if greedy else torch.stack([uniforms.draw() for _ in range(max_new)]).to(device)
+        pad, eos = engine.tokenizer.pad_token_id, torch.tensor(engine.eos, device=device)
+        out = torch.full((n, max_new), pad, dtype=torch.long, device=device)
+        rows = torch.arange(n, device=device)     # which output row each state row 0..m-1 holds
+        live = torch.ones(n, dtype=torch.bool, device=device)
+        logits = first_logits[index]
+        try:
+            for t in range(max_new):
+                picked = engine.pick(logits, None if greedy else draws[t][rows], greedy)
+                picked = torch.where(live, picked, pad)
+                out[rows, t] = picked
+                live &= ~torch.isin(picked, eos)
+                if t == max_new - 1:
+                    break
+                if t == 0:
+                    state.load_prompts(pairs, index, prompt_mask, picked)
+                else:
+                    state.tokens[:len(rows)] = picked
+                if (t + 1) % CHECK_EVERY == 0:
+                    state, rows, live = self.shrink(weights, state, rows, live)
+                    if not len(rows):
+                        break
+                length = min(round_up(width + t + 1, LENGTH_STEP), state.capacity)
+                logits = self.runner(weights, state, length)[:len(rows)].float()
+                self.steps += 1
+        finally:
+            if not self.persistent:
+                self.release()
+        return out
+
+    def shrink(self, weights: DecodeWeights, state: StaticState, rows: Tensor, live: Tensor):
+        """At a check: the rows still decoding, moved to the smallest bucket that holds them."""
+        left = int(live.sum())
+        if left == 0:
+            return state, rows[:0], live[:0]
+        bucket = row_bucket(left)
+        if bucket >= state.rows:
+            return state, rows, live
+        keep = live.nonzero().squeeze(1)
+        smaller = self.state(weights, bucket, state.capacity, state.dtype, state.tokens.device)
+        smaller.take_rows(state, keep)
+        return smaller, rows[keep], live[keep]
