@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from covey import algos
+from covey.algos.logits import DEFAULT_CHUNK
 
 from covey.runtime import dist as distributed
 
@@ -28,6 +29,16 @@ from covey.batch import Rollout
 
 
 BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/passes/packing.py)
+GPU_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of logits on a GPU (covey/algos/logits.py)
+
+
+def logit_chunk(logits: Tensor) -> int:
+    """Positions per block of the log-softmax over the vocabulary: algos' default on a CPU (a block
+    stays in cache), 64 MiB of float32 on a GPU, where a block of 32 positions is too small to
+    keep it busy (10 kernels per block: 5000 launches for a 16k-token pass at 32)."""
+    if logits.device.type != "cuda":
+        return DEFAULT_CHUNK
+    return max(DEFAULT_CHUNK, GPU_BLOCK_BYTES // (4 * logits.shape[-1]))
 
 
 def first_prompt_column(prompt_mask: Tensor) -> int:
@@ -78,7 +89,7 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
                     logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
     # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
     logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
-                                               with_entropy=with_entropy)
+                                               logit_chunk(out.logits), with_entropy=with_entropy)
     return logp, entropy, resp_len
 
 
@@ -135,9 +146,9 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
         rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
                      **with_cache(cache), use_cache=True).logits
     head = last[inverse]  # (n, 1, V): scores response token 0
-    head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature,
+    head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature, logit_chunk(head),
                                                          with_entropy=with_entropy)
-    rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature,
+    rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature, logit_chunk(rest),
                                                          with_entropy=with_entropy)
     logp = torch.cat([head_logp, unpack(rest_logp, packing, n, resp_len - 1)], dim=1)
     entropy = None

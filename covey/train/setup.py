@@ -24,7 +24,7 @@ from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
-from covey.rollout.local import local_engine
+from covey.rollout.local import DecodeOptions, local_engine
 from covey.rollout.precision import LowPrecisionEngine, resolve_precision
 from covey.rollout.vllm import VLLMEngine
 from covey.runtime.cpu import apply_cpu_settings
@@ -292,8 +292,14 @@ def make_engine(run: Run):
         return VLLMEngine.from_config(run.cfg.rollout, run.cfg.model, run.policy, run.tokenizer,
                                       seed=run.cfg.train.seed)
     engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=rollout_precision(run))
+                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=rollout_precision(run),
+                          decode=decode_options(r))
     return GatheredGeneration(engine, run.policy)
+
+
+def decode_options(r, persistent: bool = True) -> DecodeOptions:
+    """The fast engine's static cache and CUDA graphs (rollout.static_cache, cuda_graphs, compile_decode)."""
+    return DecodeOptions(r.static_cache, r.cuda_graphs, r.compile_decode, persistent)
 
 
 def rollout_precision(run: Run) -> str:
@@ -308,5 +314,7 @@ def make_eval_engine(run: Run, engine):
     if not isinstance(getattr(engine, "engine", None), LowPrecisionEngine):
         return engine
     r = run.cfg.rollout
+    # its buffers and graphs are freed after each evaluation: it runs seldom, and holds the fp32 policy's
     return GatheredGeneration(local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k), run.policy)
+                                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                           decode=decode_options(r, persistent=False)), run.policy)

@@ -1,0 +1,166 @@
+"""The fast engine on a static KV cache (covey/rollout/static_decode.py), run eagerly on the CPU: the
+tokens of the plain loop, greedy ones equal to `generate`'s; row buckets, fused projections, reused
+buffers; the config keys that select it. The same decoding under CUDA graph capture: test_static_decode_gpu.py.
+"""
+
+import pytest
+import torch
+
+from covey.config import ConfigError, load_config
+from covey.models.tiny import tiny_llama, tiny_tokenizer
+from covey.rollout import static_decode
+from covey.rollout.fast import FastEngine
+from covey.rollout.hf import HFEngine
+from covey.rollout.local import DecodeOptions, local_engine
+from covey.rollout.precision import LowPrecisionEngine, low_precision_copy
+from covey.rollout.static_step import supports_static_decode, views_of
+from covey.train.loop import train_step
+from covey.rewards.build import build_rewarder
+from covey.tasks.data import format_prompts, load_task_data
+from covey.train.setup import build_run, make_engine, make_eval_engine
+from tests.helpers import tiny_overrides
+
+PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama(tok):
+    return tiny_llama(len(tok)).eval()
+
+
+def tiny_qwen2(vocab: int):
+    """A random Qwen2 (biases on q/k/v, none on o) of the tiny Llama's size."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def frequent_eos(engine, tok):
+    """Many stop tokens, so rows finish at different steps (rows move to smaller buckets)."""
+    engine.eos = sorted({tok.eos_token_id, *range(40, 90)})
+    return engine
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_tokens_equal_generate(family, llama, tok):
+    """80 new tokens after left-padded prompts: the attended columns cross a LENGTH_STEP bucket."""
+    model = llama if family == "llama" else tiny_qwen2(len(tok))
+    assert supports_static_decode(model)
+    hf = HFEngine(model, tok, max_new_tokens=80).generate(PROMPTS, 1, greedy=True)
+    engine = FastEngine(model, tok, max_new_tokens=80, static_cache=True)
+    ours = engine.generate(PROMPTS, 1, greedy=True)
+    assert engine.static.steps > 0  # the static loop ran, not the plain one
+    assert torch.equal(hf.response_ids, ours.response_ids)
+    assert torch.equal(hf.response_mask, ours.response_mask) and hf.completions == ours.completions
+
+
+def test_sampled_tokens_equal_the_plain_loop_as_rows_finish(llama, tok):
+    """Same uniforms, same tokens; 12 rows start in the 16-row bucket and move to 8 as they finish."""
+    plain = frequent_eos(FastEngine(llama, tok, max_new_tokens=60, temperature=0.9), tok)
+    static = frequent_eos(FastEngine(llama, tok, max_new_tokens=60, temperature=0.9, static_cache=True), tok)
+    torch.manual_seed(3)
+    a = plain.generate(PROMPTS, 4)
+    torch.manual_seed(3)
+    b = static.generate(PROMPTS, 4)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.truncated, b.truncated)
+    assert len(set(a.response_mask.sum(1).tolist())) > 2  # rows finished at different steps
+    assert set(static.static.states) == {16, 8}  # the buckets used
+    assert torch.all(b.response_ids[b.response_mask == 0] == tok.pad_token_id)
+
+
+def test_per_prompt_seeds_give_the_plain_loops_samples(llama, tok):
+    plain = FastEngine(llama, tok, max_new_tokens=10)
+    static = FastEngine(llama, tok, max_new_tokens=10, static_cache=True)
+    a = plain.generate(PROMPTS[:2], 3, seeds=[11, 12])
+    b = static.generate(PROMPTS[:2], 3, seeds=[11, 12])
+    assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_buffers_are_reused_between_calls_and_grow_for_longer_prompts(llama, tok):
+    engine = FastEngine(llama, tok, max_new_tokens=8, static_cache=True)
+    engine.generate(PROMPTS, 2)
+    first = engine.static.states[8]
+    engine.generate(PROMPTS[::-1], 2)
+    assert engine.static.states[8] is first and first.capacity == static_decode.CAPACITY_STEP
+    long_prompt = " ".join(["hello there"] * 80)
+    hf = HFEngine(llama, tok, max_new_tokens=8).generate([long_prompt], 1, greedy=True)
+    ours = engine.generate([long_prompt], 1, greedy=True)
+    assert torch.equal(hf.response_ids, ours.response_ids)
+    assert engine.static.states[8] is not first and engine.static.states[8].capacity > first.capacity
+
+
+def test_a_frozen_copy_decodes_with_fused_projections_that_sync_updates(llama, tok):
+    """The bf16 sampling copy's q/k/v and gate/up become views of one matrix each; copying an update
+    into the copy (sync_weights) updates the fused matrices; the copy is never released."""
+    policy = tiny_llama(len(tok))
+    engine = local_engine("fast", policy, tok, max_new_tokens=12, precision="bfloat16",
+                          decode=DecodeOptions(static_cache="on"))
+    assert isinstance(engine, LowPrecisionEngine) and engine.keeps_weights
+    before = engine.generate(PROMPTS, 1, greedy=True)
+    attn = engine.copy.model.layers[1].self_attn
+    qkv = engine.engine.static.fused[(1, "qkv")][0]
+    assert views_of(qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    engine.release_weights()  # a no-op: the static cache reads the copy in place
+    assert all(p.numel() for p in engine.copy.parameters())
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.sync_weights(policy)
+    after = engine.generate(PROMPTS, 1, greedy=True)
+    fresh = FastEngine(low_precision_copy(policy, torch.bfloat16), tok, max_new_tokens=12, static_cache=True)
+    assert torch.equal(after.response_ids, fresh.generate(PROMPTS, 1, greedy=True).response_ids)
+    assert not torch.equal(after.response_ids, before.response_ids)
+
+
+def test_models_it_does_not_cover_take_the_plain_loop(tok):
+    model = tiny_llama(len(tok))
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert not supports_static_decode(model)
+    engine = FastEngine(model, tok, max_new_tokens=4, static_cache=True)
+    engine.generate(PROMPTS, 1)
+    assert engine.static.steps == 0
+
+
+def test_decode_options_resolve_by_device():
+    assert DecodeOptions().resolve("cpu")["static_cache"] is False  # the CPU keeps its plain loop
+    assert DecodeOptions(static_cache="on").resolve("cpu") == {
+        "static_cache": True, "cuda_graphs": False, "compile_decode": False, "persistent": True}
+    assert DecodeOptions().resolve("cuda")["cuda_graphs"] is True
+    assert DecodeOptions(static_cache="off").resolve("cuda") == {
+        "static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True}
+    with pytest.raises(ValueError, match="rollout.cuda_graphs=on captures CUDA graphs"):
+        DecodeOptions(static_cache="on", cuda_graphs="on").resolve("cpu")
+    with pytest.raises(ValueError, match="rollout.static_cache='yes'"):
+        DecodeOptions(static_cache="yes").resolve("cpu")
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["rollout.static_cache=yes"], "rollout.static_cache='yes' is not one of"),
+    (["rollout.cuda_graphs=on", "rollout.static_cache=off"], "needs|set rollout.static_cache=on"),
+    (["rollout.engine=hf", "rollout.static_cache=on"], "rollout.engine=hf does not use them"),
+    (["rollout.engine=hf", "rollout.compile_decode=true"], "rollout.engine=hf does not use them"),
+])
+def test_config_keys_are_checked(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, keys)
+
+
+def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.static_cache": "on"}))
+    data = load_task_data(cfg.task, cfg.train.seed)
+    run = build_run(cfg, tmp_path / "t", len(data.train))
+    run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
+    engine = make_engine(run)
+    eval_engine = make_eval_engine(run, engine)
+    assert engine.static is not None and engine.static.persistent
+    metrics = train_step(run, engine, build_rewarder(cfg), data, format_prompts(run.tokenizer, data.train))
+    assert engine.static.steps > 0 and metrics["optim/grad_norm"] >= 0
+    assert eval_engine.engine is engine.engine  # fp32 sampling: one engine for both
