@@ -27,8 +27,7 @@ CHOICES = {
     "rollout.engine": ("hf", "fast", "vllm"),
     "rollout.seeding": ("global", "per_prompt"),
     "rollout.precision": ("auto", "float32", "bfloat16"),
-    "rollout.static_cache": ("auto", "on", "off"),
-    "rollout.cuda_graphs": ("auto", "on", "off"),
+    "rollout.decode": ("auto", "plain", "static", "graphs", "compile"),
     "reward.on_error": ("raise", "zero", "drop"),
     "reward.step_source": ("prm", "exact"),
     "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
@@ -265,12 +264,9 @@ def validate_scale(cfg: Config) -> None:
     if a.tis_cap and r.engine != "vllm":
         raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
                           "(the hf engine samples from the trained weights themselves)")
-    if r.engine != "fast" and (r.static_cache == "on" or r.cuda_graphs == "on" or r.compile_decode):
-        raise ConfigError(f"rollout.static_cache / cuda_graphs / compile_decode set the fast engine's decoding: "
-                          f"rollout.engine={r.engine} does not use them")
-    if r.cuda_graphs == "on" and r.static_cache == "off":
-        raise ConfigError("rollout.cuda_graphs=on replays decode steps on a static cache: "
-                          "set rollout.static_cache=on or auto")
+    if r.engine != "fast" and r.decode not in ("auto", "plain"):
+        raise ConfigError(f"rollout.decode={r.decode} sets the fast engine's decoding: "
+                          f"rollout.engine={r.engine} does not use it")
     if not 0 < r.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must lie in (0, 1), "
                           f"got {r.vllm_gpu_memory_utilization}")

@@ -111,12 +111,8 @@ class RolloutConfig:
     """Prompts per generate call during evaluation."""
     precision: str = "auto"
     """Rollout sampling precision (hf/fast): auto (bfloat16 where bf16 is native: AMX/AVX512-BF16 CPU, CUDA) | float32 | bfloat16 (a copy of the policy)."""
-    static_cache: str = "auto"
-    """fast engine: decode on a KV cache allocated once, rows in buckets of powers of two: auto (on for CUDA) | on | off."""
-    cuda_graphs: str = "auto"
-    """fast engine with a static cache: each decode step one CUDA graph replay: auto (on for CUDA) | on | off."""
-    compile_decode: bool = False
-    """fast engine with a static cache: the decode step through torch.compile (fused kernels, captured in the graphs)."""
+    decode: str = "auto"
+    """fast engine's decoding: auto (graphs on CUDA, plain elsewhere) | plain | static (a KV cache allocated once) | graphs (static, each step a CUDA graph replay) | compile (graphs of torch.compile's kernels)."""
     seeding: str = "global"
     """Sampling seeds: global (one RNG stream) | per_prompt (run seed + draw index: any process count, same samples)."""
     vllm_gpu_memory_utilization: float = 0.3

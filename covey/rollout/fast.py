@@ -13,7 +13,7 @@ SmolLM2-135M decode step at N=32 in docs/benchmark.md):
   exponentials per row: ~30 ms per step at N=32 on one core, as long as the forward);
 - a bf16 Llama on a CPU decodes with `lean_step` (covey/rollout/lean_decode.py), the same
   operations as HF's forward without its per-module Python and mask building;
-- on a GPU (rollout.static_cache) the cache is allocated once for all steps and calls, and each
+- on a GPU (rollout.decode=graphs, its default there) the cache is allocated once for all steps and calls, and each
   step is one replay of a CUDA graph (covey/rollout/static_decode.py).
 
 The distribution sampled from is HF's: the same temperature, top-k and top-p warpers

@@ -11,33 +11,28 @@ from covey.rollout.hf import HFEngine
 from covey.rollout.precision import LowPrecisionEngine
 
 LOCAL_ENGINES = {"hf": HFEngine, "fast": FastEngine}
-SWITCHES = ("auto", "on", "off")
+DECODE_MODES = ("auto", "plain", "static", "graphs", "compile")
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How the fast engine decodes (rollout.static_cache, rollout.cuda_graphs, rollout.compile_decode)."""
-    static_cache: str = "auto"
-    cuda_graphs: str = "auto"
-    compile_decode: bool = False
+    """How the fast engine decodes (rollout.decode): plain (its own loop, finished rows dropped at once),
+    static (a KV cache allocated once, rows in buckets: covey/rollout/static_decode.py), graphs (static,
+    each step a CUDA graph replay), compile (graphs of torch.compile's kernels; on a CPU compiled, no
+    graphs); auto = graphs on CUDA, plain elsewhere."""
+    mode: str = "auto"
     persistent: bool = True  # keep buffers and graphs between calls (False for held-out evaluation)
 
     def resolve(self, device: torch.device | str) -> dict:
-        """FastEngine keywords on `device`: auto = on for CUDA, off elsewhere (the CPU keeps its plain
-        loop, which drops finished rows at once); cuda_graphs=on needs CUDA and a static cache."""
-        for key, value in (("rollout.static_cache", self.static_cache), ("rollout.cuda_graphs", self.cuda_graphs)):
-            if value not in SWITCHES:
-                raise ValueError(f"{key}={value!r}: one of {', '.join(SWITCHES)}")
+        """FastEngine keywords on `device`."""
+        if self.mode not in DECODE_MODES:
+            raise ValueError(f"rollout.decode={self.mode!r}: one of {', '.join(DECODE_MODES)}")
         cuda = torch.device(device).type == "cuda"
-        static = self.static_cache == "on" or (self.static_cache == "auto" and cuda)
-        graphs = self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and cuda and static)
-        if graphs and not cuda:
-            raise ValueError(f"rollout.cuda_graphs=on captures CUDA graphs: the engine runs on {device}")
-        if graphs and not static:
-            raise ValueError("rollout.cuda_graphs=on replays steps on a static cache: "
-                             "it needs rollout.static_cache=on or auto")
-        return {"static_cache": static, "cuda_graphs": graphs, "compile_decode": self.compile_decode and static,
-                "persistent": self.persistent}
+        if self.mode == "graphs" and not cuda:
+            raise ValueError(f"rollout.decode=graphs captures CUDA graphs: the engine runs on {device}")
+        mode = ("graphs" if cuda else "plain") if self.mode == "auto" else self.mode
+        return {"static_cache": mode != "plain", "cuda_graphs": mode == "graphs" or (mode == "compile" and cuda),
+                "compile_decode": mode == "compile", "persistent": self.persistent}
 
 
 def local_engine(name: str, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,

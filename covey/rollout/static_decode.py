@@ -1,5 +1,5 @@
 """The fast engine's decoding loop on a static KV cache, its step replayed as a CUDA graph
-(rollout.static_cache, rollout.cuda_graphs, rollout.compile_decode).
+(rollout.decode=static | graphs | compile).
 
 On a GPU a decode step of a small model is a few hundred short kernels, and launching them one by
 one from Python takes longer than running them. Here the prompts run once through the model's own

@@ -1,5 +1,5 @@
 """One decode step over a preallocated (static) KV cache, in plain tensor ops: the step the fast engine
-replays as a CUDA graph (rollout.static_cache, rollout.cuda_graphs; covey/rollout/static_decode.py).
+replays as a CUDA graph (rollout.decode; covey/rollout/static_decode.py).
 
 A CUDA graph replays fixed kernels on fixed addresses, so every tensor a step reads or writes
 lives in a buffer allocated once (`StaticState`): the keys and values of every layer for

@@ -298,8 +298,8 @@ def make_engine(run: Run):
 
 
 def decode_options(r, persistent: bool = True) -> DecodeOptions:
-    """The fast engine's static cache and CUDA graphs (rollout.static_cache, cuda_graphs, compile_decode)."""
-    return DecodeOptions(r.static_cache, r.cuda_graphs, r.compile_decode, persistent)
+    """The fast engine's static cache and CUDA graphs (rollout.decode)."""
+    return DecodeOptions(r.decode, persistent)
 
 
 def rollout_precision(run: Run) -> str:

@@ -102,7 +102,7 @@ def test_a_frozen_copy_decodes_with_fused_projections_that_sync_updates(llama, t
     into the copy (sync_weights) updates the fused matrices; the copy is never released."""
     policy = tiny_llama(len(tok))
     engine = local_engine("fast", policy, tok, max_new_tokens=12, precision="bfloat16",
-                          decode=DecodeOptions(static_cache="on"))
+                          decode=DecodeOptions("static"))
     assert isinstance(engine, LowPrecisionEngine) and engine.keeps_weights
     before = engine.generate(PROMPTS, 1, greedy=True)
     attn = engine.copy.model.layers[1].self_attn
@@ -130,31 +130,33 @@ def test_models_it_does_not_cover_take_the_plain_loop(tok):
 
 
 def test_decode_options_resolve_by_device():
-    assert DecodeOptions().resolve("cpu")["static_cache"] is False  # the CPU keeps its plain loop
-    assert DecodeOptions(static_cache="on").resolve("cpu") == {
-        "static_cache": True, "cuda_graphs": False, "compile_decode": False, "persistent": True}
-    assert DecodeOptions().resolve("cuda")["cuda_graphs"] is True
-    assert DecodeOptions(static_cache="off").resolve("cuda") == {
-        "static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True}
-    with pytest.raises(ValueError, match="rollout.cuda_graphs=on captures CUDA graphs"):
-        DecodeOptions(static_cache="on", cuda_graphs="on").resolve("cpu")
-    with pytest.raises(ValueError, match="rollout.static_cache='yes'"):
-        DecodeOptions(static_cache="yes").resolve("cpu")
+    plain = {"static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True}
+    assert DecodeOptions().resolve("cpu") == plain  # the CPU keeps its plain loop
+    assert DecodeOptions("static").resolve("cpu") == {**plain, "static_cache": True}
+    assert DecodeOptions("compile").resolve("cpu") == {**plain, "static_cache": True, "compile_decode": True}
+    assert DecodeOptions().resolve("cuda") == {**plain, "static_cache": True, "cuda_graphs": True}
+    assert DecodeOptions("compile", persistent=False).resolve("cuda") == {
+        "static_cache": True, "cuda_graphs": True, "compile_decode": True, "persistent": False}
+    assert DecodeOptions("plain").resolve("cuda") == plain
+    with pytest.raises(ValueError, match="rollout.decode=graphs captures CUDA graphs"):
+        DecodeOptions("graphs").resolve("cpu")
+    with pytest.raises(ValueError, match="rollout.decode='fastest'"):
+        DecodeOptions("fastest").resolve("cpu")
 
 
 @pytest.mark.parametrize("keys, message", [
-    (["rollout.static_cache=yes"], "rollout.static_cache='yes' is not one of"),
-    (["rollout.cuda_graphs=on", "rollout.static_cache=off"], "needs|set rollout.static_cache=on"),
-    (["rollout.engine=hf", "rollout.static_cache=on"], "rollout.engine=hf does not use them"),
-    (["rollout.engine=hf", "rollout.compile_decode=true"], "rollout.engine=hf does not use them"),
+    (["rollout.decode=fastest"], "rollout.decode='fastest' is not one of"),
+    (["rollout.engine=hf", "rollout.decode=static"], "rollout.engine=hf does not use it"),
+    (["rollout.engine=hf", "rollout.decode=compile"], "rollout.engine=hf does not use it"),
 ])
-def test_config_keys_are_checked(keys, message):
+def test_config_key_is_checked(keys, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, keys)
+    load_config(None, ["rollout.engine=hf", "rollout.decode=plain"])
 
 
 def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.static_cache": "on"}))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.decode": "static"}))
     data = load_task_data(cfg.task, cfg.train.seed)
     run = build_run(cfg, tmp_path / "t", len(data.train))
     run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
