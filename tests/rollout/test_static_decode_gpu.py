@@ -1,0 +1,92 @@
+"""The fast engine's static-cache decoding under CUDA graph capture (marked `gpu`: skipped without one;
+run by scripts/gpu_check.sh and scripts/gpu_speed.sh). The eager CPU twin: test_static_decode.py.
+
+Greedy tokens of the tiny model in float32 equal `generate`'s with graphs and with torch.compile's
+kernels in them; graphs are captured once and replayed in later calls; a weight update copied into a
+bf16 sampling copy reaches the replayed graphs; the last greedy tokens equal the eager static loop's.
+"""
+
+import pytest
+import torch
+
+from covey.models.tiny import tiny_llama, tiny_tokenizer
+from covey.rollout.fast import FastEngine
+from covey.rollout.hf import HFEngine
+from covey.rollout.local import DecodeOptions, local_engine
+from covey.rollout.precision import low_precision_copy
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_llama(len(tok)).cuda().eval()
+
+
+def graph_engine(model, tok, mode="graphs", max_new=80, **kwargs):
+    return FastEngine(model, tok, max_new_tokens=max_new, **DecodeOptions(mode).resolve("cuda"), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+def test_greedy_tokens_under_graph_capture_equal_generate(mode, model, tok):
+    hf = HFEngine(model, tok, max_new_tokens=80).generate(PROMPTS, 1, greedy=True)
+    engine = graph_engine(model, tok, mode)
+    ours = engine.generate(PROMPTS, 1, greedy=True)
+    assert engine.static.runner.captures >= 2  # 80 steps after ~12 prompt columns: two length buckets
+    assert torch.equal(hf.response_ids, ours.response_ids)
+    assert torch.equal(hf.response_mask, ours.response_mask)
+
+
+def test_graphs_are_reused_between_calls(model, tok):
+    engine = graph_engine(model, tok, max_new=40)
+    first = engine.generate(PROMPTS, 4)
+    captured = engine.static.runner.captures
+    again = engine.generate(PROMPTS[::-1], 4)
+    assert engine.static.runner.captures == captured
+    assert first.response_ids.shape[0] == again.response_ids.shape[0] == 12
+
+
+def test_sampled_tokens_with_graphs_equal_the_eager_static_loop(model, tok):
+    """The same kernels replayed: the same logits, hence the same tokens from the same uniforms."""
+    graphs = graph_engine(model, tok, max_new=48, temperature=0.9)
+    eager = FastEngine(model, tok, max_new_tokens=48, temperature=0.9, static_cache=True)
+    eos = sorted({tok.eos_token_id, *range(40, 90)})
+    graphs.eos, eager.eos = eos, eos
+    torch.manual_seed(3)
+    a = graphs.generate(PROMPTS, 8)
+    torch.manual_seed(3)
+    b = eager.generate(PROMPTS, 8)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert len(graphs.static.states) >= 2  # 24 rows in the 32 bucket, fewer as they finish
+
+
+def test_an_update_synced_into_the_bf16_copy_reaches_the_graphs(tok):
+    policy = tiny_llama(len(tok)).cuda()
+    engine = local_engine("fast", policy, tok, max_new_tokens=24, precision="bfloat16")  # auto: graphs on CUDA
+    assert engine.engine.static is not None and engine.engine.static.runner.graphs_on
+    before = engine.generate(PROMPTS, 1, greedy=True)
+    captured = engine.engine.static.runner.captures
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.release_weights()  # kept: the graphs read the copy in place
+    engine.sync_weights(policy)
+    after = engine.generate(PROMPTS, 1, greedy=True)
+    assert engine.engine.static.runner.captures == captured  # same addresses, same graphs
+    fresh = FastEngine(low_precision_copy(policy, torch.bfloat16), tok, max_new_tokens=24, static_cache=True)
+    assert torch.equal(after.response_ids, fresh.generate(PROMPTS, 1, greedy=True).response_ids)
+    assert not torch.equal(after.response_ids, before.response_ids)
+
+
+def test_a_training_run_on_cuda_decodes_with_graphs(tiny_model_dir, tmp_path):
+    from covey.cli.main import main
+    from tests.helpers import tiny_overrides
+    assert main(["train", "grpo", *tiny_overrides(tiny_model_dir, tmp_path, **{
+        "train.device": "cuda", "rollout.decode": "graphs", "rollout.max_new_tokens": 24})]) == 0
