@@ -24,6 +24,7 @@ same uniforms (all drawn up front, one per row and step, as the plain loop draws
 
 `compile` runs the step through torch.compile (inductor's fused kernels) and captures those in
 the same graphs: what torch.compile(mode="reduce-overhead") does, with the engine's own buckets.
+Its shapes are static (one compilation per rows bucket), so its steps attend the whole capacity.
 Without CUDA the same loop runs eagerly (how CI tests it); on a CPU the plain loop is the default.
 """
 
@@ -58,7 +59,10 @@ class StepRunner:
 
     def __init__(self, graphs: bool, compile_step: bool):
         self.graphs_on = graphs
-        self.step = torch.compile(decode_step, dynamic=True, fullgraph=True) if compile_step else decode_step
+        # compiled: static shapes, every step attends the whole capacity (the mask hides the columns not
+        # yet written), so one compilation serves a rows bucket (symbolic lengths and rows recompiled anyway)
+        self.step = torch.compile(decode_step, dynamic=False, fullgraph=True) if compile_step else decode_step
+        self.whole_capacity = compile_step
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.pool = None
         self.signature: tuple[int, ...] | None = None
@@ -175,7 +179,8 @@ class StaticDecoder:
                     state, rows, live = self.shrink(weights, state, rows, live)
                     if not len(rows):
                         break
-                length = min(round_up(width + t + 1, LENGTH_STEP), state.capacity)
+                length = state.capacity if self.runner.whole_capacity else min(
+                    round_up(width + t + 1, LENGTH_STEP), state.capacity)
                 logits = self.runner(weights, state, length)[:len(rows)].float()
                 self.steps += 1
         finally:
