@@ -1,7 +1,7 @@
 """covey vs TRL's GRPOTrainer on one GPU: step time by phase, peak GPU memory, decode step against its
 memory-bandwidth floor, update FLOP rate against the GPU's bf16 matmul peak.
 
-    python bench/gpu_bench.py --out LOGS/bench            # on a GPU: Qwen2.5-0.5B and -1.5B shapes, ~6 min on an H100
+    python bench/gpu_bench.py --out LOGS/bench --decode-modes graphs,compile   # a GPU: ~6 min on an H100
     python bench/gpu_bench.py --smoke --out /tmp/bench    # on a CPU: tiny shapes, the whole pipeline, TRL included
 
 The workload (bench/gpu_roles.py, WORKLOADS): randomly initialised Qwen2 models with the dimensions of
@@ -17,7 +17,9 @@ bf16 sampling copy, rollout.decode=auto = CUDA graphs); TRL 1.16's GRPOTrainer a
 default model load: fp32 weights; bf16 autocast; gradient checkpointing on; HF `generate`; no vLLM).
 Every run is a subprocess of its own (its peak GPU memory is its own), covey and TRL alternating per
 model size; medians over steps 2..N. The copy bandwidth and the matmul peak are measured in the same
-run. Results: a table on stdout, `<out>.md` and `<out>.json`; each child's log in `<out>-logs/`.
+run. Then, while the budget lasts, `--decode-modes` times rollout.decode modes on each model's bf16
+weights alone (graphs against compile: which is faster). Results: a table on stdout, `<out>.md` and
+`<out>.json`; each child's log and result in `<out>-logs/`; the model folders in `--work`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,11 +87,13 @@ class Children:
                     self.say(f"  {name}: {line[7:].rstrip()}")
             code = child.wait()
             timer.cancel()
-        if code != 0 or not result.is_file():
+        if code != 0:
             tail = (self.log_dir / f"{name}.log").read_text()[-1500:]
             self.say(f"{name}: FAILED (exit {code}{', killed at its time limit' if code == -9 else ''}); "
                      f"log tail:\n{tail}")
-            return None
+            if not result.is_file():
+                return None
+            return {**json.loads(result.read_text()), "partial": True}  # what a child saved before it stopped
         return json.loads(result.read_text())
 
 
@@ -174,8 +179,9 @@ def decode_lines(rows: list[dict]) -> list[str]:
                      f"({dec['floor_bytes_per_step'] / 1e9:.3f} GB read per step) -> {row['decode_vs_floor']:.2f} x")
         for length, ms in sorted(dec.get("replay_ms", {}).items(), key=lambda kv: int(kv[0])):
             lines.append(f"  replay alone, {length} columns attended: {ms:.3f} ms")
-        for mode, res in dec.get("modes", {}).items():
-            lines.append(f"  rollout.decode={mode}: {res}")
+    for row in rows:
+        for mode, res in row.get("decode_modes", {}).items():
+            lines.append(f"{row['size']} rollout.decode={mode} (bf16 weights alone): {res}")
     return lines
 
 
@@ -185,8 +191,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="", help="comma-separated from " + ", ".join(SHAPES))
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps per run (medians of 2..N)")
     parser.add_argument("--runs", default="covey,trl", help="covey, trl or both")
-    parser.add_argument("--decode-modes", default="", help="extra rollout.decode modes timed on covey's model "
-                                                          "after its steps (e.g. compile,plain)")
+    parser.add_argument("--decode-modes", default="", help="rollout.decode modes timed on each model's bf16 weights "
+                                                          "after the GRPO runs, while the budget lasts (e.g. graphs,compile)")
+    parser.add_argument("--work", default="", help="folder for the model folders (default: a temporary one)")
     parser.add_argument("--tokenizer", default="", help="folder with SmolLM2's tokenizer files "
                                                         "(default: covey's model cache)")
     parser.add_argument("--budget-s", type=float, default=440.0, help="stop starting runs after this long")
@@ -199,6 +206,7 @@ def main() -> None:
     log_dir = out.parent / (out.name + "-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     children = Children(log_dir, args.budget_s)
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu-bench-models-"))
     common = ["--workload", "smoke" if args.smoke else "gpu"] + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
     device = children.run("device", "device", common) or {}
     if device:
@@ -206,7 +214,7 @@ def main() -> None:
                      f"bf16 matmul peak {device['matmul_tflops']:.1f} TFLOP/s {device['matmul_shape']}")
     rows, runs = [], [r for r in args.runs.split(",") if r]
     for i, size in enumerate(sizes):
-        model_dir = log_dir / f"model-{size}"
+        model_dir = work / f"model-{size}"
         shape = children.run("build", f"build-{size}", [*common, "--size", size, "--model", str(model_dir)])
         if shape is None:
             continue
@@ -214,11 +222,14 @@ def main() -> None:
         results = {}
         for name in runs:
             later = (len(sizes) - i - 1) * 150 + (60 if name == "covey" and "trl" in runs else 0)
-            extra = ["--decode-modes", args.decode_modes] if name == "covey" and args.decode_modes else []
             results[name] = children.run(name, f"{name}-{size}", [*common, "--model", str(model_dir), "--steps",
-                                                                  str(steps), *extra], reserve_s=later)
+                                                                  str(steps)], reserve_s=later)
         rows.append(summarize(size, device, shape, results.get("covey"), results.get("trl"), workload))
-        rows[-1]["shape"] = shape
+        rows[-1].update(shape=shape, model_dir=str(model_dir))
+    for row in rows if args.decode_modes else []:  # after every GRPO run: what the budget has left
+        modes = children.run("decode", f"decode-{row['size']}", [*common, "--model", row["model_dir"],
+                                                                  "--decode-modes", args.decode_modes])
+        row["decode_modes"] = (modes or {}).get("modes", {})
     text = "\n".join([f"device: {device.get('name', 'unknown')}; copy bandwidth "
                       f"{device.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s; bf16 matmul peak "
                       f"{device.get('matmul_tflops', 0):.1f} TFLOP/s; medians of steps 2..{steps}",

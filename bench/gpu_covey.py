@@ -10,9 +10,11 @@ engine's loop (a graph replay and the sampling before it) during the last rollou
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -132,25 +134,44 @@ def floor_bytes(fast, shape_rows: int, prompt_tokens: float, new_tokens: int) ->
     return weights + shape_rows * mean_positions * per_token
 
 
-def time_modes(fast, prompts: list[str], modes: str, w: dict) -> dict:
-    """Other rollout.decode modes on the same sampling weights: (first call s, ms per step after)."""
+def role_decode(args) -> dict:
+    """rollout.decode modes on the bf16 weights of the model folder, 8 prompts x 8 samples x 256 tokens:
+    per mode the first call's seconds (captures, compilation) and, on a second call, the median ms per
+    step of the loop (CUDA events) and the generate call's seconds. The result file is rewritten after
+    each mode, so a run stopped at its time limit keeps the modes it finished."""
+    from covey.models.load import load_policy
     from covey.rollout.fast import FastEngine
     from covey.rollout.local import DecodeOptions
-    out = {}
-    for mode in [m for m in modes.split(",") if m]:
-        engine = FastEngine(fast.model, fast.tokenizer, max_new_tokens=w["new_tokens"],
-                            temperature=w["temperature"], **DecodeOptions(mode).resolve(fast.model.device))
+    from covey.tasks.data import format_prompts, load_task_data
+    from covey.config import load_config
+    w, device = WORKLOADS[args.workload], "cuda" if torch.cuda.is_available() else "cpu"
+    model, tok = load_policy(args.model, dtype=torch.bfloat16, device=device)
+    model.requires_grad_(False)
+    data = load_task_data(load_config("grpo", []).task, w["seed"])
+    prompts = format_prompts(tok, data.train[:w["prompts"]])
+    out = {"modes": {}}
+    for mode in [m for m in args.decode_modes.split(",") if m]:
+        engine = FastEngine(model, tok, max_new_tokens=w["new_tokens"], temperature=w["temperature"],
+                            **DecodeOptions(mode).resolve(device))
         engine.eos = []
+        probe = StepEvents(engine.static) if engine.static is not None else None
         times = []
-        for _ in range(2):
+        for call in range(2):
+            if probe is not None:
+                probe.on, probe.events = call == 1, []
             t0 = time.perf_counter()
             engine.generate(prompts, w["group_size"])
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        out[mode] = {"first_call_s": round(times[0], 2), "generate_s": round(times[1], 3),
-                     "ms_per_token": round(1000 * times[1] / w["new_tokens"], 3)}
-        say(f"rollout.decode={mode}: {out[mode]}")
-        del engine
+        res = {"first_call_s": round(times[0], 2), "generate_s": round(times[1], 3),
+               "generate_ms_per_token": round(1000 * times[1] / w["new_tokens"], 3)}
+        if probe is not None and torch.cuda.is_available():
+            res["loop_ms_median"] = round(statistics.median(probe.step_ms()), 4)
+        out["modes"][mode] = res
+        say(f"rollout.decode={mode}: {res}")
+        Path(args.result).write_text(json.dumps(out, indent=1))
+        del engine, probe
     return out
 
 
@@ -188,9 +209,6 @@ def role_covey(args) -> dict:
                                 statistics.mean(loop), "steps_timed": len(loop),
                                 "replay_ms": replay_ms(fast, row_bucket(rows)),
                                 "floor_bytes_per_step": floor_bytes(fast, rows, prompt_tokens, w["new_tokens"]),
-                                "graphs_captured": fast.static.runner.captures, "modes": {}}
+                                "graphs_captured": fast.static.runner.captures}
             say(f"decode loop: {result['decode']['loop_ms_median']:.3f} ms/step (median of {len(loop)})")
-        if args.decode_modes:
-            modes = time_modes(fast, feed.prompts[:w["prompts"]], args.decode_modes, w)
-            result.setdefault("decode", {"modes": {}})["modes"] = modes
         return result

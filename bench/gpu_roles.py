@@ -1,5 +1,6 @@
 """The child processes of bench/gpu_bench.py: `device` (copy bandwidth, bf16 matmul peak), `build` (a random
-Qwen2 model folder), `covey` and `trl` (GRPO steps timed by phase), each writing one JSON result.
+Qwen2 model folder), `covey` and `trl` (GRPO steps timed by phase), `decode` (rollout.decode modes timed
+on one model), each writing one JSON result.
 
     python bench/gpu_roles.py ROLE --result FILE [--workload gpu|smoke] [--size S] [--model DIR] [--steps N]
 """
@@ -34,7 +35,7 @@ WORKLOADS = {
     "smoke": dict(prompts=2, group_size=4, new_tokens=12, beta=0.04, lr=1e-6, temperature=1.0, micro_batch=4,
                   seed=0, steps=3),
 }
-ROLES = ("device", "build", "covey", "trl")
+ROLES = ("device", "build", "covey", "trl", "decode")
 
 
 def say(text: str) -> None:
@@ -172,6 +173,9 @@ def main() -> None:
     elif args.role == "covey":
         from gpu_covey import role_covey
         write(args.result, role_covey(args))
+    elif args.role == "decode":
+        from gpu_covey import role_decode
+        write(args.result, role_decode(args))
     else:
         from gpu_trl import role_trl
         write(args.result, role_trl(args))
