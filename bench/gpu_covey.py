@@ -151,8 +151,12 @@ def role_decode(args) -> dict:
     prompts = format_prompts(tok, data.train[:w["prompts"]])
     out = {"modes": {}}
     for mode in [m for m in args.decode_modes.split(",") if m]:
-        engine = FastEngine(model, tok, max_new_tokens=w["new_tokens"], temperature=w["temperature"],
-                            **DecodeOptions(mode).resolve(device))
+        try:
+            options = DecodeOptions(mode).resolve(device)
+        except ValueError as err:  # graphs on a CPU
+            out["modes"][mode] = {"error": str(err)}
+            continue
+        engine = FastEngine(model, tok, max_new_tokens=w["new_tokens"], temperature=w["temperature"], **options)
         engine.eos = []
         probe = StepEvents(engine.static) if engine.static is not None else None
         times = []

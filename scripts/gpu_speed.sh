@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU speed check: covey's static-cache / CUDA-graph decoding tests and the covey-vs-TRL benchmark
+# (bench/gpu_bench.py) in one run of at most 8 minutes on one GPU without network access.
+#
+# 1. Prepare, once, on a machine with network, from the repository root (/work/main):
+#
+#      bash scripts/gpu_speed.sh --prepare
+#
+#    which runs (python3 = any Python with pip; the wheels are for the GPU machine's Python 3.12):
+#
+#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#        --platform manylinux1_x86_64 -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+#        pyarrow==26.0.1
+#      mkdir -p .gpu_assets && tar czf .gpu_assets/smollm2-tokenizer.tgz \
+#        -C ~/.cache/covey/models/SmolLM2-135M-Instruct tokenizer.json tokenizer_config.json chat_template.jinja
+#
+#    (.whl/ and .gpu_assets/ are in .gitignore; together about 55 MiB, the checkout about 4 MiB:
+#    under the 64 MiB a device call carries. pyarrow is 53 MiB of it and is installed on the GPU
+#    machine only where its own is missing or older than datasets needs; drop it if that is known.)
+#
+# 2. Run, as one device call (timeout_s 600 leaves ~2 minutes over the 8 this takes):
+#
+#      run(command="bash scripts/gpu_speed.sh $OUT", carry=[".whl", ".gpu_assets"], timeout_s=600)
+#
+#    It writes to LOG_DIR ($OUT): summary.txt (tests, the benchmark table, the targets met or not),
+#    bench.md, bench.json, pytest.log and logs.tgz (every child's log and JSON): 5 files.
+#
+# What it checks: tests/rollout/test_static_decode_gpu.py (greedy tokens under CUDA-graph capture equal
+# `generate`'s, with and without torch.compile's kernels; graphs reused between calls; an update synced
+# into the bf16 sampling copy reaches the replayed graphs; a GRPO run through the CLI with
+# rollout.decode=graphs), then bench/gpu_bench.py --decode-modes graphs,compile: covey and TRL's
+# GRPOTrainer on random Qwen2.5-0.5B and -1.5B shapes (8 x 8 samples, 256 tokens), per-phase seconds,
+# peak GPU memory, covey's decode step against its bandwidth floor, update TFLOP/s against the bf16
+# matmul peak, then graphs against compile on each model's decode. Exit status 0 only if every part ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--prepare" ]; then
+  set -e
+  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    pyarrow==26.0.1
+  mkdir -p .gpu_assets
+  tar czf .gpu_assets/smollm2-tokenizer.tgz -C "${COVEY_CACHE:-$HOME/.cache/covey}/models/SmolLM2-135M-Instruct" \
+    tokenizer.json tokenizer_config.json chat_template.jinja
+  du -sh .whl .gpu_assets
+  git ls-files -z | du -ch --files0-from=- | tail -1
+  exit 0
+fi
+LOG=${1:?usage: bash scripts/gpu_speed.sh LOG_DIR | --prepare}
+PY=${PYTHON:-python3}
+mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+status=0
+start=$(date +%s)
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
+'| transformers', transformers.__version__)"; } | tee "$LOG/machine.txt"
+
+# Packages the image lacks, from the carried wheels; covey itself from this checkout.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  wheels=$(ls .whl/*.whl | grep -v /pyarrow-)
+  if ! "$PY" -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
+    wheels="$wheels $(ls .whl/pyarrow-*.whl 2>/dev/null)"
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $wheels \
+    > "$LOG/install.log" 2>&1 || { echo "gpu_speed: wheels did not install (see install.log)"; status=1; }
+  export PYTHONPATH="$WORK/site"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" \
+  | tee -a "$LOG/machine.txt" || { echo "gpu_speed: trl is not importable: the TRL runs will fail"; status=1; }
+TOKENIZER=""
+if [ -f .gpu_assets/smollm2-tokenizer.tgz ]; then
+  mkdir -p "$WORK/tokenizer" && tar xzf .gpu_assets/smollm2-tokenizer.tgz -C "$WORK/tokenizer"
+  TOKENIZER="--tokenizer $WORK/tokenizer"
+fi
+
+echo "== pytest -m gpu tests/rollout/test_static_decode_gpu.py"
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/rollout/test_static_decode_gpu.py 2>&1 \
+  | tee "$LOG/pytest.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+left=$(( 470 - ($(date +%s) - start) ))
+echo "== bench/gpu_bench.py (budget ${left}s)"
+# BENCH_FLAGS: extra flags for a trial elsewhere (e.g. BENCH_FLAGS=--smoke on a CPU)
+timeout $(( left + 30 )) "$PY" bench/gpu_bench.py --out "$WORK/bench" --work "$WORK/models" $TOKENIZER \
+  --decode-modes graphs,compile --budget-s "$left" ${BENCH_FLAGS:-} 2>&1 | tee "$WORK/bench-stdout.txt" \
+  | grep "^bench \["
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+cp "$WORK/bench.md" "$WORK/bench.json" "$LOG/" 2>/dev/null || status=1
+
+{ echo "machine: $(tr '\n' ' ' < "$LOG/machine.txt")"
+  echo "pytest: $(tail -1 "$LOG/pytest.log")"
+  echo "seconds: $(( $(date +%s) - start ))"
+  cat "$LOG/bench.md" 2>/dev/null || echo "bench: no result (bench-stdout.txt in logs.tgz)"
+} > "$LOG/summary.txt"
+mkdir -p "$WORK/bench-logs"
+mv "$WORK/bench-stdout.txt" "$LOG/machine.txt" "$WORK/bench-logs/"
+[ -f "$LOG/install.log" ] && mv "$LOG/install.log" "$WORK/bench-logs/"
+tar czf "$LOG/logs.tgz" -C "$WORK" bench-logs
+cat "$LOG/summary.txt"
+echo "gpu_speed: $([ $status -eq 0 ] && echo passed || echo FAILED); files in $LOG"
+exit $status
