@@ -1,4 +1,5 @@
-"""Memory: peak GPU memory per phase of a step, and out-of-memory that halves the micro-batch.
+"""Memory: peak GPU memory per phase of a step, no-grad passes sized to the free GPU memory, and
+out-of-memory that halves the micro-batch.
 
 `torch.cuda.max_memory_allocated` counts tensors allocated by torch on the device, the
 quantity that decides an out-of-memory error (the caching allocator's reserve is larger).
@@ -45,6 +46,22 @@ def record_gpu_peak(metrics: dict, device: str | torch.device, phase: str) -> di
     if peak is not None:
         metrics[f"memory/gpu_peak_mb/{phase}"] = peak
     return metrics
+
+
+def rows_per_no_grad_pass(config, positions: int, free_bytes: int, least: int, most: int,
+                          share: float = 0.25) -> int:
+    """Sequences per no-grad log-prob pass (old policy, reference, values) that fit in `share` of
+    `free_bytes`, between `least` (algo.micro_batch_size) and `most` (the rollout's sequences).
+
+    Without gradients nothing is kept from layer to layer, so a pass's peak is its logits (bf16,
+    2 V bytes a position; covey/algos/logits.py reads them in bounded blocks) and one layer's
+    activations: the MLP's gate, up and product (3 x 2 I bytes) and about eight hidden-size vectors
+    in float32 and bf16 (16 H bytes), at every one of `positions` (prompt + response) per sequence.
+    """
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    per_position = 2 * config.vocab_size + 6 * config.intermediate_size + 16 * config.hidden_size
+    fit = int(share * free_bytes // max(1, per_position * positions))
+    return max(least, min(most, fit))
 
 
 # --------------------------------------------------------------------------- out of memory

@@ -31,7 +31,7 @@ from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import (DeviceError, SilentLogger, World, broadcast_object, describe_device,
                                 init_distributed, quiet_unless_main)
 from covey.runtime.fsdp import shard_model
-from covey.runtime.memory import MicroBatchSizes
+from covey.runtime.memory import MicroBatchSizes, on_gpu, rows_per_no_grad_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
@@ -280,9 +280,24 @@ def open_feed(run: Run, data, rewarder) -> Feed:
     context = getattr(run.policy.config, "max_position_embeddings", 2048)
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
+    size_no_grad_passes(run, prompts)
     engine = make_engine(run)
     return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
                 eval_engine=make_eval_engine(run, engine))
+
+
+def size_no_grad_passes(run: Run, prompts: list[str]) -> None:
+    """On one GPU the no-grad log-prob passes (old policy, reference, values) take as many sequences as
+    fit in a quarter of the free memory (covey/runtime/memory.py), at least algo.micro_batch_size: fewer,
+    larger passes. Halved on out-of-memory like any phase; under torchrun every rank keeps the
+    configured size (their passes must pair up)."""
+    if not on_gpu(run.world.device) or run.world.size > 1 or not prompts:
+        return
+    r, sizes = run.cfg.rollout, run.extra_state["micro_batches"]
+    longest = max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    free, _ = torch.cuda.mem_get_info(torch.device(run.world.device))
+    sizes.sizes["logprobs"] = rows_per_no_grad_pass(run.policy.config, longest + r.max_new_tokens, free,
+                                                    sizes.sizes["logprobs"], r.prompts_per_step * r.group_size)
 
 
 def make_engine(run: Run):

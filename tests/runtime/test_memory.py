@@ -77,3 +77,16 @@ def test_sizes_are_saved_and_restored():
     restored = MicroBatchSizes(8)
     restored.load_state_dict(sizes.state_dict())
     assert restored.sizes == {"generate": 8, "logprobs": 8, "update": 4} and restored.oom_retries == 1
+
+
+def test_no_grad_passes_take_what_fits_in_a_quarter_of_the_free_memory():
+    """Qwen2.5-1.5B's shape with a 49152-entry vocabulary: per position 2 x 49152 (bf16 logits)
+    + 6 x 8960 (MLP) + 16 x 1536 (hidden vectors) = 176640 bytes; 300 positions a sequence is
+    52992000 bytes, so a quarter of 8 GiB (2147483648 bytes) holds 40 sequences."""
+    from types import SimpleNamespace
+
+    from covey.runtime.memory import rows_per_no_grad_pass
+    config = SimpleNamespace(vocab_size=49152, intermediate_size=8960, hidden_size=1536)
+    assert rows_per_no_grad_pass(config, 300, 8 * 2**30, least=8, most=64) == 40
+    assert rows_per_no_grad_pass(config, 300, 80 * 2**30, least=8, most=64) == 64  # never more than the rollout
+    assert rows_per_no_grad_pass(config, 300, 2**30, least=8, most=64) == 8  # never fewer than micro_batch_size
