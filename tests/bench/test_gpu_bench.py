@@ -1,0 +1,55 @@
+"""bench/gpu_bench.py's arithmetic: the update's model FLOPs, the shapes' parameter counts, the targets."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from gpu_bench import summarize, varied_reward, verdicts  # noqa: E402
+from gpu_roles import model_shape, update_flops  # noqa: E402
+
+
+def test_qwen25_shapes_count_their_parameters():
+    """Qwen2.5-1.5B's published count is 1.54B with its 151936-entry vocabulary: 1.31B in the layers
+    plus 233M of tied embedding. With SmolLM2's 49152 entries: 1.31B + 75.5M."""
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2)
+    assert model_shape(config, 151936)["params"] == pytest.approx(1.54e9, rel=0.01)
+    shape = model_shape(config, 49152)
+    # per layer: q 1536^2 + k, v 2 x 1536 x 256 + o 1536^2 + MLP 3 x 1536 x 8960 = 46,792,704
+    assert shape["matmul_params"] == 28 * 46_792_704 + 49152 * 1536
+    assert (shape["head_dim"], shape["kv_heads"]) == (128, 2)
+
+
+def test_update_flops_count_six_per_parameter_and_token_and_the_attention():
+    """2 prompts of 10 tokens x 2 samples of 4 tokens, one layer of 1 head of dimension 2, 100 matrix
+    parameters. Tokens: 4 x 4 responses + 2 x 10 prompts = 36 -> 6 x 100 x 36 = 21600.
+    Query-key pairs: each response 4 x 10 + (1 + 2 + 3 + 4) = 50, x 4 = 200; each prompt 55, x 2 = 110;
+    310 pairs x 3 x 4 x 1 x 2 x 1 = 7440."""
+    shape = {"matmul_params": 100, "heads": 1, "head_dim": 2, "layers": 1}
+    workload = {"prompts": 2, "group_size": 2, "new_tokens": 4}
+    assert update_flops(shape, workload, 10) == 21600 + 7440
+
+
+def test_summary_ratios_and_verdicts():
+    steps = lambda s: [{"step_s": x, "generate_s": x / 2, "reference_s": 0.1, "update_s": x / 4, "score_s": 0.0}
+                       for x in s]
+    covey = {"steps": steps([9, 1, 1.2, 1.1]), "peak_gpu_bytes": 20 * 2**30,
+             "decode": {"loop_ms_median": 2.0, "floor_bytes_per_step": 1e9, "rows": 64}}
+    trl = {"steps": steps([9, 10, 10, 10]), "peak_gpu_bytes": 40 * 2**30}
+    shape = {"matmul_params": 1e9, "heads": 12, "head_dim": 128, "layers": 28, "prompt_tokens_mean": 40}
+    workload = {"prompts": 8, "group_size": 8, "new_tokens": 256}
+    row = summarize("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape, covey, trl, workload)
+    assert row["step_vs_trl"] == pytest.approx(0.11) and row["memory_vs_trl"] == 0.5
+    assert row["decode_floor_ms"] == 1.0 and row["decode_vs_floor"] == 2.0
+    lines = verdicts(row)
+    assert any("step_vs_trl: 0.110 (target <= 0.25) met" in line for line in lines)
+    assert any("decode_vs_floor: 2.000 (target <= 2.0) met" in line for line in lines)
+    assert any(line.startswith("1.5b update_share_of_peak") for line in lines)
+
+
+def test_the_reward_reads_plain_and_conversational_completions():
+    assert varied_reward([], ["ab", [{"role": "assistant", "content": "ab"}]]) == [(97 + 98) % 7 / 6] * 2
