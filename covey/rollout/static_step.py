@@ -216,13 +216,13 @@ def decode_step(w: DecodeWeights, s: StaticState, length: int) -> Tensor:
     cos, sin = rotary_tables_scaled(w, s.positions, x.dtype)
     sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half(x) * sin = swap(x) * sin_signed
     cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)
-    s.mask[:, s.column] = 0.0  # index_put_: what torch.compile turns into an in-place scatter
+    s.mask.index_fill_(1, s.column, 0.0)  # the scalar goes to the kernel: no host copy inside a capture
     mask = s.mask.narrow(1, 0, length)[:, None, None, :]  # narrow, not a slice: no clamping to guard on
     for layer, keys, values in zip(w.layers, s.keys, s.values):
         qkv = linear(F.rms_norm(x, (x.shape[-1],), layer.norm1, w.eps), layer.qkv)
         qk = qkv[:, :(w.heads + kv) * d].view(rows, w.heads + kv, d)
         qk = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), dim=-1), sin_signed)
-        keys[:, :, s.column] = qk[:, w.heads:].unsqueeze(2)
+        keys[:, :, s.column] = qk[:, w.heads:].unsqueeze(2)  # index_put_: compiled into an in-place scatter
         values[:, :, s.column] = qkv[:, (w.heads + kv) * d:].view(rows, kv, 1, d)
         q = qk[:, :w.heads].reshape(rows, kv, groups, d)
         scores = torch.add(mask, torch.matmul(q, keys.narrow(2, 0, length).transpose(2, 3)), alpha=w.scaling)
