@@ -38,9 +38,10 @@ def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
     return terms
 
 
-def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> Rewarder:
+def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math") -> Rewarder:
     """Rule terms, user callables (reward.functions, then `extra`), learned RM / PRM (`learned`, loaded
-    from cfg if None) and a remote service.
+    from cfg if None) and a remote service. `verifier` (covey/tasks/verifiers.py, resolved from
+    eval.metric) is what the correctness term checks with.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
@@ -50,7 +51,8 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> R
     monitor = bool(learned.outcome or learned.process or r.remote_url)
     terms = []
     if r.correctness or monitor:
-        terms.append(RewardTerm("correctness", correctness_reward, r.correctness))
+        fn = functools.partial(correctness_reward, verifier=verifier, answer_column=cfg.task.answer_key)
+        terms.append(RewardTerm("correctness", fn, r.correctness))
     if r.format:
         terms.append(RewardTerm("format", format_reward, r.format))
     if r.overlong_buffer:
@@ -61,9 +63,9 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> R
         terms.append(RewardTerm("language", fn, r.language))
     terms += user_terms([*filter(None, (s.strip() for s in r.functions.split(","))), *extra])
     if learned.outcome is not None:
-        terms.append(RewardTerm("rm", learned.outcome, r.model_weight))
+        terms.append(RewardTerm("rm", learned.outcome, r.model_weight, formatted_prompts=True))
     if learned.process is not None and r.prm_weight:
-        terms.append(RewardTerm("prm", learned.process, r.prm_weight))
+        terms.append(RewardTerm("prm", learned.process, r.prm_weight, formatted_prompts=True))
     if r.remote_url:
         terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
     return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)

@@ -26,7 +26,7 @@ def test_good_rows_answers_as_strings_and_meta(tmp_path):
 def test_custom_column_names(tmp_path):
     path = write(tmp_path, [json.dumps({"question": "q", "solution": "7", "answer": "other"})])
     (ex,), _ = load_jsonl(path, prompt_key="question", answer_key="solution")
-    assert ex == Example("q", "7", {"answer": "other"})
+    assert ex == Example("q", "7", {"answer": "other", "solution": "7"})  # every column under its own name
 
 
 GOOD = json.dumps({"prompt": "p", "answer": "1"})
@@ -42,7 +42,7 @@ GOOD = json.dumps({"prompt": "p", "answer": "1"})
     ('{"prompt": "p", "answer": true}', "field 'answer' must be a string or a number, got bool"),
     ('{"prompt": "p", "answer": [1]}', "field 'answer' must be a string or a number, got list"),
     ('{"prompt": "p", "answer": "  "}', "field 'answer' is empty"),
-    ('{"prompt": 3, "answer": "1"}', "field 'prompt' must be a string, got int"),
+    ('{"prompt": 3, "answer": "1"}', "field 'prompt' must be a string or a list of chat messages, got int"),
     ('{"prompt": "", "answer": "1"}', "field 'prompt' is empty"),
     (b'{"prompt": "\xff", "answer": "1"}', "not valid UTF-8"),
 ])
