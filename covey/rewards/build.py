@@ -25,12 +25,13 @@ def parse_function(item: str) -> tuple[str, float]:
 
 
 def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
-    """Reward terms of Python callables (weight 1, named by `__name__`) and "module:function[:weight]" strings."""
+    """Reward terms of Python callables (weight 1) and "module:function[:weight]" or "file.py:function[:weight]"
+    strings, each named by its function's name (metrics reward/<name>, as TRL names them)."""
     terms = []
     for fn in funcs:
         if isinstance(fn, str):
             spec, weight = parse_function(fn.strip())
-            terms.append(RewardTerm(spec, load_callable(spec), weight))
+            terms.append(RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight))
         elif callable(fn):
             terms.append(RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0))
         else:

@@ -45,8 +45,8 @@ class Judge:
         return [v >= self.threshold for v in values], values
 
     def describe(self) -> str:
-        """How results are named in the messages: 'accuracy (normalized)', 'reward >= 1'."""
-        return f"reward >= {self.threshold:g}" if self.by_reward else f"accuracy ({self.metric})"
+        """How results are named in the messages: 'accuracy (normalized)', 'share at reward >= 1'."""
+        return f"share at reward >= {self.threshold:g}" if self.by_reward else f"accuracy ({self.metric})"
 
 
 def headline(result: dict) -> float:

@@ -100,7 +100,7 @@ def start_or_resume(run: Run, resume_from, feed: Feed) -> dict:
     run.logger.reset()
     before = run_eval(run, feed)
     run.logger.log(0, {**before, "data/skipped_rows": feed.data.skipped_rows})
-    print(f"covey: held-out {describe_eval(feed.judge, before)} before training "
+    print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
           f"({before['eval/n']} problems, greedy)")
     return before
 
@@ -327,11 +327,11 @@ def run_eval(run: Run, feed: Feed) -> dict:
     return record_gpu_peak(out, run.world.device, "eval")
 
 
-def describe_eval(judge: Judge, result: dict) -> str:
-    """'accuracy (math) 18.5%' or 'reward mean 0.42, 31.0% at reward >= 1'."""
+def eval_figure(judge: Judge, result: dict) -> str:
+    """'18.5%' for a verifier's accuracy; '31.0% (mean reward 0.42)' for the reward's pass rate."""
     if judge.by_reward:
-        return f"reward mean {result['eval/reward_mean']:.3g}, {result['eval/reward_pass']:.1%} at {judge.describe()}"
-    return f"{judge.describe()} {result['eval/accuracy']:.1%}"
+        return f"{result['eval/reward_pass']:.1%} (mean reward {result['eval/reward_mean']:.3g})"
+    return f"{result['eval/accuracy']:.1%}"
 
 
 def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:
@@ -346,7 +346,7 @@ def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:
     budget = run.cfg.train.max_minutes
     stopped = (f" (stopped by the time budget train.max_minutes={budget:g} before train.steps={run.cfg.train.steps}; "
                "train.max_minutes=0 for no limit)" if by_budget else "")
-    print(f"covey: held-out {describe_eval(feed.judge, before)} -> {describe_eval(feed.judge, after)} "
-          f"after {run.step} steps; model saved to {final_dir}{stopped}")
+    print(f"covey: held-out {feed.judge.describe()} {eval_figure(feed.judge, before)} -> "
+          f"{eval_figure(feed.judge, after)} after {run.step} steps; model saved to {final_dir}{stopped}")
     close_distributed()
     return result
