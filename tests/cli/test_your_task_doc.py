@@ -52,3 +52,12 @@ def test_default_model_answers_capitals_by_a_string_verifier(capsys):
         found[metric] = last_json(capsys.readouterr().out)["eval/accuracy"]
     assert found["contains"] >= 10 / 18, found  # docs/your-task.md: 14 of 18
     assert found["normalized"] < found["contains"]
+
+
+def test_eval_of_an_unfinished_or_wrong_folder_is_one_line(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"covey eval: error: {tmp_path}: not a run folder (no config.yaml)"
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 3\n")
+    assert main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"covey eval: error: {tmp_path}: no trained model in final/ "
+                                               "(the run did not finish): name a checkpoint with --model")
