@@ -32,6 +32,13 @@ def tiny_model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+@pytest.fixture
+def tiny_tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (a fresh object per test: a test may change its chat template)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 
 
 def pytest_collection_modifyitems(config, items):

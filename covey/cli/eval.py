@@ -1,44 +1,73 @@
-"""`covey eval [--model PATH] [PRESET | FILE.yaml] [key=value ...]`: held-out accuracy of any
-model on the configured task."""
+"""`covey eval [--model PATH] [RUN_DIR | PRESET | FILE.yaml] [key=value ...]`: held-out evaluation of
+any model on the configured task.
+
+Given a run folder, its config.yaml supplies the task, the reward functions and eval.metric, and
+its trained model (final/) is evaluated unless --model names another.
+"""
 
 from __future__ import annotations
 
-HELP = "held-out accuracy of a model: covey eval [--model PATH] [key=value ...]"
+HELP = "held-out accuracy of a model: covey eval [--model PATH] [RUN_DIR | PRESET | FILE.yaml] [key=value ...]"
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help=HELP, description=HELP)
-    p.add_argument("--model", default="", help="model folder, .gguf or 'default'")
+    p.add_argument("--model", default="", help="model folder, .gguf or 'default' (default: the run's final/ "
+                                               "when given a run folder, else model.path)")
     p.add_argument("--pass-k", type=int, default=0, help="also report pass@k")
-    p.add_argument("args", nargs="*", help="an optional preset or YAML file, then key=value overrides")
+    p.add_argument("args", nargs="*", help="an optional run folder, preset or YAML file, then key=value overrides")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from covey.cli.common import config_with_cpu_settings
-    cfg = config_with_cpu_settings(args.args)
+    items, run_dir = list(args.args), None
+    if items and "=" not in items[0] and Path(items[0]).is_dir():
+        run_dir = Path(items[0])
+        if not (run_dir / "config.yaml").is_file():
+            raise ValueError(f"{run_dir}: not a run folder (no config.yaml)")
+        items[0] = str(run_dir / "config.yaml")
+    cfg = config_with_cpu_settings(items)
     if args.model:
         cfg.model.path = args.model
+    elif run_dir is not None:
+        if not (run_dir / "final").is_dir():
+            raise ValueError(f"{run_dir}: no trained model in final/ (the run did not finish): "
+                             "name a checkpoint with --model")
+        cfg.model.path = str(run_dir / "final")
     run_eval_command(cfg, args.pass_k)
     return 0
 
 
 def run_eval_command(cfg, pass_k: int = 0) -> dict:
-    """Evaluate cfg.model.path on the held-out split of cfg.task; prints and returns the result."""
+    """Evaluate cfg.model.path on the held-out split of cfg.task, judged by eval.metric (the run's
+    verifier, or its reward functions); prints and returns the result."""
     import json
 
     from covey.cli.common import command_device
     from covey.models.load import load_policy
+    from covey.rewards.build import build_rewarder
+    from covey.rewards.learned import load_learned_rewards
     from covey.rollout.hf import HFEngine
-    from covey.tasks.data import format_prompts, load_task_data
-    from covey.train.evaluate import evaluate
+    from covey.tasks.data import load_task_data, format_prompts
+    from covey.tasks.verifiers import resolve_verifier
+    from covey.train.evaluate import Judge, evaluate
     data = load_task_data(cfg.task, cfg.train.seed)
-    policy, tokenizer = load_policy(cfg.model.path, device=command_device(cfg))
+    metric = cfg.eval.metric
+    verifier = resolve_verifier("auto" if metric == "reward" else metric, [ex.answer for ex in data.eval])
+    device = command_device(cfg)
+    judge = Judge(verifier)
+    if metric == "reward":
+        learned = load_learned_rewards(cfg.reward, device)
+        judge = Judge("reward", build_rewarder(cfg, learned, verifier=verifier), cfg.eval.reward_threshold)
+    policy, tokenizer = load_policy(cfg.model.path, device=device)
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     prompts = format_prompts(tokenizer, data.eval, cfg.task.system_prompt)
-    result = evaluate(engine, prompts, data.eval, batch_size=cfg.rollout.eval_batch_size,
+    result = evaluate(engine, prompts, data.eval, judge=judge, batch_size=cfg.rollout.eval_batch_size,
                       max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=pass_k or cfg.train.eval_pass_k)
-    print(json.dumps({"model": cfg.model.path, **result}))
+    print(json.dumps({"model": cfg.model.path, "metric": judge.describe(), **result}))
     return result

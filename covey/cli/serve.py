@@ -26,6 +26,7 @@ def run(args) -> int:
     from covey.config import load_config, split_config
     from covey.rewards.build import build_rewarder
     from covey.rewards.server import MiB, RewardServer, RewardService, ServeError, ServerLimits
+    from covey.tasks.verifiers import VERIFIERS
 
     token = os.environ.get(args.token_env, "")
     if not token:
@@ -35,8 +36,12 @@ def run(args) -> int:
     config_path, overrides = split_config(args.args)
     cfg = load_config(config_path, overrides)
     limits = ServerLimits(int(args.max_body_mb * MiB), args.max_batch, args.request_timeout)
+    # No data here to resolve eval.metric=auto from: the correctness term checks numbers (math) unless a
+    # string verifier is named.
+    verifier = cfg.eval.metric if cfg.eval.metric in VERIFIERS else "math"
     try:
-        server = RewardServer((args.host, args.port), RewardService(build_rewarder(cfg)), token, limits, args.verbose)
+        rewarder = build_rewarder(cfg, verifier=verifier)
+        server = RewardServer((args.host, args.port), RewardService(rewarder), token, limits, args.verbose)
     except OSError as e:
         raise ServeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -7,6 +7,7 @@ from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSIT
                                  value_of)
 from covey.config.load import (as_dict, config_yaml, from_dict, load_config, preset_file, preset_names,  # noqa: F401
                                preset_path, read_preset, set_value, split_config)
-from covey.config.schema import (SECTIONS, AlgoConfig, Config, ConfigError, ModelConfig, OptimConfig,  # noqa: F401
-                                 RewardConfig, RMConfig, RolloutConfig, TaskConfig, TrainConfig, describe_keys,
-                                 field_docs, leaf_keys)
+from covey.config.describe import describe_keys, field_docs  # noqa: F401
+from covey.config.schema import (SECTIONS, AlgoConfig, Config, ConfigError, EvalConfig, ModelConfig,  # noqa: F401
+                                 OptimConfig, RewardConfig, RMConfig, RolloutConfig, TaskConfig, TrainConfig,
+                                 leaf_keys)

@@ -18,10 +18,13 @@ MULTISTEP_OPS = ("+", "-", "*")
 CORRUPTION_KINDS = ("result", "operand", "operator", "carry", "unrelated", "stopped")
 """Errors that PRM training data may inject into a reference solution (rm.corruption_kinds)."""
 
+FILE_TASKS = ("file", "jsonl", "hf")
+"""task.name values that read task.path (one loader: the path's suffix or folder decides)."""
+
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.autocast": ("none", "bfloat16", "auto"),
-    "task.name": ("arithmetic", "multistep", "jsonl", "hf"),
+    "task.name": ("arithmetic", "multistep", "file", "jsonl", "hf"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "fast", "vllm"),
@@ -44,6 +47,7 @@ CHOICES = {
     "algo.normalize": NORMALIZE_MODES,
     "train.logger": ("jsonl", "tensorboard"),
     "train.device": ("auto", "cpu", "cuda"),
+    "eval.metric": ("auto", "math", "exact", "normalized", "contains", "reward"),
 }
 
 POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
@@ -144,7 +148,7 @@ def validate_task(cfg: Config) -> None:
     validate_template(cfg.task.template)
     validate_template(cfg.task.multistep_template, "task.multistep_template", start="12", steps="Add 7")
     validate_multistep(cfg.task)
-    if cfg.task.name in ("jsonl", "hf") and not cfg.task.path:
+    if cfg.task.name in FILE_TASKS and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
 
 

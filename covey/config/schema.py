@@ -1,16 +1,13 @@
 """The config's shape: one dataclass per section, every field with a one-line docstring.
 
 The string literal under a field is its documentation: `covey train --help-config` prints it
-(describe_keys), and tests check that no field lacks one. Loading (presets, YAML, overrides) is
+(covey/config/describe.py), and tests check that no field lacks one. Loading (presets, YAML, overrides) is
 in covey/config/load.py, the checks in covey/config/checks.py. No torch.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import textwrap
 from dataclasses import dataclass, field
 
 
@@ -45,13 +42,15 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source: arithmetic | multistep | jsonl | hf."""
+    """Prompt source: arithmetic | multistep (generated) | file (task.path: .jsonl, .json, .csv, .parquet or a saved HF dataset folder; jsonl and hf are other names for it)."""
     path: str = ""
-    """File (jsonl) or saved dataset folder (hf)."""
+    """Training data: a .jsonl/.json/.csv/.parquet file or a folder saved with datasets' save_to_disk."""
     split: str = ""
-    """Split of a saved HF DatasetDict; empty = the dataset itself."""
+    """Training split of a saved HF DatasetDict; empty = the dataset itself (or its only split)."""
     eval_path: str = ""
-    """Held-out file/folder for jsonl/hf; empty = hold out eval_size rows of `path`."""
+    """Held-out file or folder; empty = eval_split of task.path if set, else eval_size rows held out of task.path."""
+    eval_split: str = ""
+    """Held-out split of a saved HF DatasetDict (of eval_path, else of path), e.g. test."""
     prompt_key: str = "prompt"
     """Column holding the question."""
     answer_key: str = "answer"
@@ -353,6 +352,14 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    metric: str = "auto"
+    """Held-out measure, and the correctness reward's verifier: auto (math when every answer is a number, else normalized) | math | exact | normalized | contains (covey/tasks/verifiers.py) | reward (the run's reward: reports eval/reward_mean and eval/reward_pass)."""
+    reward_threshold: float = 1.0
+    """With eval.metric=reward: a held-out answer passes when its total reward is at least this."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -362,6 +369,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -372,28 +380,3 @@ def leaf_keys(cfg: Config | None = None) -> list[str]:
     cfg = cfg or Config()
     return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
             for f in dataclasses.fields(getattr(cfg, s.name))]
-
-
-def field_docs(section_class) -> dict[str, str]:
-    """{field: its one-line docstring} of a config section, read from the source."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(section_class))).body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-def describe_keys() -> str:
-    """Every key with its type, default and docstring (`covey train --help-config`)."""
-    lines, cfg = [], Config()
-    for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        docs = field_docs(type(obj))
-        lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(obj):
-            lines.append(f"  {section.name}.{f.name} ({f.type}, default {getattr(obj, f.name)!r}): "
-                         f"{docs.get(f.name, '')}")
-    return "\n".join(lines)
-

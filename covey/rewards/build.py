@@ -25,12 +25,13 @@ def parse_function(item: str) -> tuple[str, float]:
 
 
 def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
-    """Reward terms of Python callables (weight 1, named by `__name__`) and "module:function[:weight]" strings."""
+    """Reward terms of Python callables (weight 1) and "module:function[:weight]" or "file.py:function[:weight]"
+    strings, each named by its function's name (metrics reward/<name>, as TRL names them)."""
     terms = []
     for fn in funcs:
         if isinstance(fn, str):
             spec, weight = parse_function(fn.strip())
-            terms.append(RewardTerm(spec, load_callable(spec), weight))
+            terms.append(RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight))
         elif callable(fn):
             terms.append(RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0))
         else:
@@ -38,9 +39,10 @@ def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
     return terms
 
 
-def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> Rewarder:
+def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math") -> Rewarder:
     """Rule terms, user callables (reward.functions, then `extra`), learned RM / PRM (`learned`, loaded
-    from cfg if None) and a remote service.
+    from cfg if None) and a remote service. `verifier` (covey/tasks/verifiers.py, resolved from
+    eval.metric) is what the correctness term checks with.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
@@ -50,7 +52,8 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> R
     monitor = bool(learned.outcome or learned.process or r.remote_url)
     terms = []
     if r.correctness or monitor:
-        terms.append(RewardTerm("correctness", correctness_reward, r.correctness))
+        fn = functools.partial(correctness_reward, verifier=verifier, answer_column=cfg.task.answer_key)
+        terms.append(RewardTerm("correctness", fn, r.correctness))
     if r.format:
         terms.append(RewardTerm("format", format_reward, r.format))
     if r.overlong_buffer:
@@ -61,9 +64,9 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = ()) -> R
         terms.append(RewardTerm("language", fn, r.language))
     terms += user_terms([*filter(None, (s.strip() for s in r.functions.split(","))), *extra])
     if learned.outcome is not None:
-        terms.append(RewardTerm("rm", learned.outcome, r.model_weight))
+        terms.append(RewardTerm("rm", learned.outcome, r.model_weight, formatted_prompts=True))
     if learned.process is not None and r.prm_weight:
-        terms.append(RewardTerm("prm", learned.process, r.prm_weight))
+        terms.append(RewardTerm("prm", learned.process, r.prm_weight, formatted_prompts=True))
     if r.remote_url:
         terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
     return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)

@@ -1,11 +1,19 @@
 """Weighted sum of reward functions with an explicit failure policy.
 
-A reward function has TRL's shape and is called the TRL way, with keyword arguments only:
-`fn(prompts=[...], completions=[...], answer=[...], completion_lengths=[...], **other columns)
--> list[float | None]`, where the columns are the dataset's (`answer`, ...) and
-`completion_lengths` counts tokens; `def fn(completions, **kwargs)` is enough. A function
-that raises, times out, returns the wrong count, None, NaN or inf is a *fault*. Policy
-(`reward.on_error`):
+A reward function is called the TRL way, with keyword arguments only:
+`fn(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., **columns)
+-> list[float | None]`. `prompts` are the dataset's prompts as written (a string, or a list of
+chat messages), `completions` are strings for string prompts and `[{"role": "assistant",
+"content": ...}]` for chat prompts, `completion_ids` the sampled token ids, `trainer_state` has
+`global_step` and `max_steps`; the columns are every other dataset column under its own name,
+plus `answer` (the reference answer) and `completion_lengths` (tokens). `def fn(completions,
+**kwargs)` is enough.
+
+A function may return None for a sample it does not score (TRL's convention): that sample's
+value for that function is missing (NaN in `Scores.parts`, left out of the function's mean) and
+adds nothing to the weighted sum; a sample no function scored gets 0 and is counted
+(`Scores.unscored`). A function that raises, times out, returns the wrong count, a non-number,
+NaN or inf is a *fault*. Policy (`reward.on_error`):
 
 - raise: stop with one line naming the function and the first bad sample;
 - zero:  that sample scores 0 for that function (counted in reward/errors);
@@ -40,14 +48,23 @@ class RewardTerm:
     name: str
     fn: Callable
     weight: float
+    formatted_prompts: bool = False  # a learned reward model reads the prompts as the policy saw them
+
+
+@dataclass
+class TrainerState:
+    """What TRL passes as `trainer_state`, the fields a reward schedule reads."""
+    global_step: int = 0
+    max_steps: int = 0
 
 
 @dataclass
 class Scores:
     total: torch.Tensor          # (N,) weighted sum
-    parts: dict                  # name -> (N,) unweighted values (0 where faulty)
+    parts: dict                  # name -> (N,) unweighted values (0 where faulty, NaN where None)
     valid: torch.Tensor          # (N,) bool, False where a fault asks for a drop
     errors: int                  # faulty (function, sample) pairs
+    unscored: int = 0            # samples that every function returned None for (total 0)
 
 
 def load_callable(spec: str) -> Callable:
@@ -127,8 +144,9 @@ def _as_list(out):
 
 
 def _bad_value(v) -> str | None:
+    """Why a returned value is a fault, or None when it is a finite number or None (not scored)."""
     if v is None:
-        return "returned None"
+        return None
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -151,7 +169,7 @@ class Rewarder:
         self.timeout_s = timeout_s
 
     def _run_term(self, term: RewardTerm, prompts, completions, columns) -> tuple[list, list[str | None]]:
-        """Values of one term and, per sample, a fault description or None."""
+        """Values of one term (NaN where it returned None) and, per sample, a fault or None."""
         n = len(completions)
         try:
             out = _call_with_timeout(term.fn, self.timeout_s, prompts=prompts, completions=completions, **columns)
@@ -165,25 +183,30 @@ class Rewarder:
         if len(raw) != n:
             return [0.0] * n, [f"returned {len(raw)} values for {n} samples"] * n
         faults = [_bad_value(v) for v in raw]
-        values = [0.0 if f else float(v) for v, f in zip(raw, faults)]
+        values = [0.0 if f else math.nan if v is None else float(v) for v, f in zip(raw, faults)]
         return values, faults
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict) -> Scores:
+    def __call__(self, prompts: list, completions: list, columns: dict, formatted_prompts: list | None = None) -> Scores:
+        """Score with every term; `formatted_prompts` (the chat-formatted text) go to the terms that
+        read prompts the way the policy saw them (learned reward models), `prompts` to the others."""
         n = len(completions)
         total = torch.zeros(n)
         valid = torch.ones(n, dtype=torch.bool)
+        scored = torch.zeros(n, dtype=torch.bool)
         parts, errors = {}, 0
         for term in self.terms:
-            values, faults = self._run_term(term, prompts, completions, columns)
+            given = formatted_prompts if term.formatted_prompts and formatted_prompts is not None else prompts
+            values, faults = self._run_term(term, given, completions, columns)
             for i, fault in enumerate(faults):
                 if fault is None:
                     continue
                 errors += 1
                 if self.on_error == "raise":
                     raise RewardError(f"reward function '{term.name}' {fault} "
-                                      f"(first bad sample #{i}: {completions[i][:80]!r})")
+                                      f"(first bad sample #{i}: {str(completions[i])[:80]!r})")
                 if self.on_error == "drop":
                     valid[i] = False
             parts[term.name] = torch.tensor(values)
-            total += term.weight * parts[term.name]
-        return Scores(total=total, parts=parts, valid=valid, errors=errors)
+            scored |= ~parts[term.name].isnan()
+            total += term.weight * parts[term.name].nan_to_num(0.0)
+        return Scores(total=total, parts=parts, valid=valid, errors=errors, unscored=int((~scored).sum()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import queue
 import random
@@ -143,12 +144,14 @@ class RemoteReward:
             results += got
         return results
 
-    def __call__(self, prompts, completions, **columns) -> list[float | None]:
+    def __call__(self, prompts, completions, trainer_state=None, **columns) -> list[float | None]:
+        """The service's reward per item: None where no function there scored it (TRL's None), NaN
+        (a fault under reward.on_error) where it answered with an error for that item."""
         rows = _per_item(columns, len(completions))
         items = [{"prompt": p, "completion": c, "columns": col} for p, c, col in zip(prompts, completions, rows)]
         results = self.score_items(items)
         self.last_item_errors = [r["error"] for r in results if "error" in r]
-        return [r.get("reward") if isinstance(r, dict) else None for r in results]
+        return [r.get("reward") if isinstance(r, dict) and "error" not in r else math.nan for r in results]
 
 
 def _error_text(data: bytes) -> str:

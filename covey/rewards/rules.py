@@ -25,6 +25,7 @@ from covey.tasks.answers import (  # noqa: F401  (re-exported: the public rule A
     math_equal,
     normalize_number,
 )
+from covey.tasks.verifiers import verify
 
 
 def completion_text(completion: Any) -> str:
@@ -48,12 +49,17 @@ def _per_sample(value: Any, n: int, name: str) -> list:
     return [value] * n
 
 
-def correctness_reward(prompts: Sequence, completions: Sequence, answer: Sequence | str,
-                       **columns) -> list[float]:
-    """1.0 if the extracted final answer equals the reference (`math_equal`), else 0.0."""
-    golds = _per_sample(answer, len(completions), "answer")
-    return [1.0 if math_equal(extract_answer(completion_text(c)), str(g)) else 0.0
-            for c, g in zip(completions, golds)]
+def correctness_reward(prompts: Sequence, completions: Sequence, answer: Sequence | str | None = None,
+                       verifier: str = "math", answer_column: str = "answer", **columns) -> list[float]:
+    """1.0 if the completion gives the reference answer by `verifier` (covey/tasks/verifiers.py:
+    math | exact | normalized | contains), else 0.0. The references are the column
+    `answer_column` (task.answer_key), `answer` by default."""
+    refs = answer if answer_column == "answer" else columns.get(answer_column)
+    if refs is None:
+        raise ValueError(f"correctness needs the reference answers: no column '{answer_column}'")
+    golds = _per_sample(refs, len(completions), answer_column)
+    return [1.0 if ok else 0.0 for ok in verify(verifier, [completion_text(c) for c in completions],
+                                                [str(g) for g in golds])]
 
 
 def _last_nonempty_line(text: str) -> str:

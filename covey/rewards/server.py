@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -90,7 +91,7 @@ class RewardService:
         completions = [it["completion"] for it in items]
         keys = sorted(items[0].get("columns", {}))
         columns = {k: [it["columns"][k] for it in items] for k in keys}
-        totals, parts = [0.0] * len(items), [{} for _ in items]
+        totals, parts = [None] * len(items), [{} for _ in items]
         errors: list[str | None] = [None] * len(items)
         for term in self.rewarder.terms:
             # The same checks as training (count, None, NaN, exceptions, timeout), per sample.
@@ -101,8 +102,11 @@ class RewardService:
             for i, (value, fault) in enumerate(zip(values, faults)):
                 if fault is not None and errors[i] is None:
                     errors[i] = f"reward '{term.name}' {fault}"
-                parts[i][term.name] = value
-                totals[i] += term.weight * value
+                scored = not math.isnan(value)  # NaN: the function returned None (did not score it)
+                parts[i][term.name] = value if scored else None
+                if scored:
+                    totals[i] = (totals[i] or 0.0) + term.weight * value
+        # An item that no function scored has reward null: the client passes TRL's None on.
         return [{"error": e} if e else {"reward": t, "parts": p} for t, p, e in zip(totals, parts, errors)]
 
     def score(self, items: list) -> list[dict]:

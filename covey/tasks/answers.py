@@ -170,6 +170,17 @@ def _marked(text: str) -> tuple[bool, str | None]:
     return False, None
 
 
+def marked_text(text: str) -> str | None:
+    """The raw text of the last explicit answer marker (boxed, '####', 'answer is' / 'Answer:'),
+    for answers that are words rather than numbers; None without a marker."""
+    text = _prepare(text or "")
+    for finder in (_boxed_span, _hashes_span, _phrase_span):
+        span = finder(text)
+        if span is not None and span.strip():
+            return re.sub(r"\\text\{([^{}]*)\}", r"\1", span).strip().strip("*_").strip()
+    return None
+
+
 def last_number(text: str) -> str | None:
     """The last number in the text, normalised (rule 4)."""
     matches = list(NUMBER_RE.finditer(_prepare(text or "")))

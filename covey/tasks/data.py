@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,11 +19,12 @@ class TaskData:
     train: list[Example]
     eval: list[Example]
     skipped_rows: int = 0
+    overlap: int = 0  # held-out examples that are also training examples (same prompt and answer)
 
 
 def load_task_data(task: TaskConfig, seed: int) -> TaskData:
     """Train and held-out examples for the configured task (errors before any model loads); `seed`
-    (train.seed) draws the synthetic tasks and the held-out rows of a file without `task.eval_path`."""
+    (train.seed) draws the synthetic tasks and the held-out rows of a file without held-out data."""
     t = task
     if t.name == "arithmetic":
         train, held = arithmetic_splits(t.train_size, t.eval_size, seed,
@@ -35,26 +37,42 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
                                        operand_max=t.operand_max, start_digits=t.start_digits,
                                        max_value=t.max_value, template=t.multistep_template)
         return TaskData(train, held)
+    return load_file_task(t, seed)
+
+
+def load_file_task(t: TaskConfig, seed: int) -> TaskData:
+    """task.path's rows; held out: task.eval_path, else task.eval_split of task.path, else eval_size
+    rows drawn with `seed`. Held-out rows that are also training rows are counted (`overlap`)."""
     kwargs = dict(prompt_key=t.prompt_key, answer_key=t.answer_key, on_error=t.on_bad_row)
-    if t.name == "hf":
-        kwargs["split"] = t.split or None
-    examples, skipped = load_examples(t.path, **kwargs)
-    if t.eval_path:
-        held, skipped_eval = load_examples(t.eval_path, **kwargs)
-        return TaskData(examples, held, skipped + skipped_eval)
+    if t.eval_split and not Path(t.eval_path or t.path).is_dir():
+        raise ValueError(f"task.eval_split={t.eval_split} needs a saved HF dataset folder "
+                         f"({t.eval_path or t.path} is not a folder)")
+    examples, skipped = load_examples(t.path, split=t.split or None, **kwargs)
+    if t.eval_path or t.eval_split:
+        held, skipped_eval = load_examples(t.eval_path or t.path, split=t.eval_split or None, **kwargs)
+        return TaskData(examples, held, skipped + skipped_eval, overlap=count_overlap(examples, held))
     if len(examples) < 2:
         raise ValueError(f"{t.path}: need at least 2 rows to hold some out (or set task.eval_path)")
     n_eval = min(t.eval_size, len(examples) // 2)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = [examples[i] for i in order[:n_eval]]
     train = [examples[i] for i in order[n_eval:]]
-    return TaskData(train, held, skipped)
+    return TaskData(train, held, skipped, overlap=count_overlap(train, held))
+
+
+def count_overlap(train: list[Example], held: list[Example]) -> int:
+    """Held-out examples whose prompt and answer are also a training example's."""
+    seen = set(train)
+    return sum(ex in seen for ex in held)
 
 
 def format_prompts(tokenizer, examples: list[Example], system_prompt: str = "") -> list[str]:
     """Apply the tokenizer's chat template (generation prompt appended). A model without one (a
     base model) gets the plain question, after the system prompt if any, as TRL does for plain prompts."""
     if not getattr(tokenizer, "chat_template", None):
+        if any(ex.messages is not None for ex in examples):
+            raise ValueError("the task's prompts are chat messages but the model's tokenizer has no chat "
+                             "template: give plain string prompts, or a model with a chat template")
         return [f"{system_prompt}\n\n{ex.prompt}" if system_prompt else ex.prompt for ex in examples]
     return [tokenizer.apply_chat_template(build_messages(ex, system_prompt or None),
                                           tokenize=False, add_generation_prompt=True)

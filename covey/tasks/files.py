@@ -1,4 +1,8 @@
-"""Prompts from user data: JSONL files and `datasets` folders saved with `save_to_disk`.
+"""Prompts from user data: JSONL, JSON, CSV and Parquet files, and `datasets` folders saved with
+`save_to_disk`.
+
+A prompt is a string, or a list of chat messages ({"role", "content"}: TRL's conversational
+format); the answer a string or a number; every other column travels to the reward functions.
 
 Bad data must fail early (before a model is loaded) with one line that names the
 file and the row, or be skipped and counted when the user asks for that.
@@ -11,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from covey.runtime.errors import first_line
-from covey.tasks.base import Example
+from covey.tasks.base import Example, messages_text
 
 ON_ERROR = ("raise", "skip")
 
@@ -28,6 +32,22 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(value: Any, key: str) -> tuple:
+    """A conversational prompt: a non-empty list of {"role", "content"} messages ending with the user's."""
+    if not value:
+        raise _RowError(f"field {key!r} is an empty list of messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise _RowError(f"field {key!r} message {i} must be {{\"role\": one of {'/'.join(ROLES)}, "
+                            f"\"content\": a string}}, got {str(m)[:60]}")
+    if value[-1]["role"] != "user":
+        raise _RowError(f"field {key!r}: the last message must be the user's, got {value[-1]['role']!r}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
 def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> Example:
     """Validate one row; numbers as answers become strings, other columns go to `meta`."""
     if not isinstance(row, dict):
@@ -36,8 +56,11 @@ def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answ
         if key not in row:
             raise _RowError(f"missing field {key!r}")
     prompt, answer = row[prompt_key], row[answer_key]
+    messages = check_messages(prompt, prompt_key) if isinstance(prompt, (list, tuple)) else None
+    if messages is not None:
+        prompt = messages_text(messages)
     if not isinstance(prompt, str):
-        raise _RowError(f"field {prompt_key!r} must be a string, got {_type_name(prompt)}")
+        raise _RowError(f"field {prompt_key!r} must be a string or a list of chat messages, got {_type_name(prompt)}")
     if not prompt.strip():
         raise _RowError(f"field {prompt_key!r} is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
@@ -46,7 +69,9 @@ def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answ
     if not answer:
         raise _RowError(f"field {answer_key!r} is empty")
     meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    return Example(prompt=prompt, answer=answer, meta=meta)
+    if answer_key != "answer":
+        meta[answer_key] = row[answer_key]  # reward functions get the column under its own name too
+    return Example(prompt=prompt, answer=answer, meta=meta, messages=messages)
 
 
 def _check_on_error(on_error: str) -> None:
@@ -158,10 +183,68 @@ def load_hf_dataset(path: str | Path, split: str | None = None, prompt_key: str 
     return examples, skipped
 
 
+def _csv_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """Yield ('file:line', row dict) from a CSV file with a header row (every value a string)."""
+    import csv
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        try:
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                if None in row or any(v is None for v in row.values()):
+                    yield where, _RowError(f"the row's field count differs from the header's "
+                                           f"({len(reader.fieldnames)} fields)")
+                else:
+                    yield where, row
+        except (csv.Error, UnicodeDecodeError) as err:
+            yield f"{path}:{reader.line_num}", _RowError(f"unreadable CSV: {first_line(err)}")
+
+
+def _json_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """Yield ('file row i', row) from a JSON file holding one list of objects."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: invalid JSON: {first_line(err)}") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects (one per row), got {_type_name(data)}")
+    return ((f"{path} row {i}", row) for i, row in enumerate(data))
+
+
+def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """Yield ('file row i', row) from a Parquet file (pyarrow, installed with covey[datasets])."""
+    try:
+        import pyarrow.parquet as pq  # noqa: PLC0415  (optional dependency, imported on use)
+    except ImportError:
+        raise ImportError("reading a Parquet file needs pyarrow: pip install 'covey[datasets]'") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
+    return ((f"{path} row {i}", row) for i, row in enumerate(rows))
+
+
+FILE_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+
+
+def load_file(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",
+              on_error: str = "raise") -> tuple[list[Example], int]:
+    """A JSONL, JSON (a list of objects), CSV (with a header) or Parquet file, by its suffix; any
+    other suffix is read as JSONL. -> (examples, rows skipped)."""
+    _check_on_error(on_error)
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    reader = FILE_READERS.get(path.suffix.lower(), _jsonl_rows)
+    examples, skipped = _collect(reader(path), prompt_key, answer_key, on_error)
+    _require_nonempty(examples, skipped, str(path))
+    return examples, skipped
+
+
 def load_examples(source: str | Path, **kwargs) -> tuple[list[Example], int]:
-    """Dispatch on the path: a folder -> `load_hf_dataset`, else `load_jsonl` (`split` ignored)."""
+    """Dispatch on the path: a folder -> `load_hf_dataset`, else `load_file` (`split` ignored)."""
     path = Path(source)
     if path.is_dir():
         return load_hf_dataset(path, **kwargs)
     kwargs.pop("split", None)
-    return load_jsonl(path, **kwargs)
+    return load_file(path, **kwargs)

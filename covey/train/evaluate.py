@@ -1,35 +1,90 @@
-"""Held-out accuracy: greedy (and optionally pass@k with sampling)."""
+"""Held-out evaluation: greedy answers (and optionally pass@k with sampling), judged by the task's
+verifier or by the run's own reward.
+
+The metric names say what was measured (docs/metrics.md):
+
+- a verifier (eval.metric=math | exact | normalized | contains, covey/tasks/verifiers.py):
+  `eval/accuracy`, the share of greedy answers the verifier accepts, and `eval/pass@k`;
+- the reward (eval.metric=reward): `eval/reward_mean`, the mean total reward of the greedy
+  answers, and `eval/reward_pass` (`eval/reward_pass@k`), the share whose reward reaches
+  eval.reward_threshold.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from covey.rewards.rules import extract_answer, math_equal
+from covey.rewards.combine import TrainerState
 from covey.tasks.base import Example
+from covey.tasks.verifiers import verify
+from covey.train.rollout_phase import score
 
 
-def correct_flags(completions: list[str], answers: list[str]) -> list[bool]:
-    return [bool(math_equal(extract_answer(c), a)) for c, a in zip(completions, answers)]
+@dataclass
+class Judge:
+    """How a held-out answer is scored: `metric` names a verifier, or is "reward" (the rewarder's
+    total, passing at `threshold`); `state` is what reward functions get as trainer_state."""
+    metric: str
+    rewarder: object = None
+    threshold: float = 1.0
+    state: TrainerState = field(default_factory=TrainerState)
+
+    @property
+    def by_reward(self) -> bool:
+        return self.metric == "reward"
+
+    def __call__(self, out, examples: list[Example], prompts: list[str]) -> tuple[list[bool], list[float]]:
+        """(passed, value) per generated answer; `out.example_index` indexes `examples` and `prompts`."""
+        if not self.by_reward:
+            hits = verify(self.metric, out.completions, [examples[i].answer for i in out.example_index])
+            return hits, [float(h) for h in hits]
+        score(out, self.rewarder, examples, prompts, self.state)
+        values = out.scores.tolist()
+        return [v >= self.threshold for v in values], values
+
+    def describe(self) -> str:
+        """How results are named in the messages: 'accuracy (normalized)', 'share at reward >= 1'."""
+        return f"share at reward >= {self.threshold:g}" if self.by_reward else f"accuracy ({self.metric})"
+
+
+def headline(result: dict) -> float:
+    """The one number of an evaluation: accuracy for a verifier, the pass rate for the reward."""
+    return result["eval/accuracy"] if "eval/accuracy" in result else result["eval/reward_pass"]
 
 
 @torch.inference_mode()
-def evaluate(engine, prompts: list[str], examples: list[Example], *, batch_size: int,
+def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judge, batch_size: int,
              max_new_tokens: int, pass_k: int = 0) -> dict:
-    """{'eval/accuracy': greedy accuracy, 'eval/pass@k': ...} on the held-out set."""
-    answers = [ex.answer for ex in examples]
+    """Greedy answers to every held-out prompt, judged; pass@k with `pass_k` samples per prompt."""
     hits: list[bool] = []
+    values: list[float] = []
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
-        out = engine.generate(batch, 1, greedy=True, max_new_tokens=max_new_tokens)
-        hits += correct_flags(out.completions, answers[start:start + batch_size])
-    result = {"eval/accuracy": sum(hits) / max(len(hits), 1), "eval/n": len(hits)}
+        batch = slice(start, start + batch_size)
+        out = engine.generate(prompts[batch], 1, greedy=True, max_new_tokens=max_new_tokens)
+        passed, scored = judge(out, examples[batch], prompts[batch])
+        hits += passed
+        values += scored
+    n = max(len(hits), 1)
+    if judge.by_reward:
+        result = {"eval/reward_mean": sum(values) / n, "eval/reward_pass": sum(hits) / n, "eval/n": len(hits)}
+    else:
+        result = {"eval/accuracy": sum(hits) / n, "eval/n": len(hits)}
     if pass_k > 0:
-        solved = []
-        per_call = max(batch_size // pass_k, 1)
-        for start in range(0, len(prompts), per_call):
-            out = engine.generate(prompts[start:start + per_call], pass_k, max_new_tokens=max_new_tokens)
-            flags = correct_flags(out.completions, [answers[start + i] for i in out.example_index])
-            for j in range(len(out.example_index) // pass_k):
-                solved.append(any(flags[j * pass_k:(j + 1) * pass_k]))
-        result[f"eval/pass@{pass_k}"] = sum(solved) / max(len(solved), 1)
+        name = f"eval/reward_pass@{pass_k}" if judge.by_reward else f"eval/pass@{pass_k}"
+        result[name] = pass_at_k(engine, prompts, examples, judge, batch_size, max_new_tokens, pass_k)
     return result
+
+
+def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_tokens: int, k: int) -> float:
+    """Share of prompts with at least one of k sampled answers passing the judge."""
+    solved = []
+    per_call = max(batch_size // k, 1)
+    for start in range(0, len(prompts), per_call):
+        batch = slice(start, start + per_call)
+        out = engine.generate(prompts[batch], k, max_new_tokens=max_new_tokens)
+        flags, _ = judge(out, examples[batch], prompts[batch])
+        for j in range(len(out.example_index) // k):
+            solved.append(any(flags[j * k:(j + 1) * k]))
+    return sum(solved) / max(len(solved), 1)

@@ -31,6 +31,7 @@ from covey.batch import Rollout
 from covey.config import Config
 from covey.passes.logprobs import batched_logprobs, batched_values
 from covey.rewards.build import build_rewarder
+from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
 from covey.models.offload import release_weights
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
@@ -41,13 +42,13 @@ from covey.tasks.data import load_task_data
 from covey.train.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                                     save_final)
 from covey.train.dpo import dpo_update
-from covey.train.evaluate import evaluate
+from covey.train.evaluate import Judge, evaluate
 from covey.train.global_batch import decorrelate_ranks, global_advantages, global_batch_view, save_on_main, whole_tensors
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
-from covey.train.setup import (Feed, Run, TrainResult, attach_reward_models, build_run, open_feed, open_world,
-                               prepare_run_dir, print_header, print_precision, seed_everything)
+from covey.train.setup import (Feed, Run, TrainResult, attach_reward_models, build_run, choose_verifier, open_feed,
+                               open_world, prepare_run_dir, print_header, print_precision, seed_everything)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.train.update import record_skip, update_critic, update_policy
 
@@ -66,14 +67,16 @@ def train(cfg: Config, reward_funcs=None) -> TrainResult:
     run_dir = prepare_run_dir(cfg, plan.label)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     print_header(run_dir, cfg.task.name, data)
+    verifier = choose_verifier(cfg, data)
     print_plan(plan)
     seed_everything(cfg.train.seed)
     learned = load_learned_rewards(cfg.reward, world.device)
-    rewarder = build_rewarder(cfg, learned, reward_funcs or ())
+    rewarder = build_rewarder(cfg, learned, reward_funcs or (), verifier=verifier)
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned)
     print_precision(run)
     feed = open_feed(run, data, rewarder)
+    feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
 
     with graceful_stop() as stop:
         before = start_or_resume(run, resume_from, feed)
@@ -95,9 +98,9 @@ def start_or_resume(run: Run, resume_from, feed: Feed) -> dict:
         print(f"covey: resumed from {resume_from} at step {run.step}")
         return resumed.eval_before
     run.logger.reset()
-    before = run_eval(run, feed.eval_engine, feed.eval_prompts, feed.data.eval)
+    before = run_eval(run, feed)
     run.logger.log(0, {**before, "data/skipped_rows": feed.data.skipped_rows})
-    print(f"covey: held-out accuracy before training: {before['eval/accuracy']:.1%} "
+    print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
           f"({before['eval/n']} problems, greedy)")
     return before
 
@@ -110,10 +113,11 @@ def run_loop(run: Run, feed: Feed, before: dict, stop, last_saved: int | None) -
     while run.step < cfg.train.steps and not out_of_time(run) and not stop.agreed():
         metrics = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
         if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
-            metrics.update(run_eval(run, feed.eval_engine, feed.eval_prompts, feed.data.eval))
+            metrics.update(run_eval(run, feed))
         run.logger.log(run.step, metrics)
         fault_point("step-logged", run.step)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}",
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                        **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
                         kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
         bar.update(1)
         if cfg.train.save_every and run.step % cfg.train.save_every == 0:
@@ -310,30 +314,39 @@ def refresh_reward_models(run: Run, rollout: Rollout, examples, prompts) -> dict
 # --------------------------------------------------------------------------- evaluation and the end
 
 
-def run_eval(run: Run, engine, prompts, examples) -> dict:
-    """Held-out accuracy; under torchrun each rank evaluates every W-th problem and the counts are pooled."""
+def run_eval(run: Run, feed: Feed) -> dict:
+    """Held-out evaluation; under torchrun each rank evaluates every W-th problem and the counts are pooled."""
     cfg, t0 = run.cfg, time.perf_counter()
-    mine = uneven_share(list(range(len(prompts))), run.world)
-    out = evaluate(engine, [prompts[i] for i in mine], [examples[i] for i in mine],
-                   batch_size=cfg.rollout.eval_batch_size, max_new_tokens=cfg.rollout.eval_max_new_tokens,
-                   pass_k=cfg.train.eval_pass_k)
+    mine = uneven_share(list(range(len(feed.eval_prompts))), run.world)
+    feed.judge.state = TrainerState(global_step=run.step, max_steps=cfg.train.steps)
+    out = evaluate(feed.eval_engine, [feed.eval_prompts[i] for i in mine], [feed.data.eval[i] for i in mine],
+                   judge=feed.judge, batch_size=cfg.rollout.eval_batch_size,
+                   max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=cfg.train.eval_pass_k)
     out = reduce_eval(out)
     out["time/eval"] = time.perf_counter() - t0
     return record_gpu_peak(out, run.world.device, "eval")
 
 
+def eval_figure(judge: Judge, result: dict) -> str:
+    """'18.5%' for a verifier's accuracy; '31.0% (mean reward 0.42)' for the reward's pass rate."""
+    if judge.by_reward:
+        return f"{result['eval/reward_pass']:.1%} (mean reward {result['eval/reward_mean']:.3g})"
+    return f"{result['eval/accuracy']:.1%}"
+
+
 def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:
     """Evaluate the trained policy, save it, close the process group."""
     by_budget = run.step < run.cfg.train.steps and out_of_time(run)
-    after = run_eval(run, feed.eval_engine, feed.eval_prompts, feed.data.eval)
+    after = run_eval(run, feed)
     run.logger.log(run.step, {**after, "final": 1, "train/stopped_by_budget": int(by_budget)})
     final_dir = save_on_main(run, save_final) or run.run_dir / "final"  # rank 0 writes it
     result = TrainResult(run_dir=run.run_dir, final_model=final_dir, steps=run.step, metrics=last,
-                         accuracy_before=before["eval/accuracy"], accuracy_after=after["eval/accuracy"])
+                         accuracy_before=before.get("eval/accuracy"), accuracy_after=after.get("eval/accuracy"),
+                         eval_before=before, eval_after=after)
     budget = run.cfg.train.max_minutes
     stopped = (f" (stopped by the time budget train.max_minutes={budget:g} before train.steps={run.cfg.train.steps}; "
                "train.max_minutes=0 for no limit)" if by_budget else "")
-    print(f"covey: held-out accuracy {result.accuracy_before:.1%} -> {result.accuracy_after:.1%} "
-          f"after {run.step} steps; model saved to {final_dir}{stopped}")
+    print(f"covey: held-out {feed.judge.describe()} {eval_figure(feed.judge, before)} -> "
+          f"{eval_figure(feed.judge, after)} after {run.step} steps; model saved to {final_dir}{stopped}")
     close_distributed()
     return result

@@ -15,6 +15,7 @@ import time
 import torch
 
 from covey.batch import Rollout, concat_rollouts
+from covey.rewards.combine import TrainerState
 from covey.runtime.memory import halving_on_oom
 from covey.train.global_batch import draw_share, prompt_seed, sample_groups
 from covey.train.setup import Run
@@ -25,7 +26,8 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
     timings = {"time/generate": 0.0, "time/score": 0.0}
     rollout, metrics = sample_and_score(run, engine, rewarder, examples, prompts, timings)
     metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / len(rollout.group_ids.unique())
-    metrics["accuracy"] = float(rollout.reward_parts.get("correctness", rollout.scores).mean())
+    if "correctness" in rollout.reward_parts:  # the verifier's share of right samples; no verifier, no accuracy
+        metrics["accuracy"] = float(rollout.reward_parts["correctness"].mean())
     if run.cfg.algo.dynamic_sampling:
         rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
                                                              timings)
@@ -44,13 +46,14 @@ def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dic
     rollout.example_index = [ids[i] for i in rollout.example_index]
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    metrics = score(rollout, rewarder, examples, prompts)
+    state = TrainerState(global_step=run.step, max_steps=cfg.train.steps)
+    metrics = score(rollout, rewarder, examples, prompts, state)
     if run.plan.traits.greedy_baseline:
         t1 = time.perf_counter()
         greedy = engine.generate([prompts[i] for i in ids], 1, greedy=True)
         greedy.example_index = [ids[i] for i in greedy.example_index]
         timings["time/generate"] += time.perf_counter() - t1
-        score(greedy, rewarder, examples, prompts)
+        score(greedy, rewarder, examples, prompts, state)
         rollout.baseline_scores = greedy.scores[rollout.group_ids]
     timings["time/score"] += time.perf_counter() - t0
     return rollout, metrics
@@ -74,16 +77,29 @@ def sample_in_calls(engine, prompts: list[str], group_size: int, seeds: list[int
     return concat_rollouts(parts, engine.tokenizer.pad_token_id)
 
 
-def score(rollout: Rollout, rewarder, examples, prompts) -> dict:
-    """Fill rollout.scores; returns reward metrics (errors counted)."""
+def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None) -> tuple[list, list, dict]:
+    """(prompts, completions, columns) as TRL passes them to reward functions: the prompts as the
+    dataset gives them, completions as strings for string prompts and as one assistant message for
+    chat prompts, the sampled ids, the trainer state, and every dataset column under its name
+    (plus `answer`, the reference, and `completion_lengths`, in tokens)."""
     picked = [examples[i] for i in rollout.example_index]
-    columns = {"answer": [ex.answer for ex in picked],
-               "completion_lengths": rollout.response_mask.sum(1).long().tolist()}
-    for key in picked[0].meta if picked else ():
-        columns[key] = [ex.meta.get(key) for ex in picked]
-    scores = rewarder([prompts[i] for i in rollout.example_index], rollout.completions, columns)
+    lengths = rollout.response_mask.sum(1).long().tolist()
+    completions = [[{"role": "assistant", "content": text}] if ex.messages is not None else text
+                   for ex, text in zip(picked, rollout.completions)]
+    columns = {key: [ex.meta.get(key) for ex in picked] for key in (picked[0].meta if picked else ())}
+    columns.setdefault("answer", [ex.answer for ex in picked])
+    columns.update(completion_lengths=lengths, trainer_state=state or TrainerState(),
+                   completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)])
+    return [ex.given_prompt for ex in picked], completions, columns
+
+
+def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | None = None) -> dict:
+    """Fill rollout.scores; returns reward metrics (errors, drops and samples no function scored)."""
+    given, completions, columns = reward_inputs(rollout, examples, state)
+    scores = rewarder(given, completions, columns, formatted_prompts=[prompts[i] for i in rollout.example_index])
     rollout.scores, rollout.reward_parts, rollout.valid = scores.total, scores.parts, scores.valid
-    return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum())}
+    return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum()),
+            "reward/unscored": scores.unscored}
 
 
 def informative_groups(rollout: Rollout) -> torch.Tensor:

@@ -35,6 +35,7 @@ from covey.runtime.memory import MicroBatchSizes, on_gpu, rows_per_no_grad_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
+from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
 from covey.train.plan import KLOptions, Plan, make_plan
 from covey.train.update import UpdateState
@@ -74,6 +75,7 @@ class Feed:
     rewarder: object  # covey.rewards.combine.Rewarder
     engine: object
     eval_engine: object
+    judge: object = None  # covey.train.evaluate.Judge: how held-out answers are scored
 
 
 @dataclass
@@ -87,10 +89,14 @@ class TrainResult:
     """Training steps done (resumed ones included)."""
     metrics: dict
     """The last step's metrics (empty when no step ran)."""
-    accuracy_before: float
-    """Held-out greedy accuracy of the untrained policy."""
-    accuracy_after: float
-    """Held-out greedy accuracy after training."""
+    accuracy_before: float | None
+    """Held-out greedy accuracy of the untrained policy by the task's verifier (None with eval.metric=reward)."""
+    accuracy_after: float | None
+    """Held-out greedy accuracy after training (None with eval.metric=reward)."""
+    eval_before: dict = field(default_factory=dict)
+    """Every held-out metric before training (eval/accuracy, or eval/reward_mean and eval/reward_pass, ...)."""
+    eval_after: dict = field(default_factory=dict)
+    """Every held-out metric after training."""
 
 
 class StepClock:
@@ -150,6 +156,25 @@ def print_header(run_dir: Path, task: str, data) -> None:
     print(f"covey: run folder {run_dir}")
     print(f"covey: task {task}: {len(data.train)} train / {len(data.eval)} held-out examples"
           + (f" ({data.skipped_rows} bad rows skipped)" if data.skipped_rows else ""))
+    if data.overlap:
+        print(f"covey: warning: {data.overlap} of {len(data.eval)} held-out examples are also training "
+              "examples (same prompt and answer): held-out accuracy overstates what was learned")
+
+
+def choose_verifier(cfg: Config, data) -> str:
+    """The verifier of the correctness reward and of held-out accuracy (eval.metric, `auto` resolved
+    from the answers), printed with a warning when the math verifier cannot read some answers."""
+    metric = cfg.eval.metric
+    answers = [ex.answer for ex in (*data.train, *data.eval)]
+    verifier = resolve_verifier("auto" if metric == "reward" else metric, answers)
+    what = (f"reward >= {cfg.eval.reward_threshold:g} (eval.metric=reward)" if metric == "reward"
+            else f"accuracy by the {verifier} verifier" + (" (eval.metric=auto)" if metric == "auto" else ""))
+    print(f"covey: held-out metric: {what}")
+    bad = unreadable_answers(verifier, answers)
+    if bad and (cfg.reward.correctness or metric != "reward"):
+        print(f"covey: warning: {bad} of {len(answers)} reference answers are not numbers, which the math "
+              "verifier scores 0 whatever the model writes: set eval.metric=normalized, exact or contains")
+    return verifier
 
 
 def seed_everything(seed: int) -> None:

@@ -18,7 +18,8 @@ def rollout_metrics(rollout: Rollout) -> dict:
     return {
         "reward/mean": float(rollout.scores.mean()),
         "reward/std": float(rollout.scores.std(unbiased=False)),
-        **{f"reward/{k}": float(v.mean()) for k, v in rollout.reward_parts.items()},
+        **{f"reward/{k}": float(v.nanmean()) for k, v in rollout.reward_parts.items()  # None-free mean
+           if not bool(v.isnan().all())},
         "response/len_mean": float(lengths.mean()),
         "response/len_max": float(lengths.max()),
         "response/truncated_frac": float(rollout.truncated.float().mean()),

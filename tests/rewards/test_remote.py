@@ -3,6 +3,7 @@
 import concurrent.futures as cf
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -23,10 +24,11 @@ TOKEN = "s3cret-token"
 
 
 def picky_reward(prompts, completions, **columns):
-    """Raises for the whole batch if any completion is 'BOOM'; None for 'NONE'; else 0.5."""
+    """Raises for the whole batch if any completion is 'BOOM'; None (not scored, TRL's convention)
+    for 'NONE'; NaN (a fault) for 'NAN'; else 0.5."""
     if "BOOM" in completions:
         raise ValueError("cannot score BOOM")
-    return [None if c == "NONE" else 0.5 for c in completions]
+    return [None if c == "NONE" else float("nan") if c == "NAN" else 0.5 for c in completions]
 
 
 def _serve(request_timeout_s: float):
@@ -112,20 +114,22 @@ def test_mixed_batch_is_scored_per_item(server):
     assert res[2] == {"error": "missing 'completion'"}
     assert "must be a string" in res[3]["error"]
     assert res[4] == {"error": "reward 'picky' raised ValueError: cannot score BOOM"}  # isolated, not the batch
-    assert res[5] == {"error": "reward 'picky' returned None"}
-    assert "correctness' raised TypeError" in res[6]["error"]  # no answer column for this item
+    # None is TRL's "not scored": the part is null and adds nothing to the total
+    assert res[5] == {"reward": 0.0, "parts": {"correctness": 0.0, "picky": None}}
+    assert "correctness' raised ValueError: correctness needs the reference answers" in res[6]["error"]
     assert "must be an object" in res[7]["error"]
-    assert data["errors"] == 6
+    assert data["errors"] == 5
 
 
-def test_client_scores_and_reports_bad_items_as_none(server):
+def test_client_scores_and_reports_bad_items_as_faults(server):
     client = RemoteReward(server.url, TOKEN, batch_size=2)
-    out = client(["q"] * 3, ["12", "5", "NONE"], answer=["12", "12", "12"], completion_lengths=[1, 1, 1])
-    assert out == [2.0, 1.0, None]
-    assert client.last_item_errors == ["reward 'picky' returned None"]
+    out = client(["q"] * 4, ["12", "5", "NAN", "NONE"], answer=["12"] * 4, completion_lengths=[1] * 4)
+    assert out[:2] == [2.0, 1.0] and math.isnan(out[2])  # an item the service failed on: NaN, a fault
+    assert out[3] == 0.0  # scored by correctness (0); picky's None adds nothing
+    assert client.last_item_errors == ["reward 'picky' returned nan"]
     rewarder = Rewarder([RewardTerm("remote", client, 1.0)], on_error="zero")
-    scores = rewarder(["q"] * 3, ["12", "5", "NONE"], {"answer": ["12", "12", "12"]})
-    assert scores.total.tolist() == [2.0, 1.0, 0.0] and scores.errors == 1
+    scores = rewarder(["q"] * 4, ["12", "5", "NAN", "NONE"], {"answer": ["12"] * 4})
+    assert scores.total.tolist() == [2.0, 1.0, 0.0, 0.0] and scores.errors == 1 and scores.unscored == 0
 
 
 def test_client_wrong_token_fails_at_once(server):

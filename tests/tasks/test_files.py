@@ -26,7 +26,7 @@ def test_good_rows_answers_as_strings_and_meta(tmp_path):
 def test_custom_column_names(tmp_path):
     path = write(tmp_path, [json.dumps({"question": "q", "solution": "7", "answer": "other"})])
     (ex,), _ = load_jsonl(path, prompt_key="question", answer_key="solution")
-    assert ex == Example("q", "7", {"answer": "other"})
+    assert ex == Example("q", "7", {"answer": "other", "solution": "7"})  # every column under its own name
 
 
 GOOD = json.dumps({"prompt": "p", "answer": "1"})
@@ -42,7 +42,7 @@ GOOD = json.dumps({"prompt": "p", "answer": "1"})
     ('{"prompt": "p", "answer": true}', "field 'answer' must be a string or a number, got bool"),
     ('{"prompt": "p", "answer": [1]}', "field 'answer' must be a string or a number, got list"),
     ('{"prompt": "p", "answer": "  "}', "field 'answer' is empty"),
-    ('{"prompt": 3, "answer": "1"}', "field 'prompt' must be a string, got int"),
+    ('{"prompt": 3, "answer": "1"}', "field 'prompt' must be a string or a list of chat messages, got int"),
     ('{"prompt": "", "answer": "1"}', "field 'prompt' is empty"),
     (b'{"prompt": "\xff", "answer": "1"}', "not valid UTF-8"),
 ])
@@ -123,3 +123,62 @@ def test_hf_without_datasets_installed_says_how_to_fix(tmp_path, monkeypatch):
     (tmp_path / "ds").mkdir()
     with pytest.raises(ImportError, match=r"pip install 'covey\[datasets\]'"):
         load_hf_dataset(tmp_path / "ds")
+
+
+# ------------------------------------------------------------ CSV, JSON, Parquet; held-out data
+
+
+def test_csv_json_and_parquet_read_like_jsonl(tmp_path):
+    rows = [{"question": "Capital of France?", "solution": "Paris", "level": "1"},
+            {"question": "Capital of Peru?", "solution": "Lima", "level": "2"}]
+    expected = [Example("Capital of France?", "Paris", {"level": "1", "solution": "Paris"}),
+                Example("Capital of Peru?", "Lima", {"level": "2", "solution": "Lima"})]
+    (tmp_path / "d.csv").write_text("question,solution,level\nCapital of France?,Paris,1\n"
+                                    "\"Capital of Peru?\",Lima,2\n")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    paths = [tmp_path / "d.csv", tmp_path / "d.json"]
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    pq.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "d.parquet")
+    paths.append(tmp_path / "d.parquet")
+    for path in paths:
+        examples, skipped = load_examples(path, prompt_key="question", answer_key="solution")
+        assert (examples, skipped) == (expected, 0), path
+
+
+def test_bad_csv_and_json_name_the_file_and_row(tmp_path):
+    bad_csv = tmp_path / "d.csv"
+    bad_csv.write_text("prompt,answer\nq1,1\nq2,2,extra\nq3\n")
+    with pytest.raises(DataError, match=r"d.csv:3: the row's field count differs from the header's \(2 fields\)"):
+        load_examples(bad_csv)
+    examples, skipped = load_examples(bad_csv, on_error="skip")
+    assert [ex.prompt for ex in examples] == ["q1"] and skipped == 2
+    not_list = tmp_path / "d.json"
+    not_list.write_text('{"prompt": "q", "answer": "1"}')
+    with pytest.raises(DataError, match=r"d.json: expected a JSON list of objects \(one per row\), got dict"):
+        load_examples(not_list)
+    bad_row = tmp_path / "e.json"
+    bad_row.write_text('[{"prompt": "q", "answer": "1"}, {"prompt": "q"}]')
+    with pytest.raises(DataError, match=r"e.json row 1: missing field 'answer'"):
+        load_examples(bad_row)
+
+
+def test_held_out_split_and_overlap(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from covey.config import load_config
+    from covey.tasks.data import load_task_data
+    train = datasets.Dataset.from_dict({"prompt": ["a", "b", "c", "d"], "answer": ["1", "2", "3", "4"]})
+    test = datasets.Dataset.from_dict({"prompt": ["c", "e"], "answer": ["3", "5"]})  # "c" is in both
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "dd"))
+    cfg = load_config(None, ["task.name=file", f"task.path={tmp_path / 'dd'}", "task.split=train",
+                             "task.eval_split=test"])
+    data = load_task_data(cfg.task, 0)
+    assert [ex.prompt for ex in data.train] == ["a", "b", "c", "d"]
+    assert [ex.prompt for ex in data.eval] == ["c", "e"] and data.overlap == 1
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in "abcd"))
+    cfg = load_config(None, ["task.name=file", f"task.path={jsonl}", "task.eval_split=test"])
+    with pytest.raises(ValueError, match="task.eval_split=test needs a saved HF dataset folder"):
+        load_task_data(cfg.task, 0)
+    cfg = load_config(None, ["task.name=file", f"task.path={jsonl}", f"task.eval_path={jsonl}"])
+    assert load_task_data(cfg.task, 0).overlap == 4  # evaluating on the training rows: all counted

@@ -61,15 +61,19 @@ def lengths_reward(prompts, completions, answer, completion_lengths, **columns):
     return [float(n) for n in completion_lengths]
 
 
+def quarter_lengths(completions, completion_lengths, **kwargs):
+    return [float(n) for n in completion_lengths]
+
+
 def test_reward_funcs_take_callables_and_weighted_strings_by_keyword():
-    cfg = load_config(None, ["reward.functions=tests.train.test_api:lengths_reward:0.25"])
+    cfg = load_config(None, ["reward.functions=tests/train/test_api.py:quarter_lengths:0.25"])
     rewarder = build_rewarder(cfg, extra=[lengths_reward, "tests.helpers:varied_reward:2"])
-    assert [(t.name, t.weight) for t in rewarder.terms] == [
-        ("correctness", 1.0), ("tests.train.test_api:lengths_reward", 0.25), ("lengths_reward", 1.0),
-        ("tests.helpers:varied_reward", 2.0)]
+    assert [(t.name, t.weight) for t in rewarder.terms] == [  # named by the function, as TRL names them
+        ("correctness", 1.0), ("quarter_lengths", 0.25), ("lengths_reward", 1.0), ("varied_reward", 2.0)]
     completions = ["The answer is 12.", "no idea"]
     scores = rewarder(["What is 3 * 4?"] * 2, completions, {"answer": ["12", "12"], "completion_lengths": [5, 3]})
     assert scores.parts["correctness"].tolist() == [1.0, 0.0] and scores.parts["lengths_reward"].tolist() == [5.0, 3.0]
+    assert scores.parts["quarter_lengths"].tolist() == [5.0, 3.0]
     varied = [(sum(map(ord, c)) % 7) / 6 for c in completions]
     expected = [c + 0.25 * n + n + 2 * v for c, n, v in zip([1.0, 0.0], [5.0, 3.0], varied)]
     assert scores.total.tolist() == pytest.approx(expected)

@@ -1,4 +1,5 @@
-"""Reward faults: raises, NaN/inf, None, non-number, wrong count, timeout; under raise | zero | drop.
+"""Reward faults: raises, NaN/inf, non-number, wrong count, timeout; under raise | zero | drop.
+(None is not a fault: it is TRL's "not scored", tested in tests/rewards/test_trl_convention.py.)
 
 Unit tests on `Rewarder`, then the training loop: the error names the function
 and the first bad sample, the counters land in metrics.jsonl, and the previous
@@ -49,7 +50,6 @@ FAULTS = {
     "raises": (raises, "raised ValueError: remote scorer said no with a traceback line", "all"),
     "nan": (_per_sample(float("nan")), "returned nan", "one"),
     "inf": (_per_sample(float("inf")), "returned inf", "one"),
-    "none": (_per_sample(None), "returned None", "one"),
     "text": (_per_sample("high"), "returned non-number 'high'", "one"),
     "count": (one_short, "returned 3 values for 4 samples", "all"),
     "scalar": (lambda prompts, completions, **_: 1.0, "returned float, not a list of 4 values", "all"),
