@@ -193,6 +193,8 @@ def main() -> None:
     parser.add_argument("--runs", default="covey,trl", help="covey, trl or both")
     parser.add_argument("--decode-modes", default="", help="rollout.decode modes timed on each model's bf16 weights "
                                                           "after the GRPO runs, while the budget lasts (e.g. graphs,compile)")
+    parser.add_argument("--covey-keys", default="", help="extra covey key=value settings of the covey runs, "
+                                                        "space-separated (e.g. 'algo.micro_batch_size=16')")
     parser.add_argument("--work", default="", help="folder for the model folders (default: a temporary one)")
     parser.add_argument("--tokenizer", default="", help="folder with SmolLM2's tokenizer files "
                                                         "(default: covey's model cache)")
@@ -222,8 +224,9 @@ def main() -> None:
         results = {}
         for name in runs:
             later = (len(sizes) - i - 1) * 150 + (60 if name == "covey" and "trl" in runs else 0)
+            keys = ["--keys", args.covey_keys] if name == "covey" and args.covey_keys else []
             results[name] = children.run(name, f"{name}-{size}", [*common, "--model", str(model_dir), "--steps",
-                                                                  str(steps)], reserve_s=later)
+                                                                  str(steps), *keys], reserve_s=later)
         rows.append(summarize(size, device, shape, results.get("covey"), results.get("trl"), workload))
         rows[-1].update(shape=shape, model_dir=str(model_dir))
     for row in rows if args.decode_modes else []:  # after every GRPO run: what the budget has left

@@ -32,7 +32,7 @@ def overrides(args, out_dir: str) -> list[str]:
             f"rollout.temperature={w['temperature']}", f"algo.micro_batch_size={w['micro_batch']}",
             f"train.seed={w['seed']}", "reward.correctness=0", "reward.functions=bench/gpu_bench.py:varied_reward",
             "task.eval_size=8", f"train.output_dir={out_dir}", "train.run_name=bench", "train.progress=false",
-            "train.samples_every=0", "train.max_minutes=0"]
+            "train.samples_every=0", "train.max_minutes=0", *args.keys.split()]
 
 
 def innermost(engine):

@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--tokenizer", default="")
     parser.add_argument("--decode-modes", default="")
+    parser.add_argument("--keys", default="", help="covey: extra key=value settings, space-separated")
     args = parser.parse_args()
     if args.role == "device":
         write(args.result, role_device(args))

@@ -23,6 +23,9 @@
 #
 #      run(command="bash scripts/gpu_speed.sh $OUT", carry=[".whl", ".gpu_assets"], timeout_s=600)
 #
+#    A rerun of part of it: BENCH_FLAGS adds flags to bench/gpu_bench.py, e.g.
+#      run(command="BENCH_FLAGS='--sizes 1.5b --covey-keys algo.micro_batch_size=16' bash scripts/gpu_speed.sh $OUT", ...)
+#
 #    It writes to LOG_DIR ($OUT): summary.txt (tests, the benchmark table, the targets met or not),
 #    bench.md, bench.json, pytest.log and logs.tgz (every child's log and JSON): 5 files.
 #

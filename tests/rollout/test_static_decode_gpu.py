@@ -39,7 +39,8 @@ def test_greedy_tokens_under_graph_capture_equal_generate(mode, model, tok):
     hf = HFEngine(model, tok, max_new_tokens=80).generate(PROMPTS, 1, greedy=True)
     engine = graph_engine(model, tok, mode)
     ours = engine.generate(PROMPTS, 1, greedy=True)
-    assert engine.static.runner.captures >= 2  # 80 steps after ~12 prompt columns: two length buckets
+    # 80 steps after ~12 prompt columns: two length buckets; compiled steps attend the whole capacity
+    assert engine.static.runner.captures == (1 if mode == "compile" else 2)
     assert torch.equal(hf.response_ids, ours.response_ids)
     assert torch.equal(hf.response_mask, ours.response_mask)
 
@@ -57,7 +58,7 @@ def test_sampled_tokens_with_graphs_equal_the_eager_static_loop(model, tok):
     """The same kernels replayed: the same logits, hence the same tokens from the same uniforms."""
     graphs = graph_engine(model, tok, max_new=48, temperature=0.9)
     eager = FastEngine(model, tok, max_new_tokens=48, temperature=0.9, static_cache=True)
-    eos = sorted({tok.eos_token_id, *range(40, 90)})
+    eos = sorted({tok.eos_token_id, *range(40, 70)})  # rows finish at different steps, some after the first check
     graphs.eos, eager.eos = eos, eos
     torch.manual_seed(3)
     a = graphs.generate(PROMPTS, 8)
