@@ -6,7 +6,7 @@
 #
 #      bash scripts/gpu_speed.sh --prepare
 #
-#    which runs (python3 = any Python with pip; the wheels are for the GPU machine's Python 3.12):
+#    which runs (python3, or $PYTHON: any Python with pip; the wheels are for the GPU machine's Python 3.12):
 #
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -40,7 +40,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--prepare" ]; then
   set -e
-  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
     pyarrow==26.0.1
