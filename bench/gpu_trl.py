@@ -62,6 +62,8 @@ def role_trl(args) -> dict:
              "steps_per_generation": config.steps_per_generation,
              "reference_dtype": str(next(trainer.ref_model.parameters()).dtype) if trainer.ref_model else None}
     say(f"TRL setup: {setup}")
+    if gpu:  # the peak of the steps, as covey's phase peaks (its models loaded, its optimizer state from step 1)
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     steps = [{"step_s": r.seconds, "generate_s": r.phases.get("generate", 0.0), "score_s": r.phases.get("score", 0.0),
