@@ -71,7 +71,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $wheels \
     > "$LOG/install.log" 2>&1 || { echo "gpu_speed: wheels did not install (see install.log)"; status=1; }
-  export PYTHONPATH="$WORK/site"
+  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" \
