@@ -102,7 +102,8 @@ class Tracker:
         self.done = self.schedule.done(step, seconds)
 
     def result(self, **extra) -> dict:
-        return {"steps": self.steps, "points": self.points, **extra}
+        import torch
+        return {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(), **extra}
 
 
 def samples_per_step(cfg) -> int:

@@ -79,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=12.0, help="... and this much training time (the wall-clock view)")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every K steps")
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every run")
+    p.add_argument("--threads", type=int, default=0, help="torch threads of every run (model.threads; 0: torch's "
+                   "default, as `covey train` leaves it)")
     p.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per_device_train_batch_size "
                    "(0: covey's algo.micro_batch_size); the gradient does not depend on it")
     p.add_argument("--trl-malloc", action="store_true", help="give TRL covey's glibc malloc settings too")
@@ -96,7 +97,7 @@ def parse_args(argv=None):
 
 def base_overrides(args, work: Path) -> list[str]:
     """Overrides shared by every child (seed excluded); --smoke builds the tiny model into `work`."""
-    items = [f"model.threads={args.threads}"]
+    items = [f"model.threads={args.threads}"] if args.threads else []
     if args.smoke:
         from covey.models.tiny import build_tiny_model
         items += [f"model.path={build_tiny_model(work / 'tiny-model')}", *SMOKE]
@@ -104,10 +105,12 @@ def base_overrides(args, work: Path) -> list[str]:
 
 
 def check_mapping(overrides: list[str]) -> dict:
-    """Fail before any run if TRL cannot reproduce the config; returns TRL's settings for the record."""
-    from covey.config import load_config
+    """Fail before any run if TRL cannot reproduce the config; returns covey's config for the record."""
+    from covey.config import as_dict, load_config
     from trl_map import trl_grpo_kwargs
-    return trl_grpo_kwargs(load_config("grpo", overrides))
+    cfg = load_config("grpo", overrides)
+    trl_grpo_kwargs(cfg)
+    return as_dict(cfg)
 
 
 def run_child(argv: list[str], log: Path, env: dict) -> None:
@@ -175,13 +178,14 @@ def seed_runs(seed: int, args, overrides: list[str], out: Path, settings: dict) 
     return runs
 
 
-def header(args, argv: list[str]) -> str:
+def header(runs: list[dict], argv: list[str]) -> str:
     from bench_grpo import machine
     import transformers
     import trl
+    threads = "/".join(sorted({str(r.get("threads")) for r in runs}))
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return (f"Learning side by side, covey vs TRL {trl.__version__} GRPOTrainer (transformers "
-            f"{transformers.__version__}), {when}; {machine()}; threads={args.threads}.\n"
+            f"{transformers.__version__}), {when}; {machine()}; torch threads per run: {threads}.\n"
             f"Command: `.venv/bin/python bench/learn_vs_trl.py {' '.join(argv)}`")
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for sub in ("runs", "logs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     overrides = base_overrides(args, out)
-    trl_settings = check_mapping(overrides)
+    covey_config = check_mapping(overrides)
     settings = {"steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every, "overrides": overrides,
                 "trl_micro_batch": args.trl_micro_batch, "trl_malloc": args.trl_malloc}
     with tempfile.TemporaryDirectory(prefix="learn-vs-trl-models-") as ckpt:  # saved policies, ~0.5 GB each
@@ -200,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for seed in (int(s) for s in args.seeds.split(",") if s.strip())
                 for r in seed_runs(seed, args, overrides, out, settings)]
     summary = summarize(runs)
-    head = header(args, argv)
-    (out / "learn-vs-trl.json").write_text(json.dumps(
-        {"settings": settings, "trl_settings": trl_settings, "summary": summary, "runs": runs}, indent=1))
+    head = header(runs, argv)
+    trl_settings = next((r["trl_settings"] for r in runs if r["trainer"] == "trl"), None)
+    (out / "learn-vs-trl.json").write_text(json.dumps({"settings": settings, "covey_config": covey_config,
+                                                       "trl_settings": trl_settings, "summary": summary,
+                                                       "runs": runs}, indent=1))
     (out / "learn-vs-trl.md").write_text(markdown(runs, summary, head, args.steps, args.minutes))
     figure(runs, out / "learn-vs-trl.png", head.splitlines()[0], args.minutes)
     print((out / "learn-vs-trl.md").read_text())
