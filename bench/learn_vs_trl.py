@@ -1,7 +1,10 @@
 """What covey and TRL's GRPOTrainer learn from the same model, task, reward and hyperparameters.
 
-    .venv/bin/python bench/learn_vs_trl.py --out bench/results/learn-vs-trl        # the measurement
-    .venv/bin/python bench/learn_vs_trl.py --smoke                                # the pipeline, tiny model, ~3 min
+    .venv/bin/python bench/learn_vs_trl.py --out bench/results/learn-vs-trl algo.ddof=1 algo.adv_eps=1e-4
+    .venv/bin/python bench/learn_vs_trl.py --smoke         # the pipeline on the tiny model, ~3 min
+
+The measurement aligns covey's group std with TRL's (Bessel's correction, +1e-4: the two overrides
+above), so that both run the same algorithm and a difference beyond the seeds' spread is a bug.
 
 The measurement (run it alone on a quiet machine; nothing else on the cores): covey's default run
 (`covey train`: GRPO on SmolLM2-135M-Instruct, 2-digit x 1-digit multiplication, 8 prompts x 8
