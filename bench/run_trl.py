@@ -1,7 +1,8 @@
 """Benchmark child: TRL's GRPOTrainer on the workload of bench/common.py, timed per phase.
 
 Same model folder, same task (covey's arithmetic problems as chat prompts), same reward
-function, G, lengths, beta, lr (constant), temperature. `--micro-batch 32` is TRL's
+function, and the settings of covey's config for this workload mapped by bench/trl_map.py
+(G, lengths, beta, lr (constant), temperature, loss aggregation, clipping). `--micro-batch 32` is TRL's
 setting as it ships (one forward/backward over the 32 samples); `--micro-batch 8` uses
 gradient_accumulation_steps=4 like covey's micro-batches. Either way one rollout of 32
 samples makes one optimizer step, so TRL skips its old-log-prob pass exactly like covey.
@@ -23,15 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import WORKLOAD, LinearFlops, StepRecord, write_result  # noqa: E402
+from run_covey import overrides  # noqa: E402
+from trl_map import trl_dataset, trl_grpo_kwargs  # noqa: E402
 
 
-def build_dataset():
-    from datasets import Dataset
-
-    from covey.tasks.arithmetic import arithmetic_splits
-    train, _ = arithmetic_splits(WORKLOAD["train_size"], 200, WORKLOAD["seed"], kind="mul", digits_a=2, digits_b=1)
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer}
-                              for ex in train])
+def workload_config(steps: int, threads: int):
+    """covey's config of the workload (what run_covey.py trains), the source of TRL's settings."""
+    from covey.config import load_config
+    return load_config("grpo", overrides(steps, threads, tempfile.gettempdir(), []))
 
 
 def make_trainer_class():
@@ -107,19 +107,17 @@ def main() -> None:
 
     from covey.models.default import prepare_default_model
     from covey.rewards.rules import correctness_reward
-    w = WORKLOAD
+    from covey.tasks.data import load_task_data
+    cfg = workload_config(args.steps, args.threads)
+    settings = {**trl_grpo_kwargs(cfg, micro_batch=args.micro_batch, autocast_bf16=args.bf16),
+                "gradient_checkpointing": args.gradient_checkpointing}
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), max_steps=args.steps, use_cpu=True,
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=w["prompts_per_step"] * w["group_size"] // args.micro_batch,
-        num_generations=w["group_size"], max_completion_length=w["max_new_tokens"], beta=w["beta"],
-        learning_rate=w["lr"], lr_scheduler_type="constant", temperature=w["temperature"], top_k=0, top_p=1.0, adam_beta2=0.99,
-        bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, seed=w["seed"],
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": "float32"})
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), max_steps=args.steps, use_cpu=True, **settings,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     records, flops, box = [], {}, {}
+    train = load_task_data(cfg.task, WORKLOAD["seed"]).train
     trainer = make_trainer_class()(model=str(prepare_default_model()), reward_funcs=correctness_reward,
-                                   args=config, train_dataset=build_dataset(),
+                                   args=config, train_dataset=trl_dataset(train, cfg.task.system_prompt),
                                    callbacks=[step_recorder(box, records, flops)])
     box["trainer"] = trainer
     flops["counter"] = LinearFlops(trainer.model)

@@ -31,7 +31,7 @@ def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
     for fn in funcs:
         if isinstance(fn, str):
             spec, weight = parse_function(fn.strip())
-            terms.append(RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight))
+            terms.append(RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight, source=spec))
         elif callable(fn):
             terms.append(RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0))
         else:

@@ -49,6 +49,7 @@ class RewardTerm:
     fn: Callable
     weight: float
     formatted_prompts: bool = False  # a learned reward model reads the prompts as the policy saw them
+    source: str = ""  # where it came from ('file.py:function'), named in its errors
 
 
 @dataclass
@@ -202,7 +203,7 @@ class Rewarder:
                     continue
                 errors += 1
                 if self.on_error == "raise":
-                    raise RewardError(f"reward function '{term.name}' {fault} "
+                    raise RewardError(f"reward function '{term.source or term.name}' {fault} "
                                       f"(first bad sample #{i}: {str(completions[i])[:80]!r})")
                 if self.on_error == "drop":
                     valid[i] = False
