@@ -13,8 +13,10 @@ lr 1e-6; temperature 1; one optimizer step per rollout, micro-batches of 8 in bo
 deterministic reward function (it varies between samples, so every step updates).
 
 covey runs as `covey train grpo` would on a GPU (its defaults: fp32 weights and AdamW, bf16 autocast,
-bf16 sampling copy, rollout.decode=auto = CUDA graphs); TRL 1.16's GRPOTrainer as it ships (its
-default model load: fp32 weights; bf16 autocast; gradient checkpointing on; HF `generate`; no vLLM).
+bf16 sampling copy, rollout.decode=auto = CUDA graphs); TRL 1.16's GRPOTrainer with its default model
+load (fp32 weights), bf16 autocast, HF `generate` (no vLLM), and covey's settings mapped by
+bench/trl_map.py as in the CPU benchmark (gradient checkpointing off like covey's; --trl-gc: on,
+TRL's own default).
 Every run is a subprocess of its own (its peak GPU memory is its own), covey and TRL alternating per
 model size; medians over steps 2..N. The copy bandwidth and the matmul peak are measured in the same
 run. Then, while the budget lasts, `--decode-modes` times rollout.decode modes on each model's bf16
@@ -195,6 +197,8 @@ def main() -> None:
                                                           "after the GRPO runs, while the budget lasts (e.g. graphs,compile)")
     parser.add_argument("--covey-keys", default="", help="extra covey key=value settings of the covey runs, "
                                                         "space-separated (e.g. 'algo.micro_batch_size=16')")
+    parser.add_argument("--trl-gc", action="store_true", help="TRL with gradient checkpointing, its own default "
+                                                              "(default: covey's setting, off, as bench_grpo.py's trl)")
     parser.add_argument("--work", default="", help="folder for the model folders (default: a temporary one)")
     parser.add_argument("--tokenizer", default="", help="folder with SmolLM2's tokenizer files "
                                                         "(default: covey's model cache)")
@@ -225,6 +229,7 @@ def main() -> None:
         for name in runs:
             later = (len(sizes) - i - 1) * 150 + (60 if name == "covey" and "trl" in runs else 0)
             keys = ["--keys", args.covey_keys] if name == "covey" and args.covey_keys else []
+            keys += ["--trl-gc"] if name == "trl" and args.trl_gc else []
             results[name] = children.run(name, f"{name}-{size}", [*common, "--model", str(model_dir), "--steps",
                                                                   str(steps), *keys], reserve_s=later)
         rows.append(summarize(size, device, shape, results.get("covey"), results.get("trl"), workload))

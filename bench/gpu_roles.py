@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="")
     parser.add_argument("--decode-modes", default="")
     parser.add_argument("--keys", default="", help="covey: extra key=value settings, space-separated")
+    parser.add_argument("--trl-gc", action="store_true", help="trl: gradient checkpointing on (TRL's default)")
     args = parser.parse_args()
     if args.role == "device":
         write(args.result, role_device(args))

@@ -33,7 +33,8 @@
 # `generate`'s, with and without torch.compile's kernels; graphs reused between calls; an update synced
 # into the bf16 sampling copy reaches the replayed graphs; a GRPO run through the CLI with
 # rollout.decode=graphs), then bench/gpu_bench.py --decode-modes graphs,compile: covey and TRL's
-# GRPOTrainer on random Qwen2.5-0.5B and -1.5B shapes (8 x 8 samples, 256 tokens), per-phase seconds,
+# GRPOTrainer (settings mapped from covey's by bench/trl_map.py; BENCH_FLAGS=--trl-gc for TRL's own
+# gradient checkpointing) on random Qwen2.5-0.5B and -1.5B shapes (8 x 8 samples, 256 tokens), per-phase seconds,
 # peak GPU memory, covey's decode step against its bandwidth floor, update TFLOP/s against the bf16
 # matmul peak, then graphs against compile on each model's decode. Exit status 0 only if every part ran.
 set -uo pipefail
