@@ -45,7 +45,7 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source: arithmetic | multistep | jsonl | hf."""
+    """Prompt source: arithmetic | multistep | wordproblems | jsonl | hf."""
     path: str = ""
     """File (jsonl) or saved dataset folder (hf)."""
     split: str = ""
@@ -79,6 +79,8 @@ class TaskConfig:
     multistep_template: str = ("Start with {start}. {steps}. What is the result? Work it out with one "
                                "operation per line, like '2 + 3 = 5', then write 'Answer: <number>'.")
     """multistep: question text with {start} and {steps} placeholders."""
+    word_steps: int = 1
+    """wordproblems: arithmetic operations per story problem, 1-4 (its difficulty knob; covey/tasks/wordproblems.py)."""
     train_size: int = 600
     """Number of generated training problems."""
     eval_size: int = 200

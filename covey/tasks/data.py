@@ -11,6 +11,7 @@ from covey.tasks.arithmetic import arithmetic_splits
 from covey.tasks.base import Example, build_messages
 from covey.tasks.files import load_examples
 from covey.tasks.multistep import multistep_splits
+from covey.tasks.wordproblems import wordproblem_splits
 
 
 @dataclass
@@ -35,6 +36,8 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
                                        operand_max=t.operand_max, start_digits=t.start_digits,
                                        max_value=t.max_value, template=t.multistep_template)
         return TaskData(train, held)
+    if t.name == "wordproblems":
+        return TaskData(*wordproblem_splits(t.train_size, t.eval_size, seed, steps=t.word_steps))
     kwargs = dict(prompt_key=t.prompt_key, answer_key=t.answer_key, on_error=t.on_bad_row)
     if t.name == "hf":
         kwargs["split"] = t.split or None
