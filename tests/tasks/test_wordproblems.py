@@ -2,6 +2,7 @@
 follow from the story's own numbers, the verifier's near-misses, and the task.word_steps check."""
 
 import ast
+import json
 import operator
 import re
 from fractions import Fraction
@@ -145,3 +146,12 @@ def test_a_bad_knob_fails_before_any_model_loads(command, capsys, tmp_path):
     code = main([command, *tiny_overrides("no-such-model", tmp_path), "task.name=wordproblems", "task.word_steps=9"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"covey {command}: error: task.word_steps=9: word problems take 1 to 4 operations"
+
+
+def test_a_tiny_run_trains_and_evaluates_on_word_problems(tiny_model_dir, tmp_path):
+    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path), "task.name=wordproblems",
+                 "task.word_steps=2"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["final"] == 1 and "eval/accuracy" in rows[-1]
+    sample = json.loads((tmp_path / "t" / "samples.jsonl").read_text().splitlines()[0])
+    assert "How many" in json.dumps(sample)
