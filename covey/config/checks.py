@@ -15,6 +15,9 @@ from covey.config.schema import Config, ConfigError, TaskConfig
 MULTISTEP_OPS = ("+", "-", "*")
 """Operations a multistep problem may draw (task.ops is a subset)."""
 
+WORD_MAX_STEPS = 4
+"""Most arithmetic operations a word problem may take (task.word_steps lies in 1..WORD_MAX_STEPS)."""
+
 CORRUPTION_KINDS = ("result", "operand", "operator", "carry", "unrelated", "stopped")
 """Errors that PRM training data may inject into a reference solution (rm.corruption_kinds)."""
 
@@ -24,7 +27,7 @@ FILE_TASKS = ("file", "jsonl", "hf")
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.autocast": ("none", "bfloat16", "auto"),
-    "task.name": ("arithmetic", "multistep", "file", "jsonl", "hf"),
+    "task.name": ("arithmetic", "multistep", "wordproblems", "file", "jsonl", "hf"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "fast", "vllm"),
@@ -144,10 +147,13 @@ def validate_algo(cfg: Config) -> None:
 
 
 def validate_task(cfg: Config) -> None:
-    """Question templates, the multistep generator's settings and data files."""
+    """Question templates, the multistep and word-problem generators' settings and data files."""
     validate_template(cfg.task.template)
     validate_template(cfg.task.multistep_template, "task.multistep_template", start="12", steps="Add 7")
     validate_multistep(cfg.task)
+    if not 1 <= cfg.task.word_steps <= WORD_MAX_STEPS:
+        raise ConfigError(f"task.word_steps={cfg.task.word_steps}: word problems take 1 to "
+                          f"{WORD_MAX_STEPS} operations")
     if cfg.task.name in FILE_TASKS and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
 

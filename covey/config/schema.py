@@ -42,7 +42,7 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source: arithmetic | multistep (generated) | file (task.path: .jsonl, .json, .csv, .parquet or a saved HF dataset folder; jsonl and hf are other names for it)."""
+    """Prompt source: arithmetic | multistep | wordproblems (generated) | file (task.path: .jsonl, .json, .csv, .parquet or a saved HF dataset folder; jsonl and hf are other names for it)."""
     path: str = ""
     """Training data: a .jsonl/.json/.csv/.parquet file or a folder saved with datasets' save_to_disk."""
     split: str = ""
@@ -78,6 +78,8 @@ class TaskConfig:
     multistep_template: str = ("Start with {start}. {steps}. What is the result? Work it out with one "
                                "operation per line, like '2 + 3 = 5', then write 'Answer: <number>'.")
     """multistep: question text with {start} and {steps} placeholders."""
+    word_steps: int = 1
+    """wordproblems: arithmetic operations per story problem, 1-4 (its difficulty knob; covey/tasks/wordproblems.py)."""
     train_size: int = 600
     """Number of generated training problems."""
     eval_size: int = 200

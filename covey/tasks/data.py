@@ -12,6 +12,7 @@ from covey.tasks.arithmetic import arithmetic_splits
 from covey.tasks.base import Example, build_messages
 from covey.tasks.files import load_examples
 from covey.tasks.multistep import multistep_splits
+from covey.tasks.wordproblems import wordproblem_splits
 
 
 @dataclass
@@ -37,6 +38,8 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
                                        operand_max=t.operand_max, start_digits=t.start_digits,
                                        max_value=t.max_value, template=t.multistep_template)
         return TaskData(train, held)
+    if t.name == "wordproblems":
+        return TaskData(*wordproblem_splits(t.train_size, t.eval_size, seed, steps=t.word_steps))
     return load_file_task(t, seed)
 
 
