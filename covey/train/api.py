@@ -24,11 +24,12 @@ __all__ = ["TrainResult", "train"]
 def train(config: Config, reward_funcs: Iterable[Callable | str] | None = None) -> TrainResult:
     """Train a policy as `config` says; returns the run folder, the saved model and held-out accuracies.
 
-    reward_funcs: Python callables and/or "module:function[:weight]" strings, added to the
-    configured rewards (reward.functions) with weight 1 unless given. Each is called with
-    keyword arguments, TRL's convention: fn(prompts=[...], completions=[...], answer=[...],
-    completion_lengths=[...], **other dataset columns) -> one float per completion, and is
-    reported as reward/<function name> in metrics.jsonl.
+    reward_funcs: Python callables and/or "module:function[:weight]" / "file.py:function[:weight]"
+    strings, added to the configured rewards (reward.functions) with weight 1 unless given. Each
+    is called with keyword arguments, TRL's convention: fn(prompts=[...], completions=[...],
+    completion_ids=[...], trainer_state=..., answer=[...], completion_lengths=[...], **every other
+    dataset column) -> one float (or None: not scored) per completion, and is reported as
+    reward/<function name> in metrics.jsonl (docs/your-task.md).
     """
     if not isinstance(config, Config):
         raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
