@@ -13,7 +13,6 @@ import math
 import re
 
 import pytest
-import torch
 
 import covey
 from covey.rewards.combine import Rewarder, RewardTerm, TrainerState
