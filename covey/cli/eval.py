@@ -56,7 +56,7 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     from covey.train.evaluate import Judge, evaluate
     data = load_task_data(cfg.task, cfg.train.seed)
     metric = cfg.eval.metric
-    verifier = resolve_verifier("auto" if metric == "reward" else metric, [ex.answer for ex in data.eval])
+    verifier = resolve_verifier(metric, [ex.answer for ex in data.eval])
     device = command_device(cfg)
     judge = Judge(verifier)
     if metric == "reward":

@@ -26,7 +26,7 @@ def run(args) -> int:
     from covey.config import load_config, split_config
     from covey.rewards.build import build_rewarder
     from covey.rewards.server import MiB, RewardServer, RewardService, ServeError, ServerLimits
-    from covey.tasks.verifiers import VERIFIERS
+    from covey.tasks.verifiers import resolve_verifier
 
     token = os.environ.get(args.token_env, "")
     if not token:
@@ -36,11 +36,8 @@ def run(args) -> int:
     config_path, overrides = split_config(args.args)
     cfg = load_config(config_path, overrides)
     limits = ServerLimits(int(args.max_body_mb * MiB), args.max_batch, args.request_timeout)
-    # No data here to resolve eval.metric=auto from: the correctness term checks numbers (math) unless a
-    # string verifier is named.
-    verifier = cfg.eval.metric if cfg.eval.metric in VERIFIERS else "math"
-    try:
-        rewarder = build_rewarder(cfg, verifier=verifier)
+    try:  # no data to read answers from: auto means math here unless a string verifier is named
+        rewarder = build_rewarder(cfg, verifier=resolve_verifier(cfg.eval.metric, []))
         server = RewardServer((args.host, args.port), RewardService(rewarder), token, limits, args.verbose)
     except OSError as e:
         raise ServeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None

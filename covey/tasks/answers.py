@@ -132,9 +132,14 @@ def _phrase_span(text: str) -> str | None:
     return re.split(r"\.(?=\s|$)", line, maxsplit=1)[0]  # end of sentence, not a decimal point
 
 
+def _clean_span(span: str) -> str:
+    """A marked span without LaTeX \\text{} wrappers, markdown emphasis and surrounding space."""
+    return re.sub(r"\\text\{([^{}]*)\}", r"\1", _prepare(span)).strip().strip("*_").strip()
+
+
 def _read_span(span: str, verbatim: bool) -> tuple[bool, str | None]:
     """(found, answer) for a marked span; found=False means 'fall through'."""
-    span = re.sub(r"\\text\{([^{}]*)\}", r"\1", _prepare(span)).strip().strip("*_").strip()
+    span = _clean_span(span)
     whole = normalize_number(span)
     if whole is not None:
         return True, whole
@@ -177,7 +182,7 @@ def marked_text(text: str) -> str | None:
     for finder in (_boxed_span, _hashes_span, _phrase_span):
         span = finder(text)
         if span is not None and span.strip():
-            return re.sub(r"\\text\{([^{}]*)\}", r"\1", span).strip().strip("*_").strip()
+            return _clean_span(span)
     return None
 
 

@@ -126,11 +126,16 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
     on_error="raise" stops at the first bad row; "skip" drops bad rows and counts them.
     An empty result is always an error: training on nothing is never intended.
     """
+    return _read_file(path, _jsonl_rows, prompt_key, answer_key, on_error)
+
+
+def _read_file(path: str | Path, reader, prompt_key: str, answer_key: str, on_error: str) -> tuple[list[Example], int]:
+    """`reader`'s rows of the file at `path` -> (examples, rows skipped); a missing file or no rows is a DataError."""
     _check_on_error(on_error)
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    examples, skipped = _collect(_jsonl_rows(path), prompt_key, answer_key, on_error)
+    examples, skipped = _collect(reader(path), prompt_key, answer_key, on_error)
     _require_nonempty(examples, skipped, str(path))
     return examples, skipped
 
@@ -231,14 +236,8 @@ def load_file(path: str | Path, prompt_key: str = "prompt", answer_key: str = "a
               on_error: str = "raise") -> tuple[list[Example], int]:
     """A JSONL, JSON (a list of objects), CSV (with a header) or Parquet file, by its suffix; any
     other suffix is read as JSONL. -> (examples, rows skipped)."""
-    _check_on_error(on_error)
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    reader = FILE_READERS.get(path.suffix.lower(), _jsonl_rows)
-    examples, skipped = _collect(reader(path), prompt_key, answer_key, on_error)
-    _require_nonempty(examples, skipped, str(path))
-    return examples, skipped
+    reader = FILE_READERS.get(Path(path).suffix.lower(), _jsonl_rows)
+    return _read_file(path, reader, prompt_key, answer_key, on_error)
 
 
 def load_examples(source: str | Path, **kwargs) -> tuple[list[Example], int]:

@@ -76,8 +76,10 @@ def is_math_answer(answer: str) -> bool:
 
 
 def resolve_verifier(name: str, answers: Sequence[str]) -> str:
-    """`auto` -> `math` when every answer is a number or LaTeX, else `normalized`; others as given."""
-    if name != "auto":
+    """The verifier an eval.metric implies: a verifier's name as given; `auto`, and `reward` (whose
+    correctness reward still needs one), -> `math` when every answer is a number or LaTeX, else
+    `normalized` (no answers known: `math`)."""
+    if name in VERIFIERS:
         return name
     return "math" if all(is_math_answer(a) for a in answers) else "normalized"
 

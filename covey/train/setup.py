@@ -166,7 +166,7 @@ def choose_verifier(cfg: Config, data) -> str:
     from the answers), printed with a warning when the math verifier cannot read some answers."""
     metric = cfg.eval.metric
     answers = [ex.answer for ex in (*data.train, *data.eval)]
-    verifier = resolve_verifier("auto" if metric == "reward" else metric, answers)
+    verifier = resolve_verifier(metric, answers)
     what = (f"reward >= {cfg.eval.reward_threshold:g} (eval.metric=reward)" if metric == "reward"
             else f"accuracy by the {verifier} verifier" + (" (eval.metric=auto)" if metric == "auto" else ""))
     print(f"covey: held-out metric: {what}")

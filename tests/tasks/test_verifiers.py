@@ -61,6 +61,8 @@ def test_auto_picks_math_for_numbers_and_latex_and_normalized_for_text():
     assert resolve_verifier("auto", ["12", "-3.5", "1,000", "\\frac{1}{2}", "3/4"]) == "math"
     assert resolve_verifier("auto", ["12", "Paris"]) == "normalized"
     assert resolve_verifier("contains", ["12"]) == "contains"  # an explicit choice stays
+    assert resolve_verifier("reward", ["Paris"]) == "normalized"  # the correctness reward's, as auto
+    assert resolve_verifier("auto", []) == "math"  # no answers known (covey serve-reward)
 
 
 def test_unreadable_answers_counts_text_for_math_only():
