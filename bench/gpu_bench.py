@@ -62,6 +62,7 @@ class Children:
 
     def __init__(self, log_dir: Path, budget_s: float):
         self.log_dir, self.deadline, self.start = log_dir, time.monotonic() + budget_s, time.monotonic()
+        self.failed = 0  # trainer runs that failed, stopped early or were skipped
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -112,10 +113,13 @@ def step_summary(steps: list[dict]) -> dict:
                                                                       "update_s", "score_s")}
 
 
-def summarize(size: str, device: dict, shape: dict, covey: dict | None, trl: dict | None, workload: dict) -> dict:
+def summarize(size: str, device: dict, shape: dict, results: dict, workload: dict) -> dict:
+    """One model size's row: each trainer's medians and rates (`results`: name -> child result or None),
+    covey against TRL, covey's decode step against its floor."""
     flops = update_flops(shape, workload, shape["prompt_tokens_mean"])
-    out = {"size": size, "update_model_flops": flops}
-    for name, res in (("covey", covey), ("trl", trl)):
+    out = {"size": size, "update_model_flops": flops, "trainers": list(results)}
+    covey, trl = results.get("covey"), results.get("trl")
+    for name, res in results.items():
         if res is None:
             continue
         med = step_summary(res["steps"])
@@ -157,7 +161,7 @@ def table(rows: list[dict], device: dict) -> str:
             "| generate ms/token | update TFLOP/s (% of bf16 peak) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
-        for name in ("covey", "trl"):
+        for name in row["trainers"]:
             r = row.get(name)
             if r is None:
                 lines.append(f"| {row['size']} | {name} | failed or skipped | | | | | | |")
@@ -197,6 +201,11 @@ def main() -> None:
                                                           "after the GRPO runs, while the budget lasts (e.g. graphs,compile)")
     parser.add_argument("--covey-keys", default="", help="extra covey key=value settings of the covey runs, "
                                                         "space-separated (e.g. 'algo.micro_batch_size=16')")
+    parser.add_argument("--covey-variant", default="", help="one more covey run per size with these key=value "
+                                                           "settings, reported as covey-variant (e.g. "
+                                                           "'algo.micro_batch_size=32')")
+    parser.add_argument("--profile", action="store_true", help="covey: one more step under torch.profiler, its "
+                                                              "top ops in covey-<size>.log")
     parser.add_argument("--trl-gc", action="store_true", help="TRL with gradient checkpointing, its own default "
                                                               "(default: covey's setting, off, as bench_grpo.py's trl)")
     parser.add_argument("--work", default="", help="folder for the model folders (default: a temporary one)")
@@ -226,13 +235,18 @@ def main() -> None:
             continue
         children.say(f"{size}: {shape['describe']}")
         results = {}
-        for name in runs:
-            later = (len(sizes) - i - 1) * 150 + (60 if name == "covey" and "trl" in runs else 0)
+        for name in runs + (["covey-variant"] if args.covey_variant else []):
+            later = ((len(sizes) - i - 1) * (150 + 45 * bool(args.covey_variant))
+                     + (60 if name == "covey" and "trl" in runs else 0))
             keys = ["--keys", args.covey_keys] if name == "covey" and args.covey_keys else []
+            keys += ["--keys", args.covey_variant] if name == "covey-variant" else []
             keys += ["--trl-gc"] if name == "trl" and args.trl_gc else []
-            results[name] = children.run(name, f"{name}-{size}", [*common, "--model", str(model_dir), "--steps",
-                                                                  str(steps), *keys], reserve_s=later)
-        rows.append(summarize(size, device, shape, results.get("covey"), results.get("trl"), workload))
+            keys += ["--profile"] if name == "covey" and args.profile else []
+            results[name] = children.run(name.split("-")[0], f"{name}-{size}", [*common, "--model", str(model_dir),
+                                                                                "--steps", str(steps), *keys],
+                                         reserve_s=later)
+            children.failed += results[name] is None or bool(results[name].get("partial"))
+        rows.append(summarize(size, device, shape, results, workload))
         rows[-1].update(shape=shape, model_dir=str(model_dir))
     for row in rows if args.decode_modes else []:  # after every GRPO run: what the budget has left
         modes = children.run("decode", f"decode-{row['size']}", [*common, "--model", row["model_dir"],
@@ -250,6 +264,9 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"device": device, "workload": workload, "rows": rows,
                                                     "argv": sys.argv, "roles": ROLES}, indent=1, default=str))
     children.say(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    if children.failed:
+        children.say(f"{children.failed} trainer run(s) failed, stopped early or were skipped")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

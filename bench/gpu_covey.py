@@ -107,7 +107,8 @@ def replay_ms(fast, rows: int, repeats: int = 16) -> dict:
     for (_, graph_rows, length), (graph, _) in runner.graphs.items():
         if graph_rows != rows or length < repeats:
             continue
-        state.column.fill_(length - repeats)
+        with torch.inference_mode():  # the static state was made under inference mode, as the engine runs
+            state.column.fill_(length - repeats)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
@@ -179,6 +180,25 @@ def role_decode(args) -> dict:
     return out
 
 
+def profile_step(run, feed, train_step) -> dict:
+    """One more step (not among the timed ones) under torch.profiler: the ops that take the most device
+    and host time, printed to the log, and the device's busy time against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        m = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
+    if gpu:
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_s = sum(getattr(e, device_key) for e in events) / 1e6
+    for key in ([device_key] if gpu else []) + ["self_cpu_time_total"]:
+        print(f"profile, top ops by {key}:\n" + events.table(sort_by=key, row_limit=30), flush=True)
+    phases = {k: round(m[f"time/{k}"], 3) for k in ("step", "generate", "logprobs", "update")}
+    say(f"profiled step: {phases}; device busy {busy_s:.2f} s (sum of device op time)")
+    return {"phases_s": phases, "device_busy_s": busy_s}
+
+
 def role_covey(args) -> dict:
     w = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
@@ -204,15 +224,29 @@ def role_covey(args) -> dict:
                   "held_bytes": held_bytes(run, fast), "config": {"rollout.decode": cfg.rollout.decode,
                                                                    "model.autocast": cfg.model.autocast,
                                                                    "rollout.precision": cfg.rollout.precision}}
-        rows = w["prompts"] * w["group_size"]
-        if probe is not None and torch.cuda.is_available():
-            loop = probe.step_ms()
-            prompt_tokens = statistics.mean(len(fast.tokenizer(p, add_special_tokens=False)["input_ids"])
-                                            for p in feed.prompts[:200])
-            result["decode"] = {"rows": rows, "loop_ms_median": statistics.median(loop), "loop_ms_mean":
-                                statistics.mean(loop), "steps_timed": len(loop),
-                                "replay_ms": replay_ms(fast, row_bucket(rows)),
-                                "floor_bytes_per_step": floor_bytes(fast, rows, prompt_tokens, w["new_tokens"]),
-                                "graphs_captured": fast.static.runner.captures}
-            say(f"decode loop: {result['decode']['loop_ms_median']:.3f} ms/step (median of {len(loop)})")
+        try:
+            result["decode"] = decode_details(fast, feed, probe, w)
+        except Exception as err:  # the timed steps stand without the decode details
+            say(f"decode details failed: {type(err).__name__}: {err}")
+            result["decode_error"] = f"{type(err).__name__}: {err}"
+        if args.profile:
+            Path(args.result).write_text(json.dumps(result, indent=1, default=str))  # kept if profiling fails
+            if probe is not None:
+                probe.on = False
+            result["profile"] = profile_step(run, feed, train_step)
         return result
+
+
+def decode_details(fast, feed, probe, w: dict) -> dict | None:
+    """The last rollout's decode steps (CUDA events), each captured graph replayed alone, and the floor."""
+    if probe is None or not torch.cuda.is_available():
+        return None
+    rows, loop = w["prompts"] * w["group_size"], probe.step_ms()
+    prompt_tokens = statistics.mean(len(fast.tokenizer(p, add_special_tokens=False)["input_ids"])
+                                    for p in feed.prompts[:200])
+    out = {"rows": rows, "loop_ms_median": statistics.median(loop), "loop_ms_mean": statistics.mean(loop),
+           "steps_timed": len(loop), "replay_ms": replay_ms(fast, row_bucket(rows)),
+           "floor_bytes_per_step": floor_bytes(fast, rows, prompt_tokens, w["new_tokens"]),
+           "graphs_captured": fast.static.runner.captures}
+    say(f"decode loop: {out['loop_ms_median']:.3f} ms/step (median of {len(loop)}); replay alone: {out['replay_ms']}")
+    return out

@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="")
     parser.add_argument("--decode-modes", default="")
     parser.add_argument("--keys", default="", help="covey: extra key=value settings, space-separated")
+    parser.add_argument("--profile", action="store_true", help="covey: one more step under torch.profiler")
     parser.add_argument("--trl-gc", action="store_true", help="trl: gradient checkpointing on (TRL's default)")
     args = parser.parse_args()
     if args.role == "device":
