@@ -130,6 +130,8 @@ def validate_algo(cfg: Config) -> None:
         raise ConfigError("algo.clip_eps_low / clip_eps_high must be >= 0")
     if r.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
+    if not 0.0 <= a.update_memory_share < 1.0:
+        raise ConfigError("algo.update_memory_share must lie in [0, 1)")
     if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     n_seq = r.prompts_per_step * r.group_size

@@ -277,6 +277,8 @@ class AlgoConfig:
     """Optimizer steps per epoch (mini-batches of the rollout)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward (memory knob; does not change the gradient)."""
+    update_memory_share: float = 0.5
+    """On one GPU, the update's micro-batches grow to fill this share of the free GPU memory (estimated; at least micro_batch_size); 0 = micro_batch_size."""
     value_clip: float = 0.2
     """Critic value clip range (0 = off)."""
     value_coef: float = 0.5

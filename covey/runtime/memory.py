@@ -64,6 +64,33 @@ def rows_per_no_grad_pass(config, positions: int, free_bytes: int, least: int, m
     return max(least, min(most, fit))
 
 
+def rows_per_update_pass(config, positions: int, available_bytes: int, least: int, most: int,
+                         element_bytes: int, share: float) -> int:
+    """Sequences per gradient micro-batch of the update that fit in `share` of `available_bytes` (the
+    free GPU memory less the gradients and optimizer state still to be allocated), between `least`
+    (algo.micro_batch_size) and `most` (the sequences of one optimizer step).
+
+    With gradients, every layer keeps what its backward reads, at each of `positions` per sequence
+    (a Llama / Qwen2 decoder layer, HF's modules, activations of `element_bytes` each: 2 under bf16
+    autocast, 4 in fp32):
+      - the two RMSNorms, which work in float32: their input and normalised output, 2 x 2 x 4 H = 16 H bytes;
+      - the inputs of the q, k, v, o, gate and up projections (autocast casts each, 3 H + H + 2 H)
+        and queries plus attention output (2 H): 8 H elements;
+      - keys and values for the attention backward: 2 x kv_heads x head_dim elements;
+      - the MLP: the gate before SiLU, SiLU's output, up, and down's input: 4 I elements.
+    The logits are read in bounded blocks (covey/algos/logits.py) and not counted. On one H100 the
+    1.5B benchmark's update grew by 3.3 MB a position from 8 to 32 sequences; this gives 3.4.
+    """
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_layer = 16 * hidden + element_bytes * (8 * hidden + 2 * kv * head_dim + 4 * inter)
+    per_position = config.num_hidden_layers * per_layer
+    fit = int(share * max(0, available_bytes) // max(1, per_position * positions))
+    return max(least, min(most, fit))
+
+
 # --------------------------------------------------------------------------- out of memory
 
 

@@ -38,7 +38,7 @@ from covey.runtime.signals import fault_point
 
 # Keys that change only logging, speed, memory or length of the run, never its numbers (the device and
 # gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU).
-RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing",
+RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing", "algo.update_memory_share",
     "train.steps", "train.resume", "train.progress", "train.save_every", "train.keep_checkpoints",
     "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",

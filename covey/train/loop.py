@@ -48,7 +48,8 @@ from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
 from covey.train.setup import (Feed, Run, TrainResult, attach_reward_models, build_run, choose_verifier, open_feed,
-                               open_world, prepare_run_dir, print_header, print_precision, seed_everything)
+                               open_world, prepare_run_dir, print_header, print_precision, seed_everything,
+                               size_update_pass)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.train.update import record_skip, update_critic, update_policy
 
@@ -263,6 +264,7 @@ def update(run: Run, rollout: Rollout) -> dict:
                                         seed=cfg.train.seed * 100003 + run.step,
                                         num_batches=cfg.train.grad_var_batches)
     t0 = time.perf_counter()
+    size_update_pass(run, rollout)  # on one GPU, before the first update
     sizes = run.extra_state["micro_batches"]
     metrics.update(update_policy(run.policy, run.optimizer, run.scheduler, rollout, opts, run.kl_controller.value,
                                  run.update_state, run.shuffle_generator, sizes))

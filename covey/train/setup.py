@@ -31,7 +31,7 @@ from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import (DeviceError, SilentLogger, World, broadcast_object, describe_device,
                                 init_distributed, quiet_unless_main)
 from covey.runtime.fsdp import shard_model
-from covey.runtime.memory import MicroBatchSizes, on_gpu, rows_per_no_grad_pass
+from covey.runtime.memory import MicroBatchSizes, on_gpu, rows_per_no_grad_pass, rows_per_update_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
@@ -323,6 +323,34 @@ def size_no_grad_passes(run: Run, prompts: list[str]) -> None:
     free, _ = torch.cuda.mem_get_info(torch.device(run.world.device))
     sizes.sizes["logprobs"] = rows_per_no_grad_pass(run.policy.config, longest + r.max_new_tokens, free,
                                                     sizes.sizes["logprobs"], r.prompts_per_step * r.group_size)
+
+
+def size_update_pass(run: Run, rollout) -> None:
+    """Before the first update on one GPU: its micro-batches take as many sequences as fit in
+    algo.update_memory_share of the free GPU memory, less the gradients and optimizer state not yet
+    allocated (covey/runtime/memory.py), at least algo.micro_batch_size; fewer, larger micro-batches
+    launch fewer kernels, and the gradient does not change. Once per process, and never after an
+    out-of-memory halved a size (a resumed run keeps its checkpointed sizes then)."""
+    sizes, share = run.extra_state["micro_batches"], run.cfg.algo.update_memory_share
+    if (not on_gpu(run.world.device) or run.world.size > 1 or share <= 0 or sizes.oom_retries
+            or run.extra_state.get("update_sized")):
+        return
+    run.extra_state["update_sized"] = True
+    device = torch.device(run.world.device)
+    pending = 0
+    for model, optimizer in ((run.policy, run.optimizer), (run.critic, run.critic_optimizer)):
+        if model is None:
+            continue
+        trained = [p for p in model.parameters() if p.requires_grad]
+        pending += sum(p.numel() * p.element_size() for p in trained if p.grad is None)  # gradients
+        if not optimizer.state:  # AdamW's two moments, made at the first optimizer step
+            pending += 2 * sum(p.numel() * p.element_size() for p in trained)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    element = 2 if resolve_autocast(run.cfg.model.autocast, device) == "bfloat16" else 4
+    positions = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+    sizes.sizes["update"] = rows_per_update_pass(run.policy.config, positions, free + cached - pending,
+                                                 sizes.sizes["update"], len(rollout), element, share)
 
 
 def make_engine(run: Run):

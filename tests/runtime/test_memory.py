@@ -90,3 +90,21 @@ def test_no_grad_passes_take_what_fits_in_a_quarter_of_the_free_memory():
     assert rows_per_no_grad_pass(config, 300, 8 * 2**30, least=8, most=64) == 40
     assert rows_per_no_grad_pass(config, 300, 80 * 2**30, least=8, most=64) == 64  # never more than the rollout
     assert rows_per_no_grad_pass(config, 300, 2**30, least=8, most=64) == 8  # never fewer than micro_batch_size
+
+
+def test_update_micro_batch_takes_what_fits_in_its_share():
+    """Qwen2.5-1.5B's shape (hidden 1536, MLP 8960, 28 layers, 12 query / 2 key-value heads of 128)
+    under bf16 autocast: per layer and position 16 x 1536 (float32 norms) = 24576 bytes, plus
+    2 x (8 x 1536 + 2 x 2 x 128 + 4 x 8960) = 2 x (12288 + 512 + 35840) = 97280 bytes: 121856; x 28
+    layers = 3411968 bytes a position; 290 positions a sequence = 989470720 bytes. Half of 52e9
+    bytes is 26e9: 26 sequences (26.28). In fp32 the elements take 4 bytes: 24576 + 194560 =
+    219136 a layer, x 28 x 290 = 1779384320 a sequence: 14 (14.6)."""
+    from types import SimpleNamespace
+
+    from covey.runtime.memory import rows_per_update_pass
+    config = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                             num_attention_heads=12, num_key_value_heads=2)
+    assert rows_per_update_pass(config, 290, 52 * 10**9, least=8, most=64, element_bytes=2, share=0.5) == 26
+    assert rows_per_update_pass(config, 290, 52 * 10**9, least=8, most=64, element_bytes=4, share=0.5) == 14
+    assert rows_per_update_pass(config, 290, 52 * 10**10, least=8, most=64, element_bytes=2, share=0.5) == 64
+    assert rows_per_update_pass(config, 290, -10**9, least=8, most=64, element_bytes=2, share=0.5) == 8
