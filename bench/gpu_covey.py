@@ -181,22 +181,37 @@ def role_decode(args) -> dict:
 
 
 def profile_step(run, feed, train_step) -> dict:
-    """One more step (not among the timed ones) under torch.profiler: the ops that take the most device
-    and host time, printed to the log, and the device's busy time against the step's wall time."""
+    """One more step (not among the timed ones) with its update phase under torch.profiler: the ops
+    that take the most device and host time, printed to the log, and the device's busy time against
+    the update's wall time (busy well under wall: the host's launches bound the update)."""
+    import covey.train.loop as loop
     from torch.profiler import ProfilerActivity, profile
-    gpu = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+    gpu, box, real = torch.cuda.is_available(), {}, loop.update
+
+    def profiled_update(run_, rollout):
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            t0 = time.perf_counter()
+            out = real(run_, rollout)
+            if gpu:
+                torch.cuda.synchronize()
+            box["wall_s"] = time.perf_counter() - t0
+        box["prof"] = prof
+        return out
+
+    loop.update = profiled_update
+    try:
         m = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
-    if gpu:
-        torch.cuda.synchronize()
-    events = prof.key_averages()
+    finally:
+        loop.update = real
+    events = box["prof"].key_averages()
     device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     busy_s = sum(getattr(e, device_key) for e in events) / 1e6
     for key in ([device_key] if gpu else []) + ["self_cpu_time_total"]:
-        print(f"profile, top ops by {key}:\n" + events.table(sort_by=key, row_limit=30), flush=True)
-    phases = {k: round(m[f"time/{k}"], 3) for k in ("step", "generate", "logprobs", "update")}
-    say(f"profiled step: {phases}; device busy {busy_s:.2f} s (sum of device op time)")
-    return {"phases_s": phases, "device_busy_s": busy_s}
+        print(f"profile of the update, top ops by {key}:\n" + events.table(sort_by=key, row_limit=25), flush=True)
+    micro = m.get("memory/micro_batch/update")
+    say(f"profiled update: {box['wall_s']:.2f} s wall (profiler on), device busy {busy_s:.2f} s, "
+        f"micro-batch {micro}")
+    return {"update_wall_s": box["wall_s"], "device_busy_s": busy_s, "micro_batch": micro}
 
 
 def role_covey(args) -> dict:
