@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from gpu_bench import summarize, varied_reward, verdicts  # noqa: E402
+from gpu_bench import summarize, table, varied_reward, verdicts  # noqa: E402
 from gpu_roles import model_shape, update_flops  # noqa: E402
 
 
@@ -42,8 +42,12 @@ def test_summary_ratios_and_verdicts():
     trl = {"steps": steps([9, 10, 10, 10]), "peak_gpu_bytes": 40 * 2**30}
     shape = {"matmul_params": 1e9, "heads": 12, "head_dim": 128, "layers": 28, "prompt_tokens_mean": 40}
     workload = {"prompts": 8, "group_size": 8, "new_tokens": 256}
-    row = summarize("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape, covey, trl, workload)
-    assert row["step_vs_trl"] == pytest.approx(0.11) and row["memory_vs_trl"] == 0.5
+    variant = {"steps": steps([9, 0.8, 0.9, 0.7]), "peak_gpu_bytes": 30 * 2**30}
+    row = summarize("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape,
+                    {"covey": covey, "trl": trl, "covey-variant": variant}, workload)
+    assert row["step_vs_trl"] == pytest.approx(0.11) and row["memory_vs_trl"] == 0.5  # covey's, not the variant's
+    assert row["trainers"] == ["covey", "trl", "covey-variant"] and row["covey-variant"]["step_s"] == 0.8
+    assert "| 1.5b | covey-variant | 0.80 |" in table([row], {})
     assert row["decode_floor_ms"] == 1.0 and row["decode_vs_floor"] == 2.0
     lines = verdicts(row)
     assert any("step_vs_trl: 0.110 (target <= 0.25) met" in line for line in lines)
