@@ -128,6 +128,7 @@ class MicroBatchSizes:
         self.sizes = dict.fromkeys(self.PHASES, size)
         self.sizes["generate"] = prompts_per_call or size
         self.oom_retries = 0
+        self.update_sized = False  # the update's size was fitted to the GPU's memory in this process (not saved)
 
     def halve(self, phase: str) -> int:
         self.sizes[phase] = max(1, self.sizes[phase] // 2)

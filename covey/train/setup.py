@@ -332,10 +332,9 @@ def size_update_pass(run: Run, rollout) -> None:
     launch fewer kernels, and the gradient does not change. Once per process, and never after an
     out-of-memory halved a size (a resumed run keeps its checkpointed sizes then)."""
     sizes, share = run.extra_state["micro_batches"], run.cfg.algo.update_memory_share
-    if (not on_gpu(run.world.device) or run.world.size > 1 or share <= 0 or sizes.oom_retries
-            or run.extra_state.get("update_sized")):
+    if not on_gpu(run.world.device) or run.world.size > 1 or share <= 0 or sizes.oom_retries or sizes.update_sized:
         return
-    run.extra_state["update_sized"] = True
+    sizes.update_sized = True
     device = torch.device(run.world.device)
     pending = 0
     for model, optimizer in ((run.policy, run.optimizer), (run.critic, run.critic_optimizer)):
