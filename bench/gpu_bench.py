@@ -9,7 +9,8 @@ Qwen2.5-0.5B and Qwen2.5-1.5B (grouped-query attention; the vocabulary is SmolLM
 entries instead of Qwen's 151936, so the sampled ids decode), saved once in bf16 and loaded by each
 trainer its own way; covey's arithmetic prompts in SmolLM2's chat format; 8 prompts x 8 samples; 256
 new tokens at fixed length (covey: no end-of-sequence token; TRL: min_new_tokens = 256); beta 0.04;
-lr 1e-6; temperature 1; one optimizer step per rollout, micro-batches of 8 in both; the same
+lr 1e-6; temperature 1; one optimizer step per rollout, micro-batches of 8 (covey's update: at least 8, grown to
+fill algo.update_memory_share of the free memory, its default; each step's size is in covey's result); the same
 deterministic reward function (it varies between samples, so every step updates).
 
 covey runs as `covey train grpo` would on a GPU (its defaults: fp32 weights and AdamW, bf16 autocast,
@@ -204,8 +205,8 @@ def main() -> None:
     parser.add_argument("--covey-variant", default="", help="one more covey run per size with these key=value "
                                                            "settings, reported as covey-variant (e.g. "
                                                            "'algo.micro_batch_size=32')")
-    parser.add_argument("--profile", action="store_true", help="covey: one more step under torch.profiler, its "
-                                                              "top ops in covey-<size>.log")
+    parser.add_argument("--profile", action="store_true", help="covey: one more step with its update phase "
+                                                              "under torch.profiler, the top ops in covey-<size>.log")
     parser.add_argument("--trl-gc", action="store_true", help="TRL with gradient checkpointing, its own default "
                                                               "(default: covey's setting, off, as bench_grpo.py's trl)")
     parser.add_argument("--work", default="", help="folder for the model folders (default: a temporary one)")

@@ -231,9 +231,11 @@ def role_covey(args) -> dict:
                           "reference_s": m["time/logprobs"], "update_s": m["time/update"],
                           "gpu_peak_mb": {k.rsplit("/", 1)[1]: v for k, v in m.items()
                                           if k.startswith("memory/gpu_peak_mb/")},
-                          "response_tokens": m.get("response/len_mean", 0) * w["prompts"] * w["group_size"]})
+                          "response_tokens": m.get("response/len_mean", 0) * w["prompts"] * w["group_size"],
+                          "update_micro_batch": m.get("memory/micro_batch/update")})
             say(f"covey step {i + 1}: {m['time/step']:.2f} s (generate {m['time/generate']:.2f}, reference "
-                f"{m['time/logprobs']:.2f}, update {m['time/update']:.2f})")
+                f"{m['time/logprobs']:.2f}, update {m['time/update']:.2f} in micro-batches of "
+                f"{m.get('memory/micro_batch/update')})")
         peaks = [v for s in steps for v in s["gpu_peak_mb"].values()]
         result = {"steps": steps, "peak_gpu_bytes": max(peaks) * 2**20 if peaks else peak_gpu_bytes(),
                   "held_bytes": held_bytes(run, fast), "config": {"rollout.decode": cfg.rollout.decode,
