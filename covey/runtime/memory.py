@@ -48,6 +48,18 @@ def record_gpu_peak(metrics: dict, device: str | torch.device, phase: str) -> di
     return metrics
 
 
+def text_config(config):
+    """The decoder's config (a multimodal model's text part), whose sizes the estimates below read."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def rows_that_fit(per_position: int, positions: int, budget_bytes: float, least: int, most: int) -> int:
+    """Sequences of `positions` positions at `per_position` bytes each that fit in `budget_bytes`,
+    kept between `least` and `most`."""
+    fit = int(max(0.0, budget_bytes) // max(1, per_position * positions))
+    return max(least, min(most, fit))
+
+
 def rows_per_no_grad_pass(config, positions: int, free_bytes: int, least: int, most: int,
                           share: float = 0.25) -> int:
     """Sequences per no-grad log-prob pass (old policy, reference, values) that fit in `share` of
@@ -58,10 +70,9 @@ def rows_per_no_grad_pass(config, positions: int, free_bytes: int, least: int, m
     activations: the MLP's gate, up and product (3 x 2 I bytes) and about eight hidden-size vectors
     in float32 and bf16 (16 H bytes), at every one of `positions` (prompt + response) per sequence.
     """
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     per_position = 2 * config.vocab_size + 6 * config.intermediate_size + 16 * config.hidden_size
-    fit = int(share * free_bytes // max(1, per_position * positions))
-    return max(least, min(most, fit))
+    return rows_that_fit(per_position, positions, share * free_bytes, least, most)
 
 
 def rows_per_update_pass(config, positions: int, available_bytes: int, least: int, most: int,
@@ -81,14 +92,12 @@ def rows_per_update_pass(config, positions: int, available_bytes: int, least: in
     The logits are read in bounded blocks (covey/algos/logits.py) and not counted. On one H100 the
     1.5B benchmark's update grew by 3.3 MB a position from 8 to 32 sequences; this gives 3.4.
     """
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     hidden, inter = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_layer = 16 * hidden + element_bytes * (8 * hidden + 2 * kv * head_dim + 4 * inter)
-    per_position = config.num_hidden_layers * per_layer
-    fit = int(share * max(0, available_bytes) // max(1, per_position * positions))
-    return max(least, min(most, fit))
+    return rows_that_fit(config.num_hidden_layers * per_layer, positions, share * available_bytes, least, most)
 
 
 # --------------------------------------------------------------------------- out of memory
