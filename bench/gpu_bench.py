@@ -182,10 +182,10 @@ def decode_lines(rows: list[dict]) -> list[str]:
         if not dec:
             continue
         lines.append(f"{row['size']} covey decode at {dec['rows']} rows: {row['decode_loop_ms']:.3f} ms/step in the "
-                     f"loop (graph replay + sampling), floor {row['decode_floor_ms']:.3f} ms "
+                     f"loop (graph replay with sampling, host checks), floor {row['decode_floor_ms']:.3f} ms "
                      f"({dec['floor_bytes_per_step'] / 1e9:.3f} GB read per step) -> {row['decode_vs_floor']:.2f} x")
         for length, ms in sorted(dec.get("replay_ms", {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(f"  replay alone, {length} columns attended: {ms:.3f} ms")
+            lines.append(f"  replays back to back, {length} columns attended: {ms:.3f} ms")
     for row in rows:
         for mode, res in row.get("decode_modes", {}).items():
             lines.append(f"{row['size']} rollout.decode={mode} (bf16 weights alone): {res}")

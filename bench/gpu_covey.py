@@ -4,8 +4,8 @@ time/* and memory/gpu_peak_mb/* metrics), then its decode step against the bandw
 The steps are `covey.train.loop.train_step`, the function `covey train` runs, on a run built the way
 `train()` builds it (no held-out evaluation, no checkpoint). The end-of-sequence token is taken away
 from the engine (fixed-length responses). Decode timing: a CUDA event after every step of the
-engine's loop (a graph replay and the sampling before it) during the last rollout, and each captured
-64-row graph replayed alone; `--decode-modes` times other rollout.decode modes on the same weights.
+engine's loop (a graph replay, the token picked inside it, and the host's checks) during the last rollout,
+and each captured 64-row graph replayed back to back; `--decode-modes` times other rollout.decode modes on the same weights.
 """
 
 from __future__ import annotations
@@ -48,13 +48,12 @@ class StepEvents:
         self.inner, self.events, self.on = decoder.runner, [], False
         decoder.runner = self
 
-    def __call__(self, weights, state, length):
-        logits = self.inner(weights, state, length)
+    def __call__(self, weights, state, length, picker):
+        self.inner(weights, state, length, picker)
         if self.on and torch.cuda.is_available():
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.events.append(event)
-        return logits
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -104,11 +103,11 @@ def replay_ms(fast, rows: int, repeats: int = 16) -> dict:
         return {}
     state, out = fast.static.states[rows], {}
     runner = fast.static.runner.inner if isinstance(fast.static.runner, StepEvents) else fast.static.runner
-    for (_, graph_rows, length), (graph, _) in runner.graphs.items():
-        if graph_rows != rows or length < repeats:
+    for (_, graph_rows, length, _), graph in runner.graphs.items():
+        if graph_rows != rows or length <= repeats:
             continue
         with torch.inference_mode():  # the static state was made under inference mode, as the engine runs
-            state.column.fill_(length - repeats)
+            state.column.fill_(length - repeats - 1)  # the last replay picks at column length - 1
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
@@ -265,5 +264,5 @@ def decode_details(fast, feed, probe, w: dict) -> dict | None:
            "steps_timed": len(loop), "replay_ms": replay_ms(fast, row_bucket(rows)),
            "floor_bytes_per_step": floor_bytes(fast, rows, prompt_tokens, w["new_tokens"]),
            "graphs_captured": fast.static.runner.captures}
-    say(f"decode loop: {out['loop_ms_median']:.3f} ms/step (median of {len(loop)}); replay alone: {out['replay_ms']}")
+    say(f"decode loop: {out['loop_ms_median']:.3f} ms/step (median of {len(loop)}); replays back to back: {out['replay_ms']}")
     return out

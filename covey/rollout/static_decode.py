@@ -5,8 +5,10 @@ On a GPU a decode step of a small model is a few hundred short kernels, and laun
 one from Python takes longer than running them. Here the prompts run once through the model's own
 forward (SDPA: the flash or memory-efficient kernels), their keys and values are copied into
 buffers sized once (covey/rollout/static_step.py), and every later step is one replay of a
-captured CUDA graph of `decode_step`; sampling runs eagerly between replays. What makes graphs
-reusable from step to step and from one rollout to the next:
+captured CUDA graph of `decode_step` followed by the picking of each row's next token (`Picker`: the
+engine's own greedy or sampling choice, on uniforms copied in before the first step), which the graph
+feeds to the next replay; between checks the host only launches replays. What makes graphs reusable
+from step to step and from one rollout to the next:
 
 - rows are held in buckets of 8, 16, 32, ... (a batch of 48 runs in the 64-row graphs, its last 16
   rows idle); when enough rows have finished, the live ones move to a smaller bucket;
@@ -16,11 +18,12 @@ reusable from step to step and from one rollout to the next:
   static cache keeps its sampling copy resident (`keeps_weights`), and a change of any weight's
   address (a model swapped in) drops the graphs, which are captured again.
 
-The loop checks whether every row has finished only every CHECK_EVERY steps (a check waits for
-the GPU); rows that finished keep decoding in the meantime and their tokens are replaced by
-padding, so the tokens are those of the plain loop: greedy tokens equal `generate`'s (tested on
-CPU, and under graph capture on a GPU), and sampled ones follow the same distribution from the
-same uniforms (all drawn up front, one per row and step, as the plain loop draws them).
+The loop reads the picked tokens and checks whether every row has finished only every CHECK_EVERY
+steps (a check waits for the GPU); rows that finished keep decoding in the meantime and their
+tokens are replaced by padding, so the tokens are those of the plain loop: greedy tokens equal
+`generate`'s (tested on CPU, and under graph capture on a GPU), and sampled ones follow the same
+distribution from the same uniforms (all drawn up front, one per row and step, as the plain loop
+draws them).
 
 `compile` runs the step through torch.compile (inductor's fused kernels) and captures those in
 the same graphs: what torch.compile(mode="reduce-overhead") does, with the engine's own buckets.
@@ -54,8 +57,37 @@ def round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
+class Picker:
+    """Picks each row's next token inside the step, from the step's logits: the engine's `pick` (greedy, or
+    its warpers and inverse CDF on the row's uniform for that column), padding for rows already finished,
+    which rows go on; the token is fed to the next step and kept by column. Its tensors (the stop tokens)
+    stay where a captured graph reads them; `key` tells graphs of different pickers apart."""
+
+    def __init__(self, pick, greedy: bool, pad: int, eos: list[int], device):
+        self.pick, self.greedy, self.pad = pick, greedy, pad
+        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
+        self.key = (greedy, pad, tuple(self.eos.tolist()))
+
+    def first(self, logits: Tensor, uniforms: Tensor | None) -> Tensor:
+        """The first new token of every row, from the prompts' last logits (outside any graph)."""
+        return self.pick(logits, uniforms, self.greedy)
+
+    def finished(self, tokens: Tensor) -> Tensor:
+        return (tokens.unsqueeze(1) == self.eos).any(1)
+
+    def __call__(self, s: StaticState, logits: Tensor) -> None:
+        """After `decode_step` has advanced the column to the token its logits are for."""
+        column = s.column.expand(s.rows).unsqueeze(1)
+        uniforms = None if self.greedy else s.draws.gather(1, column).squeeze(1)
+        picked = torch.where(s.live, self.pick(logits.float(), uniforms, self.greedy), self.pad)
+        s.live &= ~self.finished(picked)
+        s.tokens.copy_(picked)
+        s.picked.scatter_(1, column, picked.unsqueeze(1))
+
+
 class StepRunner:
-    """`decode_step` eagerly, or replayed from CUDA graphs captured once per (rows, attended columns)."""
+    """`decode_step` and the picking of its tokens, eagerly or replayed from CUDA graphs captured once per
+    (rows, attended columns, picker)."""
 
     def __init__(self, graphs: bool, compile_step: bool):
         self.graphs_on = graphs
@@ -63,7 +95,7 @@ class StepRunner:
         # yet written), so one compilation serves a rows bucket (symbolic lengths and rows recompiled anyway)
         self.step = torch.compile(decode_step, dynamic=False, fullgraph=True) if compile_step else decode_step
         self.whole_capacity = compile_step
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.signature: tuple[int, ...] | None = None
         self.captures = 0  # graphs captured so far (tests and the benchmark read it)
@@ -79,32 +111,34 @@ class StepRunner:
         self.graphs.clear()
         self.pool = None
 
-    def __call__(self, weights: DecodeWeights, state: StaticState, length: int) -> Tensor:
+    def __call__(self, weights: DecodeWeights, state: StaticState, length: int, picker: Picker) -> None:
         if not self.graphs_on:
-            return self.step(weights, state, length)
-        key = (id(state), state.rows, length)
+            return picker(state, self.step(weights, state, length))
+        key = (id(state), state.rows, length, picker.key)
         if key not in self.graphs:
-            self.graphs[key] = self.capture(weights, state, length)
-        graph, logits = self.graphs[key]
-        graph.replay()
-        return logits
+            self.graphs[key] = self.capture(weights, state, length, picker)
+        self.graphs[key].replay()
 
-    def capture(self, weights: DecodeWeights, state: StaticState, length: int):
-        """Warm up on a side stream (compiles, if compiling), undo the warm-up's advance, capture."""
+    def capture(self, weights: DecodeWeights, state: StaticState, length: int, picker: Picker):
+        """Warm up on a side stream (compiles, if compiling), undo what the warm-up advanced, capture."""
+        tokens, live = state.tokens.clone(), state.live.clone()  # queued before the side stream waits
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.step(weights, state, length)  # writes the column's keys/values the replay writes again
+            # writes the column's keys/values and picked tokens, which the replay writes again
+            picker(state, self.step(weights, state, length))
             state.positions.sub_(1)
             state.column.sub_(1)
+            state.tokens.copy_(tokens)
+            state.live.copy_(live)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.step(weights, state, length)
+            picker(state, self.step(weights, state, length))
         self.captures += 1
-        return graph, logits
+        return graph
 
 
 class StaticDecoder:
@@ -115,6 +149,7 @@ class StaticDecoder:
         self.persistent = persistent  # False: free buffers and graphs after each call (held-out evaluation)
         self.states: dict[int, StaticState] = {}  # rows bucket -> buffers, all of one capacity
         self.fused: dict = {}
+        self.pickers: dict[tuple, Picker] = {}
         self.steps = 0  # decode steps run (replays or eager), for the benchmark
 
     def weights(self, model) -> DecodeWeights:
@@ -158,45 +193,50 @@ class StaticDecoder:
         state = self.state(weights, row_bucket(n), width + max_new, weights.embed.dtype, device)
         pairs, first_logits = self.prefill(model, prompt_ids, prompt_mask)
         draws = None if greedy else torch.stack([uniforms.draw() for _ in range(max_new)]).to(device)
-        pad, eos = engine.tokenizer.pad_token_id, torch.tensor(engine.eos, device=device)
-        out = torch.full((n, max_new), pad, dtype=torch.long, device=device)
+        picker = self.picker(engine, greedy, device)
+        out = torch.full((n, max_new), picker.pad, dtype=torch.long, device=device)
+        out[:, 0] = first = picker.first(first_logits[index], None if greedy else draws[0])
         rows = torch.arange(n, device=device)     # which output row each state row 0..m-1 holds
-        live = torch.ones(n, dtype=torch.bool, device=device)
-        logits = first_logits[index]
         try:
-            for t in range(max_new):
-                picked = engine.pick(logits, None if greedy else draws[t][rows], greedy)
-                picked = torch.where(live, picked, pad)
-                out[rows, t] = picked
-                live &= ~torch.isin(picked, eos)
+            if max_new > 1:
+                state.load_prompts(pairs, index, prompt_mask, first, ~picker.finished(first), draws)
+            kept = 1                              # tokens 0..kept-1 are in `out`
+            for t in range(1, max_new):           # the step feeding token t-1 picks token t
+                length = state.capacity if self.runner.whole_capacity else min(
+                    round_up(width + t, LENGTH_STEP), state.capacity)
+                self.runner(weights, state, length, picker)
+                self.steps += 1
+                if (t + 1) % CHECK_EVERY and t < max_new - 1:
+                    continue
+                out[rows, kept:t + 1] = state.picked[:len(rows), width + kept:width + t + 1]
+                kept = t + 1
                 if t == max_new - 1:
                     break
-                if t == 0:
-                    state.load_prompts(pairs, index, prompt_mask, picked)
-                else:
-                    state.tokens[:len(rows)] = picked
-                if (t + 1) % CHECK_EVERY == 0:
-                    state, rows, live = self.shrink(weights, state, rows, live)
-                    if not len(rows):
-                        break
-                length = state.capacity if self.runner.whole_capacity else min(
-                    round_up(width + t + 1, LENGTH_STEP), state.capacity)
-                logits = self.runner(weights, state, length)[:len(rows)].float()
-                self.steps += 1
+                state, rows = self.shrink(weights, state, rows)
+                if not len(rows):
+                    break
         finally:
             if not self.persistent:
                 self.release()
         return out
 
-    def shrink(self, weights: DecodeWeights, state: StaticState, rows: Tensor, live: Tensor):
+    def picker(self, engine, greedy: bool, device) -> Picker:
+        """One per (greedy, padding, stop tokens), kept: captured graphs read its stop tokens in place."""
+        key = (greedy, engine.tokenizer.pad_token_id, tuple(sorted(set(engine.eos))), str(device))
+        if key not in self.pickers:
+            self.pickers[key] = Picker(engine.pick, greedy, engine.tokenizer.pad_token_id, engine.eos, device)
+        return self.pickers[key]
+
+    def shrink(self, weights: DecodeWeights, state: StaticState, rows: Tensor):
         """At a check: the rows still decoding, moved to the smallest bucket that holds them."""
+        live = state.live[:len(rows)]
         left = int(live.sum())
         if left == 0:
-            return state, rows[:0], live[:0]
+            return state, rows[:0]
         bucket = row_bucket(left)
         if bucket >= state.rows:
-            return state, rows, live
+            return state, rows
         keep = live.nonzero().squeeze(1)
         smaller = self.state(weights, bucket, state.capacity, state.dtype, state.tokens.device)
         smaller.take_rows(state, keep)
-        return smaller, rows[keep], live[keep]
+        return smaller, rows[keep]

@@ -156,15 +156,22 @@ class StaticState:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
+        # what sampling inside the step reads and writes, by column: each row's uniform for the token
+        # whose logits the step makes, the tokens picked, and whether the row is still decoding
+        self.draws = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        self.picked = torch.zeros(rows, capacity, dtype=torch.long, device=device)
+        self.live = torch.zeros(rows, dtype=torch.bool, device=device)
         self.rows, self.capacity, self.dtype = rows, capacity, dtype
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def load_prompts(self, pairs: list[tuple[Tensor, Tensor]], index: Tensor, prompt_mask: Tensor,
-                     first_tokens: Tensor) -> None:
+                     first_tokens: Tensor, live: Tensor, draws: Tensor | None) -> None:
         """Rows 0..n-1 continue prompts `index` (n,): their keys/values `pairs` (U, kv, P, d) per layer
-        in columns 0..P-1, their mask; rows n.. are idle (they see column 0 only, so stay finite)."""
+        in columns 0..P-1, their mask, first new tokens, whether they go on (`live`) and their uniforms
+        `draws` (steps, n) for the tokens at columns P, P+1, ...; rows n.. are idle (they see column 0
+        only, so stay finite, and are not live)."""
         n, width = len(index), prompt_mask.shape[1]
         for buf, (src, _) in zip(self.keys, pairs):
             buf[:n, :, :width] = src[index]
@@ -179,6 +186,10 @@ class StaticState:
         self.positions.zero_()
         self.positions[:n] = prompt_mask[index].sum(-1)
         self.column.fill_(width)
+        self.live.zero_()
+        self.live[:n] = live
+        if draws is not None:
+            self.draws[:n, width:width + len(draws)] = draws.t()
 
     def take_rows(self, source: "StaticState", keep: Tensor) -> None:
         """Rows `keep` of `source` (a larger bucket) into rows 0..len(keep)-1 of this one."""
@@ -193,6 +204,10 @@ class StaticState:
         self.positions.zero_()
         self.positions[:m] = source.positions[keep]
         self.column.copy_(source.column)
+        self.live.zero_()
+        self.live[:m] = source.live[keep]
+        self.draws[:m] = source.draws[keep]
+        self.picked[:m] = source.picked[keep]
 
 
 def linear(x: Tensor, pairs: list[tuple[Tensor, Tensor | None]]) -> Tensor:

@@ -62,6 +62,17 @@ def test_greedy_tokens_equal_generate(family, llama, tok):
     assert torch.equal(hf.response_mask, ours.response_mask) and hf.completions == ours.completions
 
 
+@pytest.mark.parametrize("max_new", [1, 2, 16, 17])
+def test_greedy_tokens_at_lengths_around_a_check(max_new, llama, tok):
+    """The first token is picked outside the step, later ones inside it and read back at checks
+    (every CHECK_EVERY tokens) and at the end: one token, one step, a check at the last step, one after."""
+    hf = HFEngine(llama, tok, max_new_tokens=max_new).generate(PROMPTS, 1, greedy=True)
+    engine = FastEngine(llama, tok, max_new_tokens=max_new, static_cache=True)
+    ours = engine.generate(PROMPTS, 1, greedy=True)
+    assert engine.static.steps == max_new - 1
+    assert torch.equal(hf.response_ids, ours.response_ids) and torch.equal(hf.response_mask, ours.response_mask)
+
+
 def test_sampled_tokens_equal_the_plain_loop_as_rows_finish(llama, tok):
     """Same uniforms, same tokens; 12 rows start in the 16-row bucket and move to 8 as they finish."""
     plain = frequent_eos(FastEngine(llama, tok, max_new_tokens=60, temperature=0.9), tok)
