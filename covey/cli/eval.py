@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="", help="model folder, .gguf or 'default' (default: the run's final/ "
                                                "when given a run folder, else model.path)")
     p.add_argument("--pass-k", type=int, default=0, help="also report pass@k")
+    p.add_argument("--replies", default="", help="write every held-out reply, its reference answer and how "
+                                                 "it was read to this .jsonl file, and print where answers fail")
     p.add_argument("args", nargs="*", help="an optional run folder, preset or YAML file, then key=value overrides")
     p.set_defaults(func=run)
 
@@ -37,14 +39,16 @@ def run(args) -> int:
             raise ValueError(f"{run_dir}: no trained model in final/ (the run did not finish): "
                              "name a checkpoint with --model")
         cfg.model.path = str(run_dir / "final")
-    run_eval_command(cfg, args.pass_k)
+    run_eval_command(cfg, args.pass_k, args.replies)
     return 0
 
 
-def run_eval_command(cfg, pass_k: int = 0) -> dict:
+def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     """Evaluate cfg.model.path on the held-out split of cfg.task, judged by eval.metric (the run's
-    verifier, or its reward functions); prints and returns the result."""
+    verifier, or its reward functions); prints and returns the result. `replies_path`: every reply
+    written there (one JSON line each) and a breakdown of the answers printed."""
     import json
+    from pathlib import Path
 
     from covey.cli.common import command_device
     from covey.models.load import load_policy
@@ -53,7 +57,10 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     from covey.rollout.hf import HFEngine
     from covey.tasks.data import load_task_data, format_prompts
     from covey.tasks.verifiers import resolve_verifier
-    from covey.train.evaluate import Judge, evaluate
+    from covey.train.evaluate import Judge, evaluate, reply_breakdown
+    if replies_path:
+        Path(replies_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(replies_path).write_text("")  # an unwritable path fails here, before the model loads
     data = load_task_data(cfg.task, cfg.train.seed)
     metric = cfg.eval.metric
     verifier = resolve_verifier(metric, [ex.answer for ex in data.eval])
@@ -67,7 +74,13 @@ def run_eval_command(cfg, pass_k: int = 0) -> dict:
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     prompts = format_prompts(tokenizer, data.eval, cfg.task.system_prompt)
+    replies = [] if replies_path else None
     result = evaluate(engine, prompts, data.eval, judge=judge, batch_size=cfg.rollout.eval_batch_size,
-                      max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=pass_k or cfg.train.eval_pass_k)
+                      max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=pass_k or cfg.train.eval_pass_k,
+                      replies=replies)
+    if replies is not None:
+        with open(replies_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in replies)
+        print(f"replies: {replies_path}; " + ", ".join(f"{k} {v}" for k, v in reply_breakdown(replies).items()))
     print(json.dumps({"model": cfg.model.path, "metric": judge.describe(), **result}))
     return result

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from covey.rewards.combine import TrainerState
+from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
 from covey.tasks.verifiers import verify
 from covey.train.rollout_phase import score
@@ -56,8 +57,9 @@ def headline(result: dict) -> float:
 
 @torch.inference_mode()
 def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judge, batch_size: int,
-             max_new_tokens: int, pass_k: int = 0) -> dict:
-    """Greedy answers to every held-out prompt, judged; pass@k with `pass_k` samples per prompt."""
+             max_new_tokens: int, pass_k: int = 0, replies: list[dict] | None = None) -> dict:
+    """Greedy answers to every held-out prompt, judged; pass@k with `pass_k` samples per prompt.
+    `replies`: one `reply_record` per prompt is appended to it."""
     hits: list[bool] = []
     values: list[float] = []
     for start in range(0, len(prompts), batch_size):
@@ -66,6 +68,9 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         passed, scored = judge(out, examples[batch], prompts[batch])
         hits += passed
         values += scored
+        if replies is not None:
+            replies += [reply_record(examples[batch][i], out.completions[j], passed[j], scored[j],
+                                     bool(out.truncated[j])) for j, i in enumerate(out.example_index)]
     n = max(len(hits), 1)
     if judge.by_reward:
         result = {"eval/reward_mean": sum(values) / n, "eval/reward_pass": sum(hits) / n, "eval/n": len(hits)}
@@ -88,3 +93,23 @@ def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_
         for j in range(len(out.example_index) // k):
             solved.append(any(flags[j * k:(j + 1) * k]))
     return sum(solved) / max(len(solved), 1)
+
+
+def reply_record(example: Example, reply: str, passed: bool, value: float, truncated: bool) -> dict:
+    """One held-out answer as `covey eval --replies` writes it: the problem, the reply, how it was read.
+    `marked`: the answer given with an explicit marker (`####`, "Answer:", \\boxed{}); `extracted`: the
+    answer the verifier read (the marked one, else the reply's last number)."""
+    return {"prompt": example.prompt, "answer": example.answer, "reply": reply, "passed": passed,
+            "value": value, "truncated": truncated, "marked": find_marked_answer(reply),
+            "extracted": extract_answer(reply)}
+
+
+def reply_breakdown(records: list[dict]) -> dict:
+    """Where held-out answers fail: passed; wrong with a marked answer or with only a last number read
+    (a wrong result in the expected form or not); no number at all; and how many were cut off."""
+    wrong = [r for r in records if not r["passed"]]
+    return {"n": len(records), "passed": len(records) - len(wrong),
+            "wrong_marked": sum(r["marked"] is not None for r in wrong),
+            "wrong_last_number": sum(r["marked"] is None and r["extracted"] is not None for r in wrong),
+            "no_answer": sum(r["extracted"] is None for r in wrong),
+            "truncated": sum(r["truncated"] for r in records)}

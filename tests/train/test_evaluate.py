@@ -1,0 +1,73 @@
+"""Held-out evaluation (covey/train/evaluate.py): the replies it records and where answers fail,
+and `covey eval --replies`."""
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from covey.cli.main import main
+from covey.tasks.base import Example
+from covey.train.evaluate import Judge, evaluate, reply_breakdown
+
+# Five held-out problems, each answered one way; the reference answer is 29 throughout.
+REPLIES = [
+    "Tom has 3 x 12 = 36 apples. He gives 7, so 36 - 7 = 29.\n#### 29",  # marked, right
+    "Tom has 36 apples and gets 7 more: 36 + 7 = 43.\n#### 43",          # marked, wrong operation
+    "Tom has 36 apples, gives 7 away and ends with 28",                  # no marker; last number 28, wrong
+    "Tom has some apples and gives some away.",                          # no number at all
+    "Tom has 3 x 12 = 36 apples. He gives 7, so 36 - 7 =",               # cut off; last number 7, wrong
+]
+
+
+class FixedEngine:
+    """Answers the i-th prompt with REPLIES[i]; the last reply is reported as cut off."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, group_size, greedy, max_new_tokens):
+        self.calls.append(len(prompts))
+        first = int(prompts[0].split()[-1])
+        texts = [REPLIES[first + i] for i in range(len(prompts))]
+        return SimpleNamespace(completions=texts, example_index=list(range(len(prompts))),
+                               truncated=torch.tensor([first + i == 4 for i in range(len(prompts))]))
+
+
+def test_replies_are_recorded_with_how_each_answer_was_read():
+    examples = [Example(prompt=f"problem {i}", answer="29") for i in range(5)]
+    prompts = [e.prompt for e in examples]
+    replies: list[dict] = []
+    engine = FixedEngine()
+    result = evaluate(engine, prompts, examples, judge=Judge("math"), batch_size=2, max_new_tokens=64,
+                      replies=replies)
+    assert engine.calls == [2, 2, 1]  # batches of 2: the records follow the batches in order
+    assert result == {"eval/accuracy": 1 / 5, "eval/n": 5}
+    assert [r["prompt"] for r in replies] == prompts and [r["reply"] for r in replies] == REPLIES
+    assert [r["passed"] for r in replies] == [True, False, False, False, False]
+    assert [r["marked"] for r in replies] == ["29", "43", None, None, None]
+    assert [r["extracted"] for r in replies] == ["29", "43", "28", None, "7"]
+    assert [r["truncated"] for r in replies] == [False, False, False, False, True]
+    # 1 right; of the 4 wrong: 1 in the marked form (a reasoning error), 2 read from their last
+    # number (no marker: format), 1 without a number; 1 of the 5 hit the token limit
+    assert reply_breakdown(replies) == {"n": 5, "passed": 1, "wrong_marked": 1, "wrong_last_number": 2,
+                                        "no_answer": 1, "truncated": 1}
+
+
+def test_evaluate_without_replies_records_nothing():
+    examples = [Example(prompt=f"problem {i}", answer="29") for i in range(2)]
+    result = evaluate(FixedEngine(), [e.prompt for e in examples], examples, judge=Judge("math"),
+                      batch_size=8, max_new_tokens=64)
+    assert result == {"eval/accuracy": 0.5, "eval/n": 2}
+
+
+def test_covey_eval_writes_the_replies_and_prints_the_breakdown(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "out" / "replies.jsonl"
+    assert main(["eval", "--model", str(tiny_model_dir), "--replies", str(path), "task.eval_size=4",
+                 "task.train_size=16", "rollout.eval_max_new_tokens=4"]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 4 and all(set(r) == {"prompt", "answer", "reply", "passed", "value", "truncated",
+                                             "marked", "extracted"} for r in rows)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith(f"replies: {path}; n 4, passed ")
+    assert json.loads(lines[-1])["eval/accuracy"] == sum(r["passed"] for r in rows) / 4
