@@ -129,8 +129,10 @@ def accuracy_gain(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
 def update_variance(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
     """Trace of the covariance of the mini-batch policy gradient (covey/train/gradvar.py); the noise
     fraction is shown beside it (near 1 means the mini-batch gradient is almost all noise)."""
-    verdict = directional(d[a].pooled("policy/grad_var"), d[b].pooled("policy/grad_var"), (a, b),
-                          "policy-gradient variance tr(Cov)", "", "measured steps x seeds", "lower")
+    va, vb = d[a].pooled("policy/grad_var"), d[b].pooled("policy/grad_var")
+    if va.n == 0 and vb.n == 0:
+        return Verdict(NOT_MEASURED, "no run measured the policy-gradient variance (train.grad_var_every=0)")
+    verdict = directional(va, vb, (a, b), "policy-gradient variance tr(Cov)", "", "measured steps x seeds", "lower")
     fa, fb = d[a].pooled("policy/grad_noise_frac"), d[b].pooled("policy/grad_noise_frac")
     return Verdict(verdict.verdict, verdict.measured + f"; noise fraction {a} {fmt(fa.mean)}, {b} {fmt(fb.mean)}")
 

@@ -237,6 +237,11 @@ def claims_table(data: dict[str, AlgoData]) -> list[str]:
     return lines
 
 
+# The keys that set a built-in task's difficulty (docs/tasks.md), shown in the report's header.
+TASK_DIFFICULTY = {"arithmetic": ("kind", "digits_a", "digits_b"), "multistep": ("min_ops", "max_ops"),
+                   "wordproblems": ("word_steps",)}
+
+
 def header(root: Path, spec: dict, runs: list[RunData]) -> list[str]:
     cfg = runs[0].config if runs else {}
 
@@ -246,7 +251,9 @@ def header(root: Path, spec: dict, runs: list[RunData]) -> list[str]:
     lines = [f"# covey compare: {spec.get('name', root.name)}", ""]
     if spec.get("command"):
         lines += [f"Command: `{spec['command']}`", ""]
-    lines += [f"Model `{get('model', 'path')}`, task `{get('task', 'name')}` ({get('task', 'kind')}, "
+    task = cfg.get("task", {})
+    difficulty = ", ".join(f"{key}={task[key]}" for key in TASK_DIFFICULTY.get(task.get("name"), ()) if key in task)
+    lines += [f"Model `{get('model', 'path')}`, task `{get('task', 'name')}` ({difficulty + ', ' if difficulty else ''}"
               f"{get('task', 'eval_size')} held-out problems, greedy), {get('rollout', 'prompts_per_step')} prompts x "
               f"{get('rollout', 'group_size')} samples per step, up to {get('rollout', 'max_new_tokens')} new tokens; "
               f"budget per run: {spec.get('budget', '?')}; seeds: {sorted({r.seed for r in runs})}.", ""]

@@ -103,6 +103,18 @@ def test_one_seed_is_inconclusive_and_missing_algorithms_not_measured(tmp_path):
     assert "dpo_iterative not in this comparison" in find(table, "PPO beats").measured
 
 
+def test_variance_claim_not_measured_without_gradient_variance_and_task_keys_in_header(tmp_path):
+    for algo in ("grpo", "ppo"):
+        for s in (0, 1):
+            run = write_run(tmp_path, algo, s, grad_noise=None, roles=PPO_ROLES if algo == "ppo" else None)
+            config = (run / "config.yaml").read_text().replace("name: arithmetic", "name: wordproblems")
+            (run / "config.yaml").write_text(config.replace("kind: mul", "word_steps: 2"))
+    variance = find(verdicts(tmp_path), "GRPO's group-relative")
+    assert variance.verdict == NOT_MEASURED and "train.grad_var_every=0" in variance.measured
+    text = build_report(tmp_path).read_text()
+    assert "task `wordproblems` (word_steps=2, 100 held-out problems, greedy)" in text
+
+
 def test_welch_by_hand():
     # a = 1,2,3 and b = 4,5,6: means 2 and 5, sd 1 each; se^2 = 1/3 + 1/3; t = -3 / sqrt(2/3) = -3.674
     # Welch df = (2/3)^2 / ((1/3)^2/2 + (1/3)^2/2) = 4; two-sided 5% critical value 2.776
