@@ -65,8 +65,12 @@ class Picker:
 
     def __init__(self, pick, greedy: bool, pad: int, eos: list[int], device):
         self.pick, self.greedy, self.pad = pick, greedy, pad
-        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long, device=device)
-        self.key = (greedy, pad, tuple(self.eos.tolist()))
+        self.key = self.key_of(greedy, pad, eos)
+        self.eos = torch.tensor(self.key[2], dtype=torch.long, device=device)
+
+    @staticmethod
+    def key_of(greedy: bool, pad: int, eos: list[int]) -> tuple:
+        return greedy, pad, tuple(sorted(set(eos)))
 
     def first(self, logits: Tensor, uniforms: Tensor | None) -> Tensor:
         """The first new token of every row, from the prompts' last logits (outside any graph)."""
@@ -222,7 +226,7 @@ class StaticDecoder:
 
     def picker(self, engine, greedy: bool, device) -> Picker:
         """One per (greedy, padding, stop tokens), kept: captured graphs read its stop tokens in place."""
-        key = (greedy, engine.tokenizer.pad_token_id, tuple(sorted(set(engine.eos))), str(device))
+        key = (*Picker.key_of(greedy, engine.tokenizer.pad_token_id, engine.eos), str(device))
         if key not in self.pickers:
             self.pickers[key] = Picker(engine.pick, greedy, engine.tokenizer.pad_token_id, engine.eos, device)
         return self.pickers[key]
