@@ -43,6 +43,8 @@ def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "held-out accuracy" in done.stdout
+    # transformers draws these bars on each load and save unless the command turns them off
+    assert "Loading weights" not in done.stderr and "Writing model shards" not in done.stderr
     final = tmp_path / "t" / "final"
     cmd = [sys.executable, "-m", "covey.cli", "eval", "--model", str(final), "task.eval_size=4",
            "task.train_size=16", "rollout.eval_max_new_tokens=4"]
@@ -124,3 +126,17 @@ def test_unknown_option_is_still_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["eval", "--bogus", "task.eval_size=4"])
     assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("environ, enabled_after", [({}, False), ({"HF_HUB_DISABLE_PROGRESS_BARS": "0"}, True)])
+def test_quiet_progress_bars_leaves_a_users_own_setting(environ, enabled_after):
+    """Bars off unless the user set HF_HUB_DISABLE_PROGRESS_BARS (then theirs decides: untouched here)."""
+    from transformers.utils import logging as hf_logging
+    from covey.cli.common import quiet_progress_bars
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        quiet_progress_bars(environ)
+        assert hf_logging.is_progress_bar_enabled() is enabled_after
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
