@@ -7,6 +7,8 @@ Layout of runs/compare-<name>/:
   compare.json         what was asked (algos, seeds, budget, overrides, command); a rerun must match it
   <algo>-s<seed>/      an ordinary covey run folder per (algorithm, seed)
   <algo>-s<seed>.log   that run's console output (appended across resumes)
+  eval-before.json     the untrained model's held-out evaluation per seed: the first run of a seed
+                       evaluates, the other algorithms' runs of that seed read it (train.eval_before_cache)
   report.md, *.png     the report, rebuilt from the run folders alone (--report-only)
 
 Each run is its own `python -m covey.cli train` process, so a crash in one run does not end
@@ -47,9 +49,11 @@ COMPARE_DEFAULTS = {
     "rollout.eval_max_new_tokens": 48, "task.eval_size": 100, "train.eval_every": 4,
     "train.grad_var_every": 2, "train.grad_var_batches": 4, "train.samples_every": 4,
 }
+EVAL_BEFORE_FILE = "eval-before.json"  # the untrained model's evaluation, once per seed (not per algorithm)
 # Set by compare itself for every run; a user override of these keys is refused.
 MANAGED_KEYS = ("train.output_dir", "train.run_name", "train.seed", "train.steps", "train.max_minutes",
-                "train.resume", "train.save_every", "train.keep_checkpoints", "train.progress")
+                "train.resume", "train.save_every", "train.keep_checkpoints", "train.progress",
+                "train.eval_before_cache")
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,8 @@ def train_argv(spec: CompareSpec, algo: str, seed: int) -> list[str]:
     """`covey train` arguments of one run: preset, compare defaults, user overrides, managed keys."""
     managed = [f"train.output_dir={spec.root}", f"train.run_name={algo}-s{seed}", f"train.seed={seed}",
                f"train.save_every={save_every(spec)}", "train.keep_checkpoints=1", "train.resume=auto",
-               "train.progress=false", *budget_overrides(spec.budget, algo, spec.overrides)]
+               "train.progress=false", f"train.eval_before_cache={spec.root / EVAL_BEFORE_FILE}",
+               *budget_overrides(spec.budget, algo, spec.overrides)]
     defaults = defaults_as_overrides()
     if load_config(known_preset(algo)).algo.learner == "dpo":  # no advantages to measure the gradient noise of
         defaults = [d for d in defaults if not d.startswith("train.grad_var_every=")]

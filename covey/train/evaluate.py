@@ -12,7 +12,11 @@ The metric names say what was measured (docs/metrics.md):
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -113,3 +117,35 @@ def reply_breakdown(records: list[dict]) -> dict:
             "wrong_last_number": sum(r["marked"] is None and r["extracted"] is not None for r in wrong),
             "no_answer": sum(r["extracted"] is None for r in wrong),
             "truncated": sum(r["truncated"] for r in records)}
+
+
+def settings_key(settings: dict) -> str:
+    """A digest of the settings an evaluation depends on (JSON with sorted keys)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_cached_eval(path: str | Path, key: str) -> dict | None:
+    """The `eval/` figures stored under `key` in the JSON file `path`; None when the file, or the
+    key in it, is missing, or the file is not a JSON object (then the evaluation runs again)."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = entries.get(key) if isinstance(entries, dict) else None
+    return dict(entry["metrics"]) if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict) else None
+
+
+def write_cached_eval(path: str | Path, key: str, result: dict, settings: dict) -> None:
+    """Store `result`'s `eval/` figures under `key` (with the settings, for a reader), keeping the
+    file's other entries; written to a temporary file and renamed, so a reader never sees half of it."""
+    path = Path(path)
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries = entries if isinstance(entries, dict) else {}
+    entries[key] = {"metrics": {k: v for k, v in result.items() if k.startswith("eval/")}, "settings": settings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from covey import algos
 from covey.batch import Rollout
-from covey.config import Config
+from covey.config import Config, as_dict
 from covey.passes.logprobs import batched_logprobs, batched_values
 from covey.rewards.build import build_rewarder
 from covey.rewards.combine import TrainerState
@@ -36,13 +36,13 @@ from covey.rewards.learned import load_learned_rewards
 from covey.models.offload import release_weights
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
 from covey.runtime.memory import halving_on_oom, record_gpu_peak, take_gpu_peak_mb
-from covey.runtime.dist import close_distributed, reduce_eval, reduce_metrics, uneven_share
+from covey.runtime.dist import broadcast_object, close_distributed, reduce_eval, reduce_metrics, uneven_share
 from covey.runtime.signals import TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_task_data
 from covey.train.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                                     save_final)
 from covey.train.dpo import dpo_update
-from covey.train.evaluate import Judge, evaluate
+from covey.train.evaluate import Judge, evaluate, read_cached_eval, settings_key, write_cached_eval
 from covey.train.global_batch import decorrelate_ranks, global_advantages, global_batch_view, save_on_main, whole_tensors
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
@@ -99,11 +99,37 @@ def start_or_resume(run: Run, resume_from, feed: Feed) -> dict:
         print(f"covey: resumed from {resume_from} at step {run.step}")
         return resumed.eval_before
     run.logger.reset()
-    before = run_eval(run, feed)
+    before, source = eval_before_training(run, feed)
     run.logger.log(0, {**before, "data/skipped_rows": feed.data.skipped_rows})
     print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
-          f"({before['eval/n']} problems, greedy)")
+          f"({before['eval/n']} problems, greedy{source})")
     return before
+
+
+def eval_before_training(run: Run, feed: Feed) -> tuple[dict, str]:
+    """The untrained policy's evaluation, and where it came from: run here, or read from
+    train.eval_before_cache, where a run with the same settings stored it (then added there)."""
+    path = run.cfg.train.eval_before_cache
+    if not path:
+        return run_eval(run, feed), ""
+    settings = eval_settings(run.cfg)
+    key = settings_key(settings)
+    cached = broadcast_object(read_cached_eval(path, key) if run.world.is_main else None)
+    if cached is not None:
+        return cached, f"; from {path}, evaluated earlier with the same settings"
+    before = run_eval(run, feed)
+    if run.world.is_main:
+        write_cached_eval(path, key, before, settings)
+    return before, ""
+
+
+def eval_settings(cfg: Config) -> dict:
+    """What the untrained policy's held-out figures depend on: every section but algo, optim and
+    train, and of train the seed (it draws the held-out set), the device and pass@k."""
+    sections = as_dict(cfg)
+    settings = {name: sections[name] for name in ("model", "task", "rollout", "reward", "rm", "eval")}
+    settings["train"] = {k: sections["train"][k] for k in ("seed", "device", "eval_pass_k")}
+    return settings
 
 
 def run_loop(run: Run, feed: Feed, before: dict, stop, last_saved: int | None) -> dict:

@@ -49,6 +49,7 @@ def test_train_argv_order_and_dpo_has_no_gradient_measurement(tmp_path):
     assert argv.index("rollout.group_size=2") > argv.index("rollout.group_size=4")
     assert argv[-2:] == ["train.steps=4", "train.max_minutes=0"] and "train.seed=1" in argv and "train.resume=auto" in argv
     assert f"train.output_dir={tmp_path}/compare-t" in argv and "train.run_name=grpo-s1" in argv
+    assert f"train.eval_before_cache={tmp_path}/compare-t/eval-before.json" in argv  # one file for all runs
     assert "train.grad_var_every=2" in argv
     assert not any(a.startswith("train.grad_var_every") for a in train_argv(spec(tmp_path), "dpo_iterative", 0))
 
@@ -132,6 +133,11 @@ def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path
     assert any(r.get("policy/grad_var") is not None for r in rows)          # measured at step 2
     assert rows[-1]["step"] == 2 and "time/elapsed" in rows[-2]
     assert not (s.root / "grpo-s0" / "checkpoints").exists()  # deleted once the run finished
+    # the untrained model was evaluated once for the seed: the DPO run read grpo's figures
+    assert len(json.loads((s.root / "eval-before.json").read_text())) == 1
+    assert "evaluated earlier with the same settings" in (s.root / "dpo_iterative-s0.log").read_text()
+    dpo_rows = [json.loads(line) for line in (s.root / "dpo_iterative-s0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/accuracy"] for r in dpo_rows if r["step"] == 0] == [rows[0]["eval/accuracy"]]
     for name in FIGURES:
         assert_valid_png(s.root / name)
     text = out["report"].read_text()

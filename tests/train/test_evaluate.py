@@ -71,3 +71,46 @@ def test_covey_eval_writes_the_replies_and_prints_the_breakdown(tiny_model_dir, 
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith(f"replies: {path}; n 4, passed ")
     assert json.loads(lines[-1])["eval/accuracy"] == sum(r["passed"] for r in rows) / 4
+
+
+def test_eval_before_cache_file_keeps_entries_and_survives_a_bad_file(tmp_path):
+    from covey.train.evaluate import read_cached_eval, settings_key, write_cached_eval
+    path = tmp_path / "cache" / "eval-before.json"
+    a, b = settings_key({"task": {"eval_size": 4}}), settings_key({"task": {"eval_size": 5}})
+    assert a != b and a == settings_key({"task": {"eval_size": 4}})
+    assert read_cached_eval(path, a) is None  # no file yet
+    write_cached_eval(path, a, {"eval/accuracy": 0.25, "eval/n": 4, "time/eval": 3.0}, {"task": {"eval_size": 4}})
+    write_cached_eval(path, b, {"eval/accuracy": 0.4, "eval/n": 5}, {"task": {"eval_size": 5}})
+    assert read_cached_eval(path, a) == {"eval/accuracy": 0.25, "eval/n": 4}  # eval/ figures only
+    assert read_cached_eval(path, b) == {"eval/accuracy": 0.4, "eval/n": 5}
+    assert [p.name for p in path.parent.iterdir()] == ["eval-before.json"]  # no temporary file left
+    path.write_text("{not json")  # a damaged file: evaluate again, then replace it
+    assert read_cached_eval(path, a) is None
+    write_cached_eval(path, a, {"eval/accuracy": 0.25, "eval/n": 4}, {})
+    assert read_cached_eval(path, a) == {"eval/accuracy": 0.25, "eval/n": 4}
+
+
+def test_runs_with_the_same_eval_settings_share_the_untrained_evaluation(tiny_model_dir, tmp_path, capsys):
+    """Another algorithm with the same model, task and evaluation settings reads the figures (equal to
+    those it would compute itself); a different held-out size evaluates anew."""
+    import covey
+    from covey.config import load_config
+    from tests.helpers import tiny_overrides
+    cache = tmp_path / "eval-before.json"
+
+    def before(preset, name, *extra, cached=True):
+        keys = tiny_overrides(tiny_model_dir, tmp_path, **{"train.steps": 1, "train.run_name": name})
+        keys += ["eval.metric=reward", "reward.functions=tests.helpers:varied_reward:1", *extra]
+        keys += [f"train.eval_before_cache={cache}"] if cached else []
+        result = covey.train(load_config(preset, keys))
+        return result.eval_before, capsys.readouterr().out
+
+    first, out = before("grpo", "a")
+    assert "evaluated earlier" not in out and 0 < first["eval/reward_mean"] < 1
+    shared, out = before("rloo", "b", "algo.beta=0.1")
+    assert "evaluated earlier with the same settings" in out and shared == {k: first[k] for k in shared}
+    own, _ = before("rloo", "c", "algo.beta=0.1", cached=False)
+    assert own["eval/reward_mean"] == shared["eval/reward_mean"] and own["eval/n"] == shared["eval/n"]
+    other, out = before("grpo", "d", "task.eval_size=3")
+    assert "evaluated earlier" not in out and other["eval/n"] == 3
+    assert len(json.loads(cache.read_text())) == 2
