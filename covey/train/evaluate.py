@@ -147,5 +147,8 @@ def write_cached_eval(path: str | Path, key: str, result: dict, settings: dict) 
     entries[key] = {"metrics": {k: v for k, v in result.items() if k.startswith("eval/")}, "settings": settings}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

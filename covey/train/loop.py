@@ -119,7 +119,10 @@ def eval_before_training(run: Run, feed: Feed) -> tuple[dict, str]:
         return cached, f"; from {path}, evaluated earlier with the same settings"
     before = run_eval(run, feed)
     if run.world.is_main:
-        write_cached_eval(path, key, before, settings)
+        try:
+            write_cached_eval(path, key, before, settings)
+        except OSError as err:  # the run goes on; only the sharing is lost
+            print(f"covey: warning: train.eval_before_cache: cannot write {path}: {err.strerror or err}")
     return before, ""
 
 

@@ -114,3 +114,6 @@ def test_runs_with_the_same_eval_settings_share_the_untrained_evaluation(tiny_mo
     other, out = before("grpo", "d", "task.eval_size=3")
     assert "evaluated earlier" not in out and other["eval/n"] == 3
     assert len(json.loads(cache.read_text())) == 2
+    cache = tmp_path  # a folder: nothing to read or write there; the run evaluates, warns and trains on
+    _, out = before("grpo", "e")
+    assert f"train.eval_before_cache: cannot write {tmp_path}" in out
