@@ -348,8 +348,13 @@ def size_update_pass(run: Run, rollout) -> None:
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     element = 2 if resolve_autocast(run.cfg.model.autocast, device) == "bfloat16" else 4
     positions = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
+    least = sizes.sizes["update"]
     sizes.sizes["update"] = rows_per_update_pass(run.policy.config, positions, free + cached - pending,
-                                                 sizes.sizes["update"], len(rollout), element, share)
+                                                 least, len(rollout), element, share)
+    if sizes.sizes["update"] > least:  # the memory this takes is the user's to know (and to refuse)
+        print(f"covey: update micro-batches of {sizes.sizes['update']} sequences, sized to "
+              f"algo.update_memory_share={share:g} of {free / 2**30:.1f} GiB free GPU memory "
+              f"(algo.update_memory_share=0 keeps {least})")
 
 
 def make_engine(run: Run):

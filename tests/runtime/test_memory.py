@@ -110,7 +110,7 @@ def test_update_micro_batch_takes_what_fits_in_its_share():
     assert rows_per_update_pass(config, 290, -10**9, least=8, most=64, element_bytes=2, share=0.5) == 8
 
 
-def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allocates(monkeypatch):
+def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allocates(monkeypatch, capsys):
     """A policy of 1000 fp32 parameters with no gradient and no optimizer state yet: 4000 bytes of
     gradients and 8000 of AdamW moments are still to come. Free 1e9 + cached (reserved 300 -
     allocated 100) - 12000 = 999988200 bytes available; the estimate (fake shape below) is 1000
@@ -146,6 +146,8 @@ def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allo
     setup.size_update_pass(run, rollout)
     assert seen == {"positions": 10, "available": 10**9 + 200 - 12000, "element": 2, "share": 0.5}
     assert sizes.sizes["update"] == 16 and sizes.update_sized
+    assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences, sized to algo.update_memory_share=0.5"
+                                       " of 0.9 GiB free GPU memory (algo.update_memory_share=0 keeps 4)\n")
     assert all(hasattr(v, "state_dict") for v in run.extra_state.values())
     sizes.sizes["update"] = 4
     setup.size_update_pass(run, rollout)  # once per process
