@@ -328,7 +328,7 @@ class TrainConfig:
     eval_pass_k: int = 0
     """Also report pass@k with k samples per held-out prompt (0 = off)."""
     eval_before_cache: str = ""
-    """A JSON file of untrained-policy evaluations: a run whose model, task, rollout, reward, rm and eval settings, seed, device and pass@k match an entry takes its figures instead of evaluating; otherwise it evaluates and adds one. `covey compare` shares one among its runs ("" = always evaluate)."""
+    """A JSON file of untrained-policy evaluations: a run whose model, task, rollout, reward, rm and eval settings, seed, device and pass@k match an entry takes its figures instead of evaluating; otherwise it evaluates and adds one. The match is of settings, not of the model or data files they name: a file changed in place needs a fresh cache. `covey compare` shares one among its runs ("" = always evaluate)."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2
