@@ -140,7 +140,7 @@ def test_config_change_refused_naming_keys_unless_forced(tiny_model_dir, tmp_pat
 
 def test_config_differences_ignore_neutral_keys_and_default_missing_ones():
     saved = as_dict(load_config(None, ["train.steps=5", "train.progress=false"]))
-    current = as_dict(load_config(None, ["train.steps=9", "algo.epochs=2"]))
+    current = as_dict(load_config(None, ["train.steps=9", "algo.epochs=2", "train.eval_before_cache=e.json"]))
     del saved["optim"]["max_skipped_steps"]  # a key added to covey after the checkpoint was written
     assert config_differences(saved, current) == ["algo.epochs (1 -> 2)"]
 
