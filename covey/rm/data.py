@@ -17,7 +17,6 @@ to check the arithmetic rather than the wording; held-out data stay as generated
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from covey.models.load import load_policy
 from covey.rewards.learned import decode_separator
 from covey.rewards.rules import correctness_reward
 from covey.rollout.local import LOCAL_ENGINES, local_engine
+from covey.runtime.metrics import write_whole
 from covey.tasks.answers import NUMBER_RE, extract_answer, math_equal, normalize_number
 from covey.tasks.data import format_prompts, load_task_data
 from covey.tasks.multistep import (corrupt_solution, label_steps, parse_corruptions, reference_steps,
@@ -92,13 +92,7 @@ def _row_to_example(row: dict, objective: str, where: str, separator: str):
 
 def save_rm_data(path: str | Path, examples: list) -> None:
     """JSONL, one example per line; written to a temporary sibling and renamed (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        for ex in examples:
-            handle.write(json.dumps(asdict(ex)) + "\n")
-    os.replace(tmp, path)
+    write_whole(path, "".join(json.dumps(asdict(ex)) + "\n" for ex in examples))
 
 
 def split_by_prompt(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:

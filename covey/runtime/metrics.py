@@ -1,4 +1,5 @@
-"""Metric logging: one JSON line per step, sample completions, progress bar, memory.
+"""Metric logging: one JSON line per step, sample completions, progress bar, memory; files
+written whole or not at all.
 
 Metric names are fixed and documented in the README ("Metrics").
 """
@@ -105,3 +106,16 @@ class MetricsLogger:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_whole(path: str | Path, text: str) -> None:
+    """`text` into `path` through a temporary sibling renamed over it: a reader sees the old file or
+    the new one, never half of it, and a failed write leaves no temporary file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from covey.rewards.combine import TrainerState
+from covey.runtime.metrics import write_whole
 from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
 from covey.tasks.verifiers import verify
@@ -124,31 +124,25 @@ def settings_key(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_cached_eval(path: str | Path, key: str) -> dict | None:
-    """The `eval/` figures stored under `key` in the JSON file `path`; None when the file, or the
-    key in it, is missing, or the file is not a JSON object (then the evaluation runs again)."""
+def cached_evals(path: str | Path) -> dict:
+    """The entries of an evaluation cache file; empty when it is missing, unreadable or not a JSON
+    object (then every evaluation runs again, and the next write replaces it)."""
     try:
         entries = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return None
-    entry = entries.get(key) if isinstance(entries, dict) else None
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def read_cached_eval(path: str | Path, key: str) -> dict | None:
+    """The `eval/` figures stored under `key` in the JSON file `path`; None when there are none."""
+    entry = cached_evals(path).get(key)
     return dict(entry["metrics"]) if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict) else None
 
 
 def write_cached_eval(path: str | Path, key: str, result: dict, settings: dict) -> None:
     """Store `result`'s `eval/` figures under `key` (with the settings, for a reader), keeping the
-    file's other entries; written to a temporary file and renamed, so a reader never sees half of it."""
-    path = Path(path)
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    entries = entries if isinstance(entries, dict) else {}
+    file's other entries; the file is written whole or not at all."""
+    entries = cached_evals(path)
     entries[key] = {"metrics": {k: v for k, v in result.items() if k.startswith("eval/")}, "settings": settings}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_whole(path, json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
