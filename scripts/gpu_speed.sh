@@ -2,11 +2,15 @@
 # The GPU speed check: covey's static-cache / CUDA-graph decoding tests and the covey-vs-TRL benchmark
 # (bench/gpu_bench.py) in one run of at most 8 minutes on one GPU without network access.
 #
-# 1. Prepare, once, on a machine with network, from the repository root (/work/main):
+# Needs: one CUDA GPU with torch and transformers installed (Python 3.12), no network, about
+# 8 minutes (allow 10), and the repository with two prepared folders beside it.
+#
+# 1. Prepare, once, on a machine with network, from the repository root:
 #
 #      bash scripts/gpu_speed.sh --prepare
 #
-#    which runs (python3, or $PYTHON: any Python with pip; the wheels are for the GPU machine's Python 3.12):
+#    which downloads the Python 3.12 wheels the GPU machine lacks into .whl/ and packs SmolLM2's
+#    tokenizer (from covey's model cache, $COVEY_CACHE or ~/.cache/covey) into .gpu_assets/:
 #
 #      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -15,20 +19,23 @@
 #      mkdir -p .gpu_assets && tar czf .gpu_assets/smollm2-tokenizer.tgz \
 #        -C ~/.cache/covey/models/SmolLM2-135M-Instruct tokenizer.json tokenizer_config.json chat_template.jinja
 #
-#    (.whl/ and .gpu_assets/ are in .gitignore; together about 55 MiB, the checkout about 4 MiB:
-#    under the 64 MiB a device call carries. pyarrow is 53 MiB of it and is installed on the GPU
-#    machine only where its own is missing or older than datasets needs; drop it if that is known.)
+#    ($PYTHON replaces python3: any Python with pip. .whl/ and .gpu_assets/ are in .gitignore;
+#    together about 55 MiB. pyarrow is 53 MiB of it and is installed on the GPU machine only where
+#    its own is missing or older than datasets needs; drop it if that is known.)
 #
-# 2. Run, as one device call (timeout_s 600 leaves ~2 minutes over the 8 this takes):
+# 2. Copy the checkout with .whl/ and .gpu_assets/ to the GPU machine and run, from the repository root:
 #
-#      run(command="bash scripts/gpu_speed.sh $OUT", carry=[".whl", ".gpu_assets"], timeout_s=600)
+#      bash scripts/gpu_speed.sh LOG_DIR
 #
-#    A rerun of part of it: SKIP_TESTS=1 leaves out the tests, DECODE_MODES= the decode-mode timings,
-#    TOTAL_S (default 470) bounds the seconds from the start to the last benchmark run,
-#    and BENCH_FLAGS adds flags to bench/gpu_bench.py (--profile, --covey-variant KEYS, ...), e.g.
-#      run(command="BENCH_FLAGS='--sizes 1.5b --covey-keys algo.micro_batch_size=16' bash scripts/gpu_speed.sh $OUT", ...)
+#    The wheels install into a temporary folder (nothing in the machine's Python changes); covey
+#    runs from the checkout. A rerun of part of it: SKIP_TESTS=1 leaves out the tests,
+#    DECODE_MODES= the decode-mode timings, TOTAL_S (default 470) bounds the seconds from the start
+#    to the last benchmark run, and BENCH_FLAGS adds flags to bench/gpu_bench.py (--profile,
+#    --covey-variant KEYS, ...), e.g.
 #
-#    It writes to LOG_DIR ($OUT): summary.txt (tests, the benchmark table, the targets met or not),
+#      BENCH_FLAGS='--sizes 1.5b --covey-keys algo.micro_batch_size=16' bash scripts/gpu_speed.sh LOG_DIR
+#
+#    It writes to LOG_DIR: summary.txt (tests, the benchmark table, the targets met or not),
 #    bench.md, bench.json, pytest.log and logs.tgz (every child's log and JSON): 5 files.
 #
 # What it checks: tests/rollout/test_static_decode_gpu.py (greedy tokens under CUDA-graph capture equal
@@ -66,7 +73,7 @@ start=$(date +%s)
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
 '| transformers', transformers.__version__)"; } | tee "$LOG/machine.txt"
 
-# Packages the image lacks, from the carried wheels; covey itself from this checkout.
+# Packages the machine lacks, from the wheels in .whl/; covey itself from this checkout.
 if ls .whl/*.whl >/dev/null 2>&1; then
   wheels=$(ls .whl/*.whl | grep -v /pyarrow-)
   if ! "$PY" -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
