@@ -8,10 +8,12 @@
 The reward is the same weighted sum `covey train` computes from the `reward.*`
 config keys (rules, user callables, learned RM / PRM, even another remote).
 
-Status codes: 401 missing or wrong token; 400 malformed JSON or not the schema
-above; 411 no Content-Length; 413 body over --max-body-mb or more than
---max-batch items; 408 a client that stalls mid-body (the per-request socket
-timeout); 404 / 405 other paths and methods. A batch mixing good and bad items
+Status codes: 401 missing or wrong token; 400 malformed JSON, JSON nested too
+deeply to parse, or not the schema above; 411 no Content-Length; 413 body over
+--max-body-mb or more than --max-batch items; 408 a client that stalls mid-body
+(the per-request socket timeout); 404 other paths; 405 other methods (PUT,
+DELETE, PATCH, OPTIONS, HEAD), with an Allow header. Every error body is one line
+of JSON, {"error": "..."}. A batch mixing good and bad items
 is answered 200 with one result per item: a bad item (wrong types, or a reward
 function fault on it) gets `{"error": ...}`, the others are scored. Items
 whose faults come from a whole-batch exception are re-scored one by one so a
@@ -34,6 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 MiB = 2**20
+ALLOWED = {"/score": "POST", "/health": "GET"}
+"""The method each path answers; the Allow header of a 405."""
 
 
 class ServeError(ValueError):
@@ -141,18 +145,21 @@ class RewardHandler(BaseHTTPRequestHandler):
         if self.server.verbose:
             super().log_message(fmt, *args)
 
-    def _send(self, code: int, payload: dict, close: bool = False) -> None:
+    def _send(self, code: int, payload: dict, close: bool = False, allow: str = "") -> None:
         body = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         if code == 401:
             self.send_header("WWW-Authenticate", 'Bearer realm="covey-reward"')
+        if allow:
+            self.send_header("Allow", allow)
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":  # a reply to HEAD has headers only
+            self.wfile.write(body)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.rstrip("/") == "/health":
@@ -184,6 +191,9 @@ class RewardHandler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             self._send(400, {"error": f"malformed JSON: {e}"})
             return None
+        except RecursionError:  # the parser recurses once per level of nesting
+            self._send(400, {"error": "JSON nested too deeply"})
+            return None
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path.rstrip("/") != "/score":
@@ -206,9 +216,10 @@ class RewardHandler(BaseHTTPRequestHandler):
         self._send(200, {"results": results, "errors": sum("error" in r for r in results)})
 
     def _reject(self) -> None:
-        self._send(405, {"error": f"method {self.command} not allowed"}, close=True)
+        allow = ALLOWED.get(self.path.rstrip("/"), ", ".join(sorted(set(ALLOWED.values()))))
+        self._send(405, {"error": f"method {self.command} not allowed; use {allow}"}, close=True, allow=allow)
 
-    do_PUT = do_DELETE = do_PATCH = _reject  # noqa: N815
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _reject  # noqa: N815
 
 
 class RewardServer(ThreadingHTTPServer):

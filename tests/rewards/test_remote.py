@@ -31,11 +31,11 @@ def picky_reward(prompts, completions, **columns):
     return [None if c == "NONE" else float("nan") if c == "NAN" else 0.5 for c in completions]
 
 
-def _serve(request_timeout_s: float):
+def _serve(request_timeout_s: float, max_body_bytes: int = 4096):
     rewarder = Rewarder([RewardTerm("correctness", correctness_reward, 1.0),
                          RewardTerm("picky", picky_reward, 2.0)], on_error="zero", timeout_s=5)
     srv = RewardServer(("127.0.0.1", 0), RewardService(rewarder), TOKEN,
-                       ServerLimits(max_body_bytes=4096, max_batch=16, request_timeout_s=request_timeout_s))
+                       ServerLimits(max_body_bytes=max_body_bytes, max_batch=16, request_timeout_s=request_timeout_s))
     start_in_thread(srv)
     yield srv
     srv.shutdown()
@@ -53,6 +53,11 @@ def patient_server():
     # the body for longer than 0.5 s, and the server would rightly answer 408 (seen once in a run
     # beside a training job).
     yield from _serve(request_timeout_s=10)
+
+
+@pytest.fixture
+def roomy_server():
+    yield from _serve(request_timeout_s=5, max_body_bytes=2**20)  # room for a 200 kB body
 
 
 def raw(srv, method, path, body=b"", headers=None):
@@ -101,6 +106,33 @@ def test_oversized_body_and_batch_are_413(server):
 def test_unknown_path_and_method(server):
     assert raw(server, "GET", "/nope")[0] == 404
     assert raw(server, "PUT", "/score", b"{}", auth())[0] == 405
+
+
+def test_deeply_nested_json_is_400_on_a_connection_kept_open(roomy_server):
+    # Python's JSON parser recurses once per nesting level: 100000 nested lists exceed its recursion limit.
+    conn = http.client.HTTPConnection("127.0.0.1", roomy_server.server_address[1], timeout=10)
+    conn.request("POST", "/score", body=b"[" * 100_000 + b"]" * 100_000, headers=auth())
+    resp = conn.getresponse()
+    body = resp.read()
+    assert resp.status == 400 and json.loads(body) == {"error": "JSON nested too deeply"}
+    assert b"\n" not in body
+    conn.request("GET", "/health")  # the same keep-alive connection still serves
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+@pytest.mark.parametrize("path, allow", [("/score", "POST"), ("/health", "GET"), ("/nope", "GET, POST")])
+def test_other_methods_are_405_with_allow(server, method, path, allow):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
+    conn.request(method, path, body=b"{}", headers=auth())
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert (resp.status, resp.getheader("Allow")) == (405, allow)
+    assert resp.getheader("Content-Type") == "application/json"
+    if method != "HEAD":  # a reply to HEAD has no body
+        assert json.loads(body) == {"error": f"method {method} not allowed; use {allow}"}
 
 
 def test_mixed_batch_is_scored_per_item(server):
