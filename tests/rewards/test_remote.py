@@ -336,4 +336,5 @@ def test_serve_reward_cli_without_token_is_one_line_exit_2():
     done = subprocess.run([sys.executable, "-m", "covey.cli", "serve-reward", "--port", "0"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip() == "covey serve-reward: error: set COVEY_REWARD_TOKEN to the bearer token clients must send"
+    assert done.stderr.strip() == ("covey serve-reward: error: set COVEY_REWARD_TOKEN to the bearer token "
+                                   "clients must send")
