@@ -290,7 +290,7 @@ class FlakyHandler(BaseHTTPRequestHandler):
 
 def test_client_retries_503_then_succeeds():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         client = RemoteReward(f"http://127.0.0.1:{srv.server_address[1]}", TOKEN, retries=3, backoff_s=0.01)
         assert client(["q", "q"], ["a", "b"]) == [0.25, 0.25]
