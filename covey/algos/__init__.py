@@ -5,7 +5,8 @@ Formulas, option names, defaults and sources: docs/algorithms.md (its "API" sect
 everything exported here).
 
 Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
-losses (policy / value / entropy / KL loss terms), aggregation (global normaliser),
+losses (policy / value / entropy / KL loss terms), objective (policy loss + KL + entropy, masked first:
+the micro-batch objective the trainer runs), aggregation (global normaliser),
 kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
 dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer),
 rm_losses (reward-model losses: Bradley-Terry pairs, labelled steps).
@@ -23,6 +24,7 @@ from covey.algos.losses import (
     LOG_RATIO_CLAMP, POLICY_LOSSES, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss, ppo_clip_loss,
     value_loss,
 )
+from covey.algos.objective import policy_objective
 from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOptions
 from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
@@ -36,7 +38,7 @@ __all__ = [
     "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
-    "masked_mean", "masked_std", "pg_loss", "policy_loss", "ppo_clip_loss", "reinforce_pp",
+    "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss", "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
     "step_totals",
     "steps_to_tokens", "token_rewards", "truncated_is_weights", "value_loss", "whiten",

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from covey.algos._stats import GroupStats, as_bool_mask, compute_dtype, masked_fill_zero, masked_mean, masked_summary
 from covey.algos.options import AdvantageInput, AdvantageOptions
-
-SEQUENCE_LEVEL = ("grpo", "rloo", "remax")
-"""Estimators that compute one advantage per sequence, then spread it over tokens (token_credit)."""
-
-DEFAULT_NORMALIZE = {
-    "grpo": "group", "grpo_process": "group", "rloo": "none", "remax": "none",
-    "reinforce_pp": "global_token", "reinforce_pp_baseline": "global_token", "gae": "none",
-}
-_ALL = ("group", "batch", "global_token", "none")
-ALLOWED_NORMALIZE = {
-    "grpo": _ALL, "grpo_process": _ALL, "rloo": _ALL, "remax": _ALL,
-    "reinforce_pp": ("global_token", "none"), "reinforce_pp_baseline": ("global_token", "none"),
-    "gae": ("global_token", "none"),
-}
-
 
 @dataclass
 class Prepared:
@@ -65,17 +50,28 @@ def prepare(inp: AdvantageInput) -> Prepared:
                     lengths=mask.sum(-1).to(dtype), token_kl=token_kl, kl_coef=float(inp.kl_coef))
 
 
-def resolve_normalize(name: str, opts: AdvantageOptions) -> str:
-    """Validate the options for estimator `name` and return its effective normalisation."""
+def resolve_normalize(name: str, entry, opts: AdvantageOptions) -> AdvantageOptions:
+    """Check `opts` against the traits of estimator `name`'s registry entry (advantages.Estimator:
+    sequence_level, default_normalize, allowed_normalize); return them with normalize='auto'
+    replaced by the entry's default, the options its function runs with."""
     opts.validate()
-    mode = DEFAULT_NORMALIZE[name] if opts.normalize == "auto" else opts.normalize
-    if mode not in ALLOWED_NORMALIZE[name]:
+    mode = entry.default_normalize if opts.normalize == "auto" else opts.normalize
+    if mode not in entry.allowed_normalize:
         raise ValueError(f"normalize={mode!r} is not defined for estimator {name!r}; "
-                         f"valid: auto, {', '.join(ALLOWED_NORMALIZE[name])}")
-    if name not in SEQUENCE_LEVEL and opts.token_credit != "shared":
-        raise ValueError(f"token_credit={opts.token_credit!r} applies to sequence-level estimators "
-                         f"({', '.join(SEQUENCE_LEVEL)}); {name!r} computes per-token advantages itself")
-    return mode
+                         f"valid: auto, {', '.join(entry.allowed_normalize)}")
+    if not entry.sequence_level and opts.token_credit != "shared":
+        raise ValueError(f"token_credit={opts.token_credit!r} applies to sequence-level estimators (one "
+                         f"advantage per sequence); {name!r} computes per-token advantages itself")
+    return replace(opts, normalize=mode)
+
+
+def normalize_mode(opts: AdvantageOptions) -> str:
+    """The normalisation an estimator function runs: its registry entry has resolved 'auto' already."""
+    opts.validate()
+    if opts.normalize == "auto":
+        raise ValueError("normalize='auto' means the estimator's default, which its registry entry knows: "
+                         "run it as compute_advantages(name, ...) or ESTIMATORS[name](...)")
+    return opts.normalize
 
 
 def advantage_metrics(adv: Tensor, returns: Tensor, mask: Tensor, stats: GroupStats | None = None) -> dict:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from covey.algos._prep import Prepared, advantage_metrics, prepare, resolve_normalize
+from covey.algos._prep import Prepared, advantage_metrics, normalize_mode, prepare, resolve_normalize
 from covey.algos._stats import GroupStats, as_bool_mask, group_stats, masked_fill_zero, whiten, plain_std
 from covey.algos.options import AdvantageInput, AdvantageOptions
 from covey.algos.returns import gae, reinforce_pp, reinforce_pp_baseline
@@ -81,9 +81,9 @@ def _greedy_baseline(r: Tensor, stats: GroupStats, inp: AdvantageInput) -> Tenso
     return r - inp.baseline_scores.detach().to(r.dtype)
 
 
-def _sequence_estimator(name: str, baseline: Callable, inp: AdvantageInput, opts: AdvantageOptions):
+def _sequence_estimator(baseline: Callable, inp: AdvantageInput, opts: AdvantageOptions):
     """Shared pipeline: sequence reward -> baseline -> scale -> token credit -> optional global_token whitening."""
-    mode = resolve_normalize(name, opts)
+    mode = normalize_mode(opts)
     p = prepare(inp)
     r = sequence_rewards(p)
     stats = group_stats(r, p.group_ids, opts.ddof)
@@ -102,17 +102,17 @@ def grpo(inp: AdvantageInput, opts: AdvantageOptions):
     token_credit uniform/discounted, the sequence advantage is spread over its tokens
     (a variant that circulates in worked examples, not the paper's shared credit).
     """
-    return _sequence_estimator("grpo", _group_mean_baseline, inp, opts)
+    return _sequence_estimator(_group_mean_baseline, inp, opts)
 
 
 def rloo(inp: AdvantageInput, opts: AdvantageOptions):
     """RLOO (Ahmadian et al. 2024): A_i = r_i - mean of the other G-1 rewards of the group."""
-    return _sequence_estimator("rloo", _leave_one_out_baseline, inp, opts)
+    return _sequence_estimator(_leave_one_out_baseline, inp, opts)
 
 
 def remax(inp: AdvantageInput, opts: AdvantageOptions):
     """ReMax (Li et al. 2023): A_i = r_i - r(greedy sample of the same prompt)."""
-    return _sequence_estimator("remax", _greedy_baseline, inp, opts)
+    return _sequence_estimator(_greedy_baseline, inp, opts)
 
 
 def _check_steps(inp: AdvantageInput, p: Prepared) -> tuple[Tensor, Tensor, Tensor]:
@@ -147,7 +147,7 @@ def grpo_process(inp: AdvantageInput, opts: AdvantageOptions):
     """GRPO process supervision (Shao et al. 2024, arXiv:2402.03300, section 4.1.3): normalise every step reward by the mean and std of
     all real step rewards of the group; A_t = sum of the normalised rewards of the steps ending at or after t.
     """
-    mode = resolve_normalize("grpo_process", opts)
+    mode = normalize_mode(opts)
     p = prepare(inp)
     scores, ends, valid = _check_steps(inp, p)
     if p.mask.shape[-1] == 0:
@@ -164,12 +164,17 @@ def grpo_process(inp: AdvantageInput, opts: AdvantageOptions):
     return adv, returns, advantage_metrics(adv, returns, p.mask, stats)
 
 
+ALL_NORMALIZE = ("group", "batch", "global_token", "none")
+"""Every normalisation (docs/algorithms.md): group and batch scale a sequence's (or a step's) reward."""
+
+
 @dataclass(frozen=True)
 class Estimator:
     """A registered advantage estimator and what it needs from the rest of a step.
 
     The run's plan derives from these traits which models exist and which inputs are gathered;
-    nothing outside this registry branches on an estimator's name.
+    its options are checked against them (`resolve_normalize`). Nothing outside this registry
+    branches on an estimator's name: a new estimator is one entry here.
     """
     fn: Callable[[AdvantageInput, AdvantageOptions], "tuple[Tensor, Tensor, dict]"]
     needs_values: bool = False       # a critic's value per token (GAE): the run trains a critic
@@ -177,25 +182,34 @@ class Estimator:
     step_scores: bool = False        # a reward per reasoning step (process supervision)
     min_group_size: int = 1          # samples per prompt the baseline needs (2 for a group baseline)
     per_token_rewards: bool = False  # returns from per-token rewards, so a KL penalty can go in the reward
+    sequence_level: bool = False     # one advantage per sequence, spread over its tokens by token_credit
+    default_normalize: str = "none"  # what normalize='auto' means for it (its paper's choice)
+    allowed_normalize: tuple[str, ...] = ("global_token", "none")  # the normalisations defined for it
 
     def __call__(self, inp: AdvantageInput, opts: AdvantageOptions):
-        return self.fn(inp, opts)
+        return self.fn(inp, resolve_normalize(self.fn.__name__, self, opts))
 
 
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator(grpo, min_group_size=2),
-    "grpo_process": Estimator(grpo_process, step_scores=True, min_group_size=2),
-    "rloo": Estimator(rloo, min_group_size=2),
-    "remax": Estimator(remax, greedy_baseline=True),
-    "reinforce_pp": Estimator(reinforce_pp, per_token_rewards=True),
-    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, min_group_size=2, per_token_rewards=True),
+    "grpo": Estimator(grpo, min_group_size=2, sequence_level=True, default_normalize="group",
+                      allowed_normalize=ALL_NORMALIZE),
+    "grpo_process": Estimator(grpo_process, step_scores=True, min_group_size=2, default_normalize="group",
+                              allowed_normalize=ALL_NORMALIZE),
+    "rloo": Estimator(rloo, min_group_size=2, sequence_level=True, allowed_normalize=ALL_NORMALIZE),
+    "remax": Estimator(remax, greedy_baseline=True, sequence_level=True, allowed_normalize=ALL_NORMALIZE),
+    "reinforce_pp": Estimator(reinforce_pp, per_token_rewards=True, default_normalize="global_token"),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, min_group_size=2, per_token_rewards=True,
+                                       default_normalize="global_token"),
     "gae": Estimator(gae, needs_values=True, per_token_rewards=True),
 }
 
 
 def compute_advantages(name: str, inp: AdvantageInput, opts: AdvantageOptions | None = None):
-    """Run estimator `name`: (advantages (N, L), returns (N, L), metrics). Both tensors are 0 where masked."""
+    """Run estimator `name`: (advantages (N, L), returns (N, L), metrics). Both tensors are 0 where masked.
+    `opts` are checked against the entry's traits and normalize='auto' becomes its default."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+    entry = ESTIMATORS[name]
+    opts = resolve_normalize(name, entry, opts if opts is not None else AdvantageOptions())
     with torch.no_grad():
-        return ESTIMATORS[name](inp, opts if opts is not None else AdvantageOptions())
+        return entry.fn(inp, opts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from covey.algos._prep import Prepared, advantage_metrics, prepare, resolve_normalize
+from covey.algos._prep import Prepared, advantage_metrics, normalize_mode, prepare
 from covey.algos._stats import as_bool_mask, group_stats, masked_fill_zero, whiten
 from covey.algos.options import AdvantageInput, AdvantageOptions
 
@@ -89,8 +89,8 @@ def _rewards(p: Prepared, scores: Tensor) -> Tensor:
     return token_rewards(scores, p.mask, p.token_kl, p.kl_coef)
 
 
-def _reinforce(name: str, inp: AdvantageInput, opts: AdvantageOptions, subtract_group_mean: bool):
-    mode = resolve_normalize(name, opts)
+def _reinforce(inp: AdvantageInput, opts: AdvantageOptions, subtract_group_mean: bool):
+    mode = normalize_mode(opts)
     p = prepare(inp)
     scores, stats = p.scores, None
     if subtract_group_mean:
@@ -109,18 +109,18 @@ def reinforce_pp(inp: AdvantageInput, opts: AdvantageOptions):
     r_t = score on the last token - kl_coef * token_kl_t. Whitening is over all valid
     tokens of the batch (normalize auto = global_token; none = raw returns).
     """
-    return _reinforce("reinforce_pp", inp, opts, subtract_group_mean=False)
+    return _reinforce(inp, opts, subtract_group_mean=False)
 
 
 def reinforce_pp_baseline(inp: AdvantageInput, opts: AdvantageOptions):
     """REINFORCE++-baseline: score - group mean of the scores, then as reinforce_pp."""
-    return _reinforce("reinforce_pp_baseline", inp, opts, subtract_group_mean=True)
+    return _reinforce(inp, opts, subtract_group_mean=True)
 
 
 def gae(inp: AdvantageInput, opts: AdvantageOptions):
     """PPO's GAE (Schulman et al. 2016, arXiv:1506.02438): needs inp.values. normalize auto = none; global_token whitens A
     over the batch (returns stay A + V of the un-whitened A)."""
-    mode = resolve_normalize("gae", opts)
+    mode = normalize_mode(opts)
     p = prepare(inp)
     if inp.values is None:
         raise ValueError("estimator 'gae' needs values (critic V(s_t) per response token)")

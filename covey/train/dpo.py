@@ -11,7 +11,9 @@ iteration: the loop samples B prompts x G answers and scores them exactly as for
    (`algos.best_worst_pairs`; groups where all answers tie carry no preference);
 2. computes the frozen reference's log-probs of the 2P paired answers (one no-grad pass);
 3. takes algo.epochs x algo.minibatches optimizer steps of the DPO loss
-   (`algos.dpo_loss`, beta = algo.dpo_beta) on the pairs.
+   (`algos.dpo_loss`, beta = algo.dpo_beta) on the pairs, through the trainer's one optimizer
+   loop (`covey.train.update.optimizer_steps`: the finite check, the step, and the halving of
+   the micro-batch on out-of-memory, as for the policy).
 
 Choices, on purpose:
 - the reference stays the initial model (online DPO); algo.ref_refresh_every=K makes it
@@ -25,14 +27,18 @@ Choices, on purpose:
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
 from covey import algos
 from covey.batch import Rollout
 from covey.passes.logprobs import batched_logprobs, policy_logprobs
+from covey.runtime.dist import all_finite
+from covey.runtime.memory import MicroBatchSizes, halving_on_oom
+from covey.runtime.precision import model_device
 from covey.train.plan import UpdateOptions
-from covey.train.update import MetricAverager, UpdateState, optimizer_step
+from covey.train.update import MetricAverager, StepGradient, UpdateState, optimizer_steps
 
 
 def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
@@ -41,14 +47,6 @@ def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) 
     label[chosen], label[rejected] = 1.0, -1.0
     rollout.advantages = label[:, None] * rollout.response_mask
     rollout.returns = torch.zeros_like(rollout.response_mask)
-
-
-def pair_batches(num_pairs: int, epochs: int, minibatches: int, generator: torch.Generator):
-    """Pair indices of each optimizer step: `epochs` shuffled passes, `minibatches` parts each."""
-    parts = min(minibatches, num_pairs)
-    for _ in range(epochs):
-        order = torch.randperm(num_pairs, generator=generator) if parts > 1 else torch.arange(num_pairs)
-        yield from torch.tensor_split(order, parts)
 
 
 def micro_dpo_loss(policy, pairs: Rollout, ref_seq: torch.Tensor, micro: torch.Tensor, num_pairs: int,
@@ -64,37 +62,48 @@ def micro_dpo_loss(policy, pairs: Rollout, ref_seq: torch.Tensor, micro: torch.T
     k = len(micro)
     loss, metrics = algos.dpo_loss(seq[:k], seq[k:], ref_seq[micro], ref_seq[micro + total],
                                    opts.dpo_beta, num_pairs=num_pairs)
-    tokens = mask.sum().clamp(min=1)
-    kl = algos.kl_penalty(logp.detach(), ref_token_logp[rows][:, :width], "k3")
-    metrics["kl/ref"] = float((kl * mask).sum() / tokens)
-    metrics["policy/entropy"] = float((entropy.detach() * mask).sum() / tokens)
-    return loss, metrics
+    # Reported, not trained: the k3 estimate to the reference and the entropy, masked first (algos).
+    norm = algos.make_normalizer("token_mean", mask)
+    _, kl = algos.kl_loss(logp.detach(), ref_token_logp[rows][:, :width], mask, norm, 0.0, "k3")
+    _, entropy = algos.entropy_loss(entropy.detach(), mask, norm, 0.0)
+    return loss, {**metrics, **kl, **entropy}
+
+
+def dpo_gradient(policy, pairs: Rollout, ref_seq: torch.Tensor, ref_token_logp: torch.Tensor,
+                 batch: torch.Tensor, size: int, opts: UpdateOptions) -> StepGradient:
+    """One optimizer step's DPO gradient over the pairs `batch`, size // 2 pairs (2 rows each) per micro-batch."""
+    avg = MetricAverager()
+    for micro in batch.split(max(size // 2, 1)):
+        loss, metrics = micro_dpo_loss(policy, pairs, ref_seq, micro, len(batch), ref_token_logp, opts)
+        if not all_finite(loss):  # checked before backward: no NaN reaches a gradient
+            return StepGradient(False, avg)
+        loss.backward()
+        avg.add(metrics, float(len(micro)))
+    return StepGradient(True, avg)
 
 
 def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions,
-               state: UpdateState, generator: torch.Generator) -> dict:
-    """Pair, score under the reference, and take the DPO optimizer steps of one iteration."""
+               state: UpdateState, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
+    """Pair, score under the reference, and take the DPO optimizer steps of one iteration
+    (covey.train.update.optimizer_steps). Out of memory, the reference pass and an optimizer step
+    are redone at half their batch (`sizes`, kept for the run; reported as memory/*)."""
     chosen, rejected = algos.best_worst_pairs(rollout.scores, rollout.group_ids)
     label_pairs(rollout, chosen, rejected)
     num_pairs = len(chosen)
     out = {"dpo/pairs": float(num_pairs), "time/logprobs": 0.0, "time/update": 0.0}
     if num_pairs == 0:  # every group tied: nothing to prefer, no update; NaN is logged as null
         return {**out, **{k: float("nan") for k in ("policy/entropy", "kl/ref", "optim/grad_norm")}}
-    t0 = time.perf_counter()
+    t0, sizes = time.perf_counter(), sizes or MicroBatchSizes(opts.micro_batch_size)
     pairs = rollout.select(torch.cat([chosen, rejected]))
-    ref_token_logp = batched_logprobs(reference, pairs, opts.temperature, opts.micro_batch_size, opts.autocast)
+    ref_token_logp = halving_on_oom("logprobs", sizes, lambda size: batched_logprobs(
+        reference, pairs, opts.temperature, size, opts.autocast), model_device(reference))
     ref_seq = algos.sequence_logprob(ref_token_logp, pairs.response_mask)
     out["time/logprobs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    avg = MetricAverager()
-    for batch in pair_batches(num_pairs, opts.epochs, opts.minibatches, generator):
-        for micro in batch.split(max(opts.micro_batch_size // 2, 1)):
-            loss, metrics = micro_dpo_loss(policy, pairs, ref_seq, micro, len(batch), ref_token_logp, opts)
-            loss.backward()
-            avg.add(metrics, float(len(micro)))
-        avg.add(optimizer_step(policy.parameters(), optimizer, scheduler, opts.max_grad_norm, state,
-                               opts.max_skipped_steps, "policy"), 1.0)
-    out.update(avg.result())
+    out.update(optimizer_steps(policy, optimizer, scheduler, num_pairs,
+                               partial(dpo_gradient, policy, pairs, ref_seq, ref_token_logp, opts=opts),
+                               opts, state, generator, sizes))
+    out.update(sizes.metrics())
     out["optim/skipped_steps"] = state.skipped_steps
     out["time/update"] = time.perf_counter() - t0
     return out

@@ -1,4 +1,6 @@
-"""The optimisation phase of a step: mu epochs x mini-batches x micro-batches.
+"""The optimisation phase of a step: mu epochs x mini-batches x micro-batches, in one loop
+(`optimizer_steps`) that the policy, the critic and DPO (covey.train.dpo) each feed with the
+gradient function of one optimizer step.
 
 Each optimizer step builds one global `Normalizer` from the masks of its whole
 mini-batch, so summing micro-batch losses gives exactly the mini-batch loss:
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -40,14 +44,15 @@ class UpdateState:
 
 
 def minibatch_schedule(n: int, epochs: int, minibatches: int, generator: torch.Generator):
-    """Yield index tensors, one per optimizer step: mu epochs of shuffled mini-batches.
+    """Yield index tensors, one per optimizer step: `epochs` shuffled passes over n rows in
+    min(minibatches, n) parts (equal when minibatches divides n, as the config requires of a rollout).
 
-    With a single mini-batch the order is kept (shuffling changes nothing).
+    With a single part the order is kept (shuffling changes nothing) and the generator is not drawn.
     """
-    size = n // minibatches
+    parts = min(minibatches, n)
     for _ in range(epochs):
-        order = torch.randperm(n, generator=generator) if minibatches > 1 else torch.arange(n)
-        yield from order.split(size)
+        order = torch.randperm(n, generator=generator) if parts > 1 else torch.arange(n)
+        yield from torch.tensor_split(order, parts)
 
 
 def by_prompt(batch: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -84,26 +89,15 @@ def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef:
 
     `prompts`: the step's encoded prompts and this micro-batch's index into them (passes.logprobs.encode_prompts).
     """
-    # Entropy is always reported; it enters the loss only when entropy_coef > 0.
+    # Entropy is always reported; it enters the loss only when entropy_coef > 0 (algos.policy_objective).
     logp, entropy, width = policy_logprobs(policy, part, opts.temperature, with_entropy=True,
                                            precision=opts.autocast, prompts=prompts)
-    mask = part.response_mask[:, :width]
     old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
     ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
-    loss, metrics = algos.policy_loss(opts.policy_loss, logp, old, part.advantages[:, :width], mask, norm,
-                                      opts.loss, ref_logp=ref)
-    tokens = mask.sum().clamp(min=1)
-    if ref is not None:
-        kl = algos.kl_penalty(logp, ref, opts.kl_estimator)
-        metrics["kl/ref"] = float((kl.detach() * mask).sum() / tokens)
-        if opts.kl_in_loss and kl_coef > 0:
-            kl_term = algos.aggregate(kl, mask, norm)
-            loss = loss + kl_coef * kl_term
-    if entropy is not None:
-        metrics["policy/entropy"] = float((entropy.detach() * mask).sum() / tokens)
-        if opts.entropy_coef > 0:
-            loss = loss - opts.entropy_coef * algos.aggregate(entropy, mask, norm)
-    return loss, metrics
+    return algos.policy_objective(opts.policy_loss, logp, old, part.advantages[:, :width],
+                                  part.response_mask[:, :width], norm, opts.loss, ref_logp=ref,
+                                  kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
+                                  entropy=entropy, entropy_coef=opts.entropy_coef)
 
 
 def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> None:
@@ -166,25 +160,52 @@ def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: U
     return True, step_loss
 
 
+@dataclass
+class StepGradient:
+    """One optimizer step's gradient, accumulated by a gradient function (policy, critic or DPO)."""
+    finite: bool
+    """Every micro-batch loss was finite (checked before its backward; else accumulation stopped)."""
+    micro: MetricAverager
+    """The step's micro-batch metrics, weighted as the gradient function chose."""
+    step: dict = field(default_factory=dict)
+    """Metrics of the whole step (its loss ...), averaged over steps."""
+
+
+def optimizer_steps(model, optimizer, scheduler, n: int, gradient: Callable[[torch.Tensor, int], StepGradient],
+                    opts: UpdateOptions, state: UpdateState, generator: torch.Generator,
+                    sizes: MicroBatchSizes | None = None, what: str = "policy",
+                    grad_norm_key: str = "optim/grad_norm") -> dict:
+    """The one optimizer loop of the policy, the critic and DPO: opts.epochs x opts.minibatches steps
+    over n rows (minibatch_schedule). Each step: `gradient(rows, micro_batch_size)` accumulates the
+    step's gradient; out of memory, it is undone and redone from zero at half the micro-batch
+    (halving_on_oom on `sizes`, kept for the run); a non-finite loss or gradient skips the step
+    (counted in `state` as `what`); else the gradient is clipped and the optimizer steps.
+    Returns the metrics averaged over the steps (the gradient norm as `grad_norm_key`)."""
+    avg, device = MetricAverager(), model_device(model)
+    sizes = sizes or MicroBatchSizes(opts.micro_batch_size)
+    for rows in minibatch_schedule(n, opts.epochs, opts.minibatches, generator):
+        grad = halving_on_oom("update", sizes, partial(gradient, rows), device,
+                              cleanup=lambda: model.zero_grad(set_to_none=True))
+        avg.merge(grad.micro)
+        applied = optimizer_step(model.parameters(), optimizer, scheduler, opts.max_grad_norm, state,
+                                 opts.max_skipped_steps, what, grad.finite)
+        avg.add({grad_norm_key: applied["optim/grad_norm"], **grad.step}, 1.0)
+    return avg.result()
+
+
 def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions, kl_coef: float,
                   state: UpdateState, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
-    """mu epochs of clipped policy-gradient updates over the rollout. An optimizer step's gradient
-    that runs out of memory is redone from zero at half the micro-batch (`sizes`, kept for the run)."""
-    avg, sizes, device = MetricAverager(), sizes or MicroBatchSizes(opts.micro_batch_size), model_device(policy)
-    for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
-        norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
+    """mu epochs of clipped policy-gradient updates over the rollout (optimizer_steps). An optimizer
+    step's gradient that runs out of memory is redone from zero at half the micro-batch (`sizes`)."""
+    device = model_device(policy)
 
-        def attempt(size: int):
-            step_avg = MetricAverager()
-            with shared_weight_casts(opts.autocast, device):
-                return policy_gradient(policy, rollout, batch, norm, opts, kl_coef, step_avg, size), step_avg
-        (finite, step_loss), step_avg = halving_on_oom("update", sizes, attempt, device,
-                                                       cleanup=lambda: policy.zero_grad(set_to_none=True))
-        avg.merge(step_avg)
-        step_metrics = optimizer_step(policy.parameters(), optimizer, scheduler, opts.max_grad_norm,
-                                      state, opts.max_skipped_steps, "policy", finite)
-        avg.add({**step_metrics, "policy/loss": step_loss}, 1.0)
-    out = avg.result()
+    def gradient(batch: torch.Tensor, size: int) -> StepGradient:
+        norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
+        avg = MetricAverager()
+        with shared_weight_casts(opts.autocast, device):
+            finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg, size)
+        return StepGradient(finite, avg, {"policy/loss": step_loss})
+    out = optimizer_steps(policy, optimizer, scheduler, len(rollout), gradient, opts, state, generator, sizes)
     out["optim/skipped_steps"] = state.skipped_steps
     return out
 
@@ -214,24 +235,15 @@ def critic_gradient(critic, rollout: Rollout, batch: torch.Tensor, norm, opts: U
 def update_critic(critic, optimizer, rollout: Rollout, opts: UpdateOptions, state: UpdateState,
                   generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
     """Clipped value regression onto the returns, same schedule as the policy (and the same
-    halving of the update's micro-batch on out-of-memory)."""
-    avg, sizes = MetricAverager(), sizes or MicroBatchSizes(opts.micro_batch_size)
-    for batch in minibatch_schedule(len(rollout), opts.epochs, opts.minibatches, generator):
+    halving of the update's micro-batch on out-of-memory): optimizer_steps."""
+    def gradient(batch: torch.Tensor, size: int) -> StepGradient:
         norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
-
-        def attempt(size: int):
-            step_avg = MetricAverager()
-            return critic_gradient(critic, rollout, batch, norm, opts, step_avg, size), step_avg
-        (finite, step_loss, fitted), step_avg = halving_on_oom("update", sizes, attempt, model_device(critic),
-                                                               cleanup=lambda: critic.zero_grad(set_to_none=True))
-        avg.merge(step_avg)
-        step_metrics = optimizer_step(critic.parameters(), optimizer, None, opts.max_grad_norm, state,
-                                      opts.max_skipped_steps, "critic", finite)
-        step_metrics = {f"critic/{k.split('/')[-1]}": v for k, v in step_metrics.items()}
-        if finite and fitted:
-            v, r = (torch.cat(t) for t in zip(*fitted))
-            every_token = torch.ones_like(v, dtype=torch.bool)
-            step_metrics.update({"critic/loss": step_loss,
-                                 "critic/explained_var": algos.explained_variance(v, r, every_token)})
-        avg.add(step_metrics, 1.0)
-    return avg.result()
+        avg = MetricAverager()
+        finite, step_loss, fitted = critic_gradient(critic, rollout, batch, norm, opts, avg, size)
+        if not (finite and fitted):
+            return StepGradient(finite, avg)
+        v, r = (torch.cat(t) for t in zip(*fitted))
+        explained = algos.explained_variance(v, r, torch.ones_like(v, dtype=torch.bool))
+        return StepGradient(finite, avg, {"critic/loss": step_loss, "critic/explained_var": explained})
+    return optimizer_steps(critic, optimizer, None, len(rollout), gradient, opts, state, generator, sizes,
+                           what="critic", grad_norm_key="critic/grad_norm")

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from covey.algos import AdvantageInput, AdvantageOptions, ESTIMATORS, compute_advantages
+from covey.algos import (
+    AdvantageInput, AdvantageOptions, ESTIMATORS, Estimator, compute_advantages, grpo, spread_over_tokens, whiten,
+)
 
 F64 = torch.float64
 
@@ -201,6 +203,64 @@ def test_unknown_names_and_bad_options():
 
 def test_registry_lists_every_estimator():
     assert set(ESTIMATORS) == {"grpo", "grpo_process", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gae"}
+
+
+def test_normalisation_traits_of_each_estimator():
+    # what normalize=auto means (each paper's choice), which modes are defined, and which estimators
+    # give one advantage per sequence (so token_credit applies): docs/algorithms.md, "normalize"
+    every = ("group", "batch", "global_token", "none")
+    token_level = ("global_token", "none")
+    expected = {"grpo": ("group", every, True), "grpo_process": ("group", every, False),
+                "rloo": ("none", every, True), "remax": ("none", every, True),
+                "reinforce_pp": ("global_token", token_level, False),
+                "reinforce_pp_baseline": ("global_token", token_level, False), "gae": ("none", token_level, False)}
+    assert {name: (e.default_normalize, e.allowed_normalize, e.sequence_level)
+            for name, e in ESTIMATORS.items()} == expected
+
+
+def test_an_estimator_function_runs_the_mode_its_entry_resolved():
+    inp = AdvantageInput(torch.tensor([1.0, 0.0]), torch.ones(2, 1), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="registry entry"):
+        grpo(inp, AdvantageOptions())  # 'auto' is the entry's to resolve
+    # called through its entry, grpo's auto is group: (+-0.5) / (0.5 + 1e-6) = +-0.999998
+    adv, _, _ = ESTIMATORS["grpo"](inp, AdvantageOptions())
+    assert adv[:, 0].tolist() == pytest.approx([0.999998, -0.999998], abs=1e-6)
+
+
+def minus_half(seen):
+    """A sequence-level estimator: A_i = r_i - 0.5, credited to tokens, whitened under global_token."""
+    def fn(inp, opts):
+        seen.append(opts.normalize)
+        mask = inp.response_mask.bool()
+        adv = spread_over_tokens(inp.scores.to(F64) - 0.5, mask, opts.token_credit, opts.gamma)
+        if opts.normalize == "global_token":
+            adv = whiten(adv, mask, ddof=opts.ddof, eps=opts.eps)
+        return adv, adv.clone(), {}
+    return fn
+
+
+def test_a_new_estimator_is_one_registry_entry(monkeypatch):
+    seen = []
+    monkeypatch.setitem(ESTIMATORS, "minus_half", Estimator(minus_half(seen), sequence_level=True,
+                                                            default_normalize="none",
+                                                            allowed_normalize=("global_token", "none")))
+    inp = AdvantageInput(scores=torch.tensor([1.0, 0.2], dtype=F64), response_mask=lengths_mask([2, 1]),
+                         group_ids=torch.tensor([0, 0]))
+    # auto = its default none; A = (1 - 0.5, 0.2 - 0.5) = (0.5, -0.3), uniform credit: 0.5 / 2 on each of 2 tokens
+    adv, _, _ = compute_advantages("minus_half", inp, AdvantageOptions(token_credit="uniform"))
+    assert adv.flatten().tolist() == pytest.approx([0.25, 0.25, -0.3, 0.0])
+    # global_token whitens the valid tokens (0.25, 0.25, -0.3): the shape (a, a, -2a) after centring
+    # (mean 0.2/3; deviations 0.55/3, 0.55/3, -1.1/3), population std 0.55/3 * sqrt(2) -> 1/sqrt2, 1/sqrt2, -sqrt2
+    adv, _, _ = compute_advantages("minus_half", inp, AdvantageOptions(token_credit="uniform",
+                                                                       normalize="global_token", eps=0.0))
+    assert adv.flatten().tolist() == pytest.approx([2 ** -0.5, 2 ** -0.5, -2 ** 0.5, 0.0])
+    assert seen == ["none", "global_token"]
+    with pytest.raises(ValueError, match="normalize='group' is not defined for estimator 'minus_half'"):
+        compute_advantages("minus_half", inp, AdvantageOptions(normalize="group"))
+    # a token-level entry (sequence_level False) refuses token_credit: nothing silently ignored
+    monkeypatch.setitem(ESTIMATORS, "minus_half", Estimator(minus_half(seen)))
+    with pytest.raises(ValueError, match="token_credit='uniform' applies to sequence-level estimators"):
+        compute_advantages("minus_half", inp, AdvantageOptions(token_credit="uniform"))
 
 
 def test_estimators_do_not_track_gradients():

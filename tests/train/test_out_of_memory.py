@@ -1,6 +1,7 @@
 """A pass that runs out of memory is redone at half the micro-batch: the step's metrics and the
 trained weights equal those of a run that started at the smaller size, and the size is kept,
-logged and checkpointed. The out-of-memory error is injected for micro-batches above 2 rows."""
+logged and checkpointed, for PPO (policy and critic) and for iterative DPO. The out-of-memory
+error is injected for micro-batches above 2 rows."""
 
 import json
 
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from covey.config import load_config
 from covey.passes import logprobs as passes
 from covey.rollout.fast import FastEngine
+from covey.train import dpo as dpo_module
 from covey.train import update as update_module
 from covey.train.api import train
 from tests.helpers import tiny_overrides
@@ -25,8 +27,8 @@ def failing_above(limit, real):
     return wrapped
 
 
-def run_ppo(tiny_model_dir, out_dir, micro_batch_size):
-    cfg = load_config("ppo", tiny_overrides(tiny_model_dir, out_dir, **{
+def run_preset(preset, tiny_model_dir, out_dir, micro_batch_size):
+    cfg = load_config(preset, tiny_overrides(tiny_model_dir, out_dir, **{
         "model.autocast": "none", "rollout.precision": "float32", "optim.lr": 1e-3, "train.save_every": 1,
         "reward.functions": "tests.helpers:varied_reward", "algo.micro_batch_size": micro_batch_size}))
     result = train(cfg)
@@ -41,12 +43,12 @@ def comparable(row):
 
 
 def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monkeypatch):
-    small_steps, small_weights, _ = run_ppo(tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
+    small_steps, small_weights, _ = run_preset("ppo", tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
     with monkeypatch.context() as patch:
         for module in (passes, update_module):
             patch.setattr(module, "policy_logprobs", failing_above(ROWS_THAT_FIT, module.policy_logprobs))
             patch.setattr(module, "critic_values", failing_above(ROWS_THAT_FIT, module.critic_values))
-        steps, weights, result = run_ppo(tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
+        steps, weights, result = run_preset("ppo", tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
     assert [comparable(row) for row in steps] == [comparable(row) for row in small_steps]
     assert weights.keys() == small_weights.keys()
     assert all(torch.equal(weights[k], small_weights[k]) for k in weights)
@@ -56,6 +58,23 @@ def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monk
     state = torch.load(result.run_dir / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
     assert state["extra"]["micro_batches"] == {"sizes": {"generate": 2, "logprobs": 2, "update": 2},
                                                "oom_retries": 4}
+
+
+def test_dpo_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monkeypatch):
+    small_steps, small_weights, _ = run_preset("dpo_iterative", tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
+    with monkeypatch.context() as patch:
+        for module in (passes, dpo_module):  # the reference's pass, and the policy's in the DPO steps
+            patch.setattr(module, "policy_logprobs", failing_above(ROWS_THAT_FIT, module.policy_logprobs))
+        steps, weights, result = run_preset("dpo_iterative", tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
+    assert all(row["dpo/pairs"] >= 1 for row in steps)  # there was an update to redo
+    assert [comparable(row) for row in steps] == [comparable(row) for row in small_steps]
+    assert all(torch.equal(weights[k], small_weights[k]) for k in small_weights)
+    # the reference pass 8 -> 4 -> 2 rows; a DPO micro-batch 8 -> 4 -> 2 rows (4 -> 2 -> 1 pairs);
+    # on the first step only, kept for the run and checkpointed
+    assert [row["memory/oom_retries"] for row in steps] == [4, 4]
+    assert steps[-1]["memory/micro_batch/update"] == steps[-1]["memory/micro_batch/logprobs"] == ROWS_THAT_FIT
+    state = torch.load(result.run_dir / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
+    assert state["extra"]["micro_batches"]["sizes"] == {"generate": 2, "logprobs": 2, "update": 2}
 
 
 def test_a_row_that_does_not_fit_ends_the_run_with_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -1,14 +1,19 @@
-"""Micro-batch ordering (covey.train.update.by_prompt) groups a mini-batch by prompt without changing the update."""
+"""The policy update on the tiny model: micro-batch ordering (covey.train.update.by_prompt) groups a
+mini-batch by prompt without changing the update; garbage at padded positions never reaches the
+trainer's micro-batch loss or its gradient; AdamW's state allocated up front."""
 
 import copy
+import math
 
+import pytest
 import torch
 
+from covey.algos import make_normalizer
 from covey.train import update
 from covey.config import Config
 from covey.models.load import load_policy
 from covey.train.plan import make_plan
-from covey.train.setup import allocate_adamw_state
+from covey.train.optim import allocate_adamw_state
 from covey.train.update import UpdateState, by_prompt, update_policy
 from tests.helpers import grouped_rollout
 
@@ -76,3 +81,54 @@ def test_adamw_state_is_left_alone_where_not_fused():
     opt = torch.optim.AdamW([param], lr=0.1, fused=False)
     allocate_adamw_state(opt)
     assert len(opt.state) == 0
+
+
+def poisoned_pass(real, fill):
+    """policy_logprobs whose log-probs and entropy carry `fill` at padded response positions, added
+    (not written over) so that a gradient reaching those positions flows on into the model."""
+    def wrapped(model, part, *args, **kwargs):
+        logp, entropy, width = real(model, part, *args, **kwargs)
+        pad = ~part.response_mask[:, :width].bool()
+        poison = torch.where(pad, torch.tensor(fill), torch.tensor(0.0))
+        return logp + poison, entropy + poison.abs(), width
+    return wrapped
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_garbage_at_padded_positions_changes_nothing(tiny_model_dir, monkeypatch, fill):
+    # The trainer's own micro-batch loss with the KL and the entropy in it: NaN or +inf at padded
+    # positions of old_logp, ref_logp, the advantages and the pass's own log-probs and entropy must
+    # give the loss, gradient and metrics of zeros there (every term is masked before any estimator).
+    model, tokenizer = load_policy(tiny_model_dir)
+    rollout = grouped_rollout(tokenizer, groups=2, group_size=3)
+    pad = ~rollout.response_mask.bool()
+    assert pad.any()
+    with torch.no_grad():
+        logp, _, _ = update.policy_logprobs(model, rollout, 1.0)
+    g = torch.Generator().manual_seed(3)
+    rollout.old_logp = logp + 0.1 * torch.randn(logp.shape, generator=g)
+    rollout.ref_logp = logp - 0.3 * torch.rand(logp.shape, generator=g)
+    rollout.advantages = torch.randn(logp.shape, generator=g)
+    cfg = Config()
+    cfg.algo.entropy_coef, cfg.rollout.max_new_tokens = 0.01, rollout.response_ids.shape[1]
+    opts = make_plan(cfg).update
+    assert opts.kl_in_loss and opts.entropy_coef > 0
+    norm = make_normalizer(opts.loss_agg, rollout.response_mask, opts.max_len)
+
+    def loss_and_grads(part):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = update.micro_policy_loss(model, part, norm, opts, kl_coef=0.04)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], metrics
+
+    clean = copy.copy(rollout)
+    for key in ("old_logp", "ref_logp", "advantages"):
+        setattr(clean, key, getattr(rollout, key).masked_fill(pad, 0.0))
+        setattr(rollout, key, getattr(rollout, key).masked_fill(pad, fill))
+    loss, grads, metrics = loss_and_grads(clean)
+    monkeypatch.setattr(update, "policy_logprobs", poisoned_pass(update.policy_logprobs, fill))
+    bad_loss, bad_grads, bad_metrics = loss_and_grads(rollout)
+    assert torch.isfinite(bad_loss) and all(torch.isfinite(g).all() for g in bad_grads)
+    assert torch.equal(bad_loss, loss) and all(torch.equal(a, b) for a, b in zip(bad_grads, grads))
+    assert bad_metrics == metrics and {"kl/ref", "policy/entropy"} <= set(metrics)
+    assert all(math.isfinite(v) for v in metrics.values())
