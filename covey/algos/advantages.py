@@ -144,8 +144,9 @@ def steps_to_tokens(step_values: Tensor, ends: Tensor, valid: Tensor, mask: Tens
 
 
 def grpo_process(inp: AdvantageInput, opts: AdvantageOptions):
-    """GRPO process supervision (Shao et al. 2024, arXiv:2402.03300, section 4.1.3): normalise every step reward by the mean and std of
-    all real step rewards of the group; A_t = sum of the normalised rewards of the steps ending at or after t.
+    """GRPO process supervision (Shao et al. 2024, arXiv:2402.03300, section 4.1.3): normalise every step
+    reward by the mean and std of all real step rewards of the group; A_t = sum of the normalised rewards
+    of the steps ending at or after t.
     """
     mode = normalize_mode(opts)
     p = prepare(inp)

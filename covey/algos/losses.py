@@ -189,8 +189,8 @@ def entropy_loss(entropy: Tensor, response_mask: Tensor, norm: Normalizer, coef:
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, response_mask: Tensor, norm: Normalizer, coef: float,
             kind: str = "k3") -> tuple[Tensor, dict]:
-    """GRPO's KL term in the loss (Shao et al. 2024, arXiv:2402.03300): coef * aggregate(kl_penalty(logp, ref_logp, kind)).
-    Metric kl/ref (mean estimate over valid tokens)."""
+    """GRPO's KL term in the loss (Shao et al. 2024, arXiv:2402.03300):
+    coef * aggregate(kl_penalty(logp, ref_logp, kind)). Metric kl/ref (mean estimate over valid tokens)."""
     mask = as_bool_mask(response_mask)
     kl = kl_penalty(masked_fill_zero(logp, mask), masked_fill_zero(ref_logp.detach().to(logp.dtype), mask), kind)
     return coef * aggregate(kl, mask, norm), {"kl/ref": _mean(kl, mask)}

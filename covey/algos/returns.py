@@ -118,8 +118,8 @@ def reinforce_pp_baseline(inp: AdvantageInput, opts: AdvantageOptions):
 
 
 def gae(inp: AdvantageInput, opts: AdvantageOptions):
-    """PPO's GAE (Schulman et al. 2016, arXiv:1506.02438): needs inp.values. normalize auto = none; global_token whitens A
-    over the batch (returns stay A + V of the un-whitened A)."""
+    """PPO's GAE (Schulman et al. 2016, arXiv:1506.02438): needs inp.values. normalize auto = none;
+    global_token whitens A over the batch (returns stay A + V of the un-whitened A)."""
     mode = normalize_mode(opts)
     p = prepare(inp)
     if inp.values is None:

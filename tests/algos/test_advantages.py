@@ -90,7 +90,8 @@ def test_discounted_gamma_edge_cases():
 
 
 def test_global_token_worked_example():
-    """A worked example that circulates in derivations: rewards 0.8, 0.6, lengths 3, 4, gamma 0.99, discounted credit, global-token normalisation.
+    """A worked example that circulates in derivations: rewards 0.8, 0.6, lengths 3, 4, gamma 0.99,
+    discounted credit, global-token normalisation.
 
     Step 1: mean 0.7, A_seq = +0.1, -0.1 (as the circulating example has it).
     Step 2: seq 1 weights 0.99^2, 0.99, 1 = 0.9801, 0.99, 1 (sum 2.9701):

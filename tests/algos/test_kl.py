@@ -42,7 +42,8 @@ def test_k3_is_unbiased_for_kl_theta_ref_and_the_003_form_is_not():
     kl = (pi * (pi / ref).log()).sum()
     for kind in ("k1", "k3"):
         assert (pi * kl_penalty(pi.log(), ref.log(), kind)).sum().item() == pytest.approx(kl.item())
-    # k3 written with r = pi/ref (an error that circulates): k = r - log r - 1, whose expectation under pi is not KL(pi || ref)
+    # k3 written with r = pi/ref (an error that circulates): k = r - log r - 1,
+    # whose expectation under pi is not KL(pi || ref)
     r = pi / ref
     assert (pi * (r - r.log() - 1)).sum().item() != pytest.approx(kl.item(), rel=0.05)
     assert (kl_penalty(torch.linspace(-5, 5, 101, dtype=F64), torch.zeros(101, dtype=F64), "k3") >= 0).all()
