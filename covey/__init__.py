@@ -5,8 +5,8 @@
     result = covey.train(cfg, reward_funcs=[...])        # -> TrainResult (run_dir, accuracies, metrics)
 
 Both names are imported on first use (PEP 562), so `import covey` stays light: `load_config`
-(covey.config, whose checks read the estimator registry and so import torch) and `train`
-(the package covey.train, callable; it imports the models).
+(covey.config, which loads no torch) and `train` (the package covey.train, callable; its first
+call imports the models).
 """
 
 import importlib

@@ -1,9 +1,10 @@
 """The one typed config: schema (every field with its docstring), loading (packaged presets named
-on the command line, YAML files, key=value overrides) and checks. No torch of its own; what an
-estimator needs is read from the traits of covey.algos.ESTIMATORS."""
+on the command line, YAML files, key=value overrides) and the checks a config can make alone.
+No torch and no covey.algos: the algorithm names and what an estimator needs are checked from the
+registries' traits when the run's plan is made (covey/train/plan_checks.py)."""
 
 from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSITIVE, WORD_MAX_STEPS,  # noqa: F401
-                                 derived_sizes, parse_corruptions, uses_critic, validate, validate_template,
+                                 parse_corruptions, validate, validate_template,
                                  validate_world, value_of)
 from covey.config.load import (as_dict, config_yaml, from_dict, load_config, preset_file, preset_names,  # noqa: F401
                                preset_path, read_preset, set_value, split_config)

@@ -1,15 +1,14 @@
 """Checks of a Config, run when it is loaded: closed option sets, positive sizes, combinations
 that cannot work, and what a run on several processes needs; then the sizes a config implies.
 
-What an estimator needs (groups of at least two samples, per-token rewards, step scores, a
-critic) is read from its registry entry's traits, covey.algos.ESTIMATORS, never from its name.
+covey.config imports no torch and no covey.algos: the names of estimators, policy losses and
+KL estimators, and what an estimator needs (groups of at least two samples, per-token rewards,
+step scores), are checked by the plan from the registries' traits (covey/train/plan_checks.py).
 Every error is one line naming the key.
 """
 
 from __future__ import annotations
 
-from covey.algos import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
-from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
 from covey.config.schema import Config, ConfigError, TaskConfig
 
 MULTISTEP_OPS = ("+", "-", "*")
@@ -39,15 +38,7 @@ CHOICES = {
     "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
     "rm.objective": ("bt", "prm"),
     "algo.learner": ("advantage", "dpo"),
-    "algo.estimator": tuple(ESTIMATORS),
-    "algo.policy_loss": tuple(POLICY_LOSSES),
-    "algo.loss_agg": tuple(AGGREGATIONS),
-    "algo.ratio_level": RATIO_LEVELS,
-    "algo.ratio_against": RATIO_AGAINST,
-    "algo.kl_estimator": tuple(KL_ESTIMATORS),
     "algo.kl_in": ("loss", "reward", "none"),
-    "algo.token_credit": TOKEN_CREDITS,
-    "algo.normalize": NORMALIZE_MODES,
     "train.logger": ("jsonl", "tensorboard"),
     "train.device": ("auto", "cpu", "cuda"),
     "eval.metric": ("auto", "math", "exact", "normalized", "contains", "reward"),
@@ -137,15 +128,6 @@ def validate_algo(cfg: Config) -> None:
     n_seq = r.prompts_per_step * r.group_size
     if n_seq % a.minibatches:
         raise ConfigError(f"algo.minibatches={a.minibatches} must divide prompts_per_step*group_size={n_seq}")
-    estimator = ESTIMATORS[a.estimator]
-    if r.group_size < estimator.min_group_size:
-        raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
-                          f"must be >= {estimator.min_group_size}")
-    if a.dynamic_sampling and estimator.min_group_size < 2:
-        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
-    if a.kl_in == "reward" and not estimator.per_token_rewards:
-        per_token = ", ".join(name for name, e in ESTIMATORS.items() if e.per_token_rewards)
-        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")
 
 
 def validate_task(cfg: Config) -> None:
@@ -225,16 +207,6 @@ def validate_rewards(cfg: Config) -> None:
         raise ConfigError("reward.iterative_every needs a learned reward model (reward.model_path or reward.prm_path)")
     if r.iterative_every and r.prm_path and cfg.task.name != "multistep":
         raise ConfigError("refreshing a PRM needs exact step labels: use task.name=multistep")
-    name = cfg.algo.estimator
-    if ESTIMATORS[name].step_scores:
-        if r.step_source == "prm" and not r.prm_path:
-            raise ConfigError(f"algo.estimator={name} scores steps with a PRM: set reward.prm_path "
-                              "(or reward.step_source=exact on task.name=multistep)")
-        if r.step_source == "exact" and cfg.task.name != "multistep":
-            raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
-    elif r.process_outcome_weight:
-        raise ConfigError(f"reward.process_outcome_weight adds the outcome to the last step of a step-scored "
-                          f"estimator (process supervision); algo.estimator={name} uses the outcome reward already")
 
 
 def validate_dpo_and_budget(cfg: Config) -> None:
@@ -307,21 +279,3 @@ def validate_world(cfg: Config, world_size: int) -> None:
                   if on]
     if unsupported:
         raise ConfigError(f"under torchrun, {', '.join(unsupported)} is not supported yet")
-
-
-def uses_critic(cfg: Config) -> bool:
-    """A critic is trained when the advantage learner's estimator needs values (GAE)."""
-    return cfg.algo.learner == "advantage" and ESTIMATORS[cfg.algo.estimator].needs_values
-
-
-def derived_sizes(cfg: Config) -> dict:
-    """Sizes implied by the config, printed at start."""
-    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_mb = n_seq // cfg.algo.minibatches
-    return {
-        "sequences_per_step": n_seq,
-        "sequences_per_minibatch": per_mb,
-        "micro_batches_per_minibatch": -(-per_mb // cfg.algo.micro_batch_size),
-        "optimizer_steps_per_rollout": cfg.algo.epochs * cfg.algo.minibatches,
-        "reuses_old_logprobs": cfg.algo.epochs * cfg.algo.minibatches > 1,
-    }

@@ -33,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from covey.config import ConfigError, derived_sizes, load_config, preset_names
+from covey.config import ConfigError, load_config, preset_names
 from covey.report.data import read_jsonl
 from covey.report.report import build_report
+from covey.train.plan import make_plan
 
 DEFAULT_ALGOS = ("grpo", "ppo", "reinforce_pp", "dpo_iterative")
 DEFAULT_SEEDS = (0, 1)
@@ -135,7 +136,7 @@ def budget_overrides(budget: Budget, algo: str, user: list[str]) -> list[str]:
     if budget.kind == "minutes":  # the clock is checkpointed: the budget holds across resumes
         return ["train.steps=1000000", f"train.max_minutes={budget.value:g}"]
     cfg = load_config(known_preset(algo), [*defaults_as_overrides(), *user])
-    per_step = derived_sizes(cfg)["sequences_per_step"]
+    per_step = make_plan(cfg).sizes.sequences_per_step
     return [f"train.steps={max(int(budget.value) // per_step, 1)}", "train.max_minutes=0"]
 
 
@@ -220,7 +221,7 @@ def validate_spec(spec: CompareSpec) -> None:
     """Every run's config loads before any run starts (a typo fails in a second, not after an hour)."""
     check_overrides(spec.overrides)
     for algo in spec.algos:
-        load_config(known_preset(algo), train_argv(spec, algo, spec.seeds[0])[2:])
+        make_plan(load_config(known_preset(algo), train_argv(spec, algo, spec.seeds[0])[2:]))
 
 
 def run_compare(spec: CompareSpec, runner=subprocess_runner, report: bool = True) -> dict:

@@ -100,6 +100,49 @@ def rows_per_update_pass(config, positions: int, available_bytes: int, least: in
     return rows_that_fit(config.num_hidden_layers * per_layer, positions, share * available_bytes, least, most)
 
 
+def size_no_grad_passes(sizes: "MicroBatchSizes", config, positions: int, rows: int, device: str) -> None:
+    """On one GPU the no-grad log-prob passes (old policy, reference, values) take as many sequences as
+    fit in a quarter of the free memory, at least their configured size (algo.micro_batch_size):
+    fewer, larger passes. Halved on out-of-memory like any phase. The caller decides where this
+    applies (not under torchrun, where every rank keeps the configured size: their passes pair up)."""
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    sizes.sizes["logprobs"] = rows_per_no_grad_pass(config, positions, free, sizes.sizes["logprobs"], rows)
+
+
+def pending_training_bytes(trained: list) -> int:
+    """Bytes the first optimizer step will still allocate for (model, optimizer) pairs: the gradients
+    not yet made and AdamW's two moments where the optimizer holds no state yet."""
+    pending = 0
+    for model, optimizer in trained:
+        params = [p for p in model.parameters() if p.requires_grad]
+        pending += sum(p.numel() * p.element_size() for p in params if p.grad is None)
+        if not optimizer.state:
+            pending += 2 * sum(p.numel() * p.element_size() for p in params)
+    return pending
+
+
+def size_update_pass(sizes: "MicroBatchSizes", config, trained: list, positions: int, rows: int, device: str,
+                     element_bytes: int, share: float) -> None:
+    """Before the first update on one GPU: its micro-batches take as many sequences as fit in `share`
+    (algo.update_memory_share) of the free GPU memory, less the gradients and optimizer state not yet
+    allocated, at least algo.micro_batch_size; fewer, larger micro-batches launch fewer kernels, and
+    the gradient does not change. Once per process, and never after an out-of-memory halved a size
+    (a resumed run keeps its checkpointed sizes then). `trained`: (model, optimizer) pairs."""
+    if share <= 0 or sizes.oom_retries or sizes.update_sized:
+        return
+    sizes.update_sized = True
+    cuda = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(cuda)
+    cached = torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda)
+    least = sizes.sizes["update"]
+    sizes.sizes["update"] = rows_per_update_pass(config, positions, free + cached - pending_training_bytes(trained),
+                                                 least, rows, element_bytes, share)
+    if sizes.sizes["update"] > least:  # the memory this takes is the user's to know (and to refuse)
+        print(f"covey: update micro-batches of {sizes.sizes['update']} sequences, sized to "
+              f"algo.update_memory_share={share:g} of {free / 2**30:.1f} GiB free GPU memory "
+              f"(algo.update_memory_share=0 keeps {least})")
+
+
 # --------------------------------------------------------------------------- out of memory
 
 

@@ -157,8 +157,7 @@ def assert_finite_state(run) -> None:
 
 
 def _saves_reference(run) -> bool:
-    a = run.cfg.algo
-    return run.reference is not None and bool(a.ref_refresh_every or a.ref_ema)
+    return run.reference is not None and run.plan.reference.moves
 
 
 def rng_state() -> dict:
@@ -189,7 +188,7 @@ def trainer_state(run, eval_before: dict, log_positions: dict) -> dict:
         "rng": rng_state(),
         "eval_before": eval_before,
         "logs": log_positions,
-        "extra": {k: v.state_dict() for k, v in getattr(run, "extra_state", {}).items()},
+        "extra": {k: v.state_dict() for k, v in run.checkpointed().items()},
     }
 
 
@@ -210,7 +209,7 @@ def save_checkpoint(run, eval_before: dict) -> Path:
             torch.save(run.critic.state_dict(), tmp / "critic.pt")
         if _saves_reference(run):
             torch.save(run.reference.state_dict(), tmp / "reference.pt")
-        (tmp / "config.yaml").write_text(yaml.safe_dump(as_dict(run.cfg), sort_keys=False))
+        (tmp / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
         torch.save(trainer_state(run, eval_before, positions), tmp / STATE_FILE)
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +221,7 @@ def save_checkpoint(run, eval_before: dict) -> Path:
         raise CheckpointError(f"writing checkpoint {final} failed: {first_line(err)} ({free_gb:.1f} GB free there); "
                               f"newest complete checkpoint: {previous[-1] if previous else 'none'}") from None
     fault_point("checkpoint-prune", run.step)
-    prune_checkpoints(run.run_dir, run.cfg.train.keep_checkpoints, run.step)
+    prune_checkpoints(run.run_dir, run.plan.schedule.keep_checkpoints, run.step)
     return final
 
 
@@ -323,8 +322,8 @@ def load_checkpoint(run, path: Path) -> Resumed:
     """Restore everything `save_checkpoint` wrote into `run`."""
     path = Path(path)
     saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
-    diffs = config_differences(saved_cfg, as_dict(run.cfg))
-    if diffs and not run.cfg.train.resume_force:
+    diffs = config_differences(saved_cfg, run.config_record)
+    if diffs and not run.plan.schedule.resume_force:
         raise CheckpointError(f"resume from {path}: config changed in keys that change results: "
                               f"{', '.join(diffs)} (set train.resume_force=true to override)")
     st = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")  # GPU run -> CPU resume too
@@ -336,7 +335,7 @@ def load_checkpoint(run, path: Path) -> Resumed:
     for k, v in st["update_state"].items():
         setattr(run.update_state, k, v)
     run.shuffle_generator.set_state(st["shuffle_generator"])
-    extra = getattr(run, "extra_state", {})
+    extra = run.checkpointed()
     for k, v in st.get("extra", {}).items():
         if k not in extra:
             raise CheckpointError(f"{path}: holds state '{k}' that this run does not have")

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
+from covey.config import Config, as_dict
 from covey.rewards.combine import TrainerState
+from covey.rewards.scoring import score
 from covey.runtime.metrics import write_whole
 from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
 from covey.tasks.verifiers import verify
-from covey.train.rollout_phase import score
 
 
 @dataclass
@@ -146,3 +147,12 @@ def write_cached_eval(path: str | Path, key: str, result: dict, settings: dict) 
     entries = cached_evals(path)
     entries[key] = {"metrics": {k: v for k, v in result.items() if k.startswith("eval/")}, "settings": settings}
     write_whole(path, json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def eval_settings(cfg: Config) -> dict:
+    """What the untrained policy's held-out figures depend on: every section but algo, optim and
+    train, and of train the seed (it draws the held-out set), the device and pass@k."""
+    sections = as_dict(cfg)
+    settings = {name: sections[name] for name in ("model", "task", "rollout", "reward", "rm", "eval")}
+    settings["train"] = {k: sections["train"][k] for k in ("seed", "device", "eval_pass_k")}
+    return settings

@@ -4,7 +4,11 @@ One loop serves every algorithm: the plan (covey.train.plan, made once from the 
 says which estimator and policy loss of `covey.algos` run, whether a reference model and
 a critic exist, and where the KL goes (loss term or per-token reward penalty).
 
-    train: plan -> setup -> evaluate the untrained policy (or resume) -> steps -> evaluate -> save
+    train = open_run -> steps -> finish; a caller (covey compare, the benchmarks) drives the same three:
+        session = open_run(cfg)          plan -> setup -> evaluate the untrained policy (or resume)
+        for metrics in steps(session):   one step each, logged and checkpointed; `break` stops early
+            ...
+        result = finish(session)         checkpoint -> evaluate -> save the final model
     step:  sample -> score -> log-probs -> advantages -> update      (algo.learner=advantage)
            sample -> score -> best-vs-worst pairs -> DPO update       (algo.learner=dpo)
 
@@ -21,37 +25,63 @@ Deviations from the papers, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
 from covey import algos
 from covey.batch import Rollout
-from covey.config import Config, as_dict
+from covey.config import Config
+from covey.models.load import resolve_model_path
+from covey.models.offload import release_weights
 from covey.passes.logprobs import batched_logprobs, batched_values
 from covey.rewards.build import build_rewarder
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
-from covey.models.offload import release_weights
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
+from covey.runtime.dist import (broadcast_object, close_distributed, describe_device, reduce_eval, reduce_metrics,
+                                uneven_share)
 from covey.runtime.memory import halving_on_oom, record_gpu_peak, take_gpu_peak_mb
-from covey.runtime.dist import broadcast_object, close_distributed, reduce_eval, reduce_metrics, uneven_share
-from covey.runtime.signals import TrainingStopped, fault_point, graceful_stop
+from covey.runtime.signals import StopFlag, TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_task_data
 from covey.train.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                                     save_final)
 from covey.train.dpo import dpo_update
-from covey.train.evaluate import Judge, evaluate, read_cached_eval, settings_key, write_cached_eval
+from covey.train.evaluate import Judge, eval_settings, evaluate, read_cached_eval, settings_key, write_cached_eval
 from covey.train.global_batch import decorrelate_ranks, global_advantages, global_batch_view, save_on_main, whole_tensors
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
 from covey.train.setup import (Feed, Run, TrainResult, attach_reward_models, build_run, choose_verifier, open_feed,
                                open_world, prepare_run_dir, print_header, print_precision, seed_everything,
-                               size_update_pass)
+                               size_update)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.train.update import record_skip, update_critic, update_policy
+
+
+@dataclass
+class Session:
+    """An open run: what `open_run` built, what `steps` advances and what `finish` closes. `run` holds the models, optimizers and typed state (a checkpoint restores it); `feed` the
+    data, prompts, rewarder and engines; `before` the untrained policy's held-out metrics (or the
+    resumed run's); `last` the metrics of the newest step. A caller reads `run.policy` to attach
+    module hooks (a FLOP counter, a profiler), and stops early with `break`.
+    """
+    run: Run
+    feed: Feed
+    before: dict
+    eval_cache: tuple[str, dict] | None = None  # train.eval_before_cache and the settings it is keyed by
+    last: dict = field(default_factory=dict)
+    last_saved: int | None = None
+    stop: StopFlag = field(default_factory=StopFlag)
+    signals: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def close(self) -> None:
+        """Give the stop-signal handlers back (finish calls it; so does a caller that never finishes)."""
+        self.signals.close()
 
 
 def train(cfg: Config, reward_funcs=None) -> TrainResult:
@@ -61,12 +91,27 @@ def train(cfg: Config, reward_funcs=None) -> TrainResult:
     the configured rewards (reward.functions) with weight 1 unless given; each is called with
     keyword arguments, TRL's convention, and reported as reward/<function name>.
     """
+    session = open_run(cfg, reward_funcs)
+    try:
+        for _ in steps(session):
+            pass
+        return finish(session)
+    finally:
+        session.close()
+
+
+def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) -> Session:
+    """Everything before the first step: plan, data and model found, models built, the untrained policy
+    evaluated (or a checkpoint restored). `evaluate_before=False` skips that evaluation (a caller that
+    measures held-out accuracy itself); step 0's line then holds no eval/ figures."""
     plan = make_plan(cfg)  # every option checked once; below the loop only plain options travel
     check_resume_request(cfg)
     world = open_world(cfg)
     data = load_task_data(cfg.task, cfg.train.seed)  # bad data fails before a model is loaded
     run_dir = prepare_run_dir(cfg, plan.label)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
+    resolve_model_path(cfg.model.path)  # and a model that is not there, before anything is printed
+    print(f"covey: device {describe_device(world.device)}")
     print_header(run_dir, cfg.task.name, data)
     verifier = choose_verifier(cfg, data)
     print_plan(plan)
@@ -74,20 +119,27 @@ def train(cfg: Config, reward_funcs=None) -> TrainResult:
     learned = load_learned_rewards(cfg.reward, world.device)
     rewarder = build_rewarder(cfg, learned, reward_funcs or (), verifier=verifier)
     run = build_run(cfg, run_dir, len(data.train), world, plan)
-    attach_reward_models(run, learned)
-    print_precision(run)
-    feed = open_feed(run, data, rewarder)
+    attach_reward_models(run, learned, cfg)
+    print_precision(run, cfg)
+    feed = open_feed(run, data, rewarder, cfg)
     feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
+    session = Session(run=run, feed=feed, before={},
+                      eval_cache=(cfg.train.eval_before_cache, eval_settings(cfg)) if cfg.train.eval_before_cache
+                      else None)
+    session.stop = session.signals.enter_context(graceful_stop())
+    try:
+        session.before = start_or_resume(session, resume_from, evaluate_before)
+    except BaseException:
+        session.close()
+        raise
+    session.last_saved = run.step if resume_from is not None else None
+    decorrelate_ranks(world, cfg.train.seed, run.step)
+    return session
 
-    with graceful_stop() as stop:
-        before = start_or_resume(run, resume_from, feed)
-        decorrelate_ranks(world, cfg.train.seed, run.step)
-        last = run_loop(run, feed, before, stop, last_saved=run.step if resume_from is not None else None)
-    return finish(run, feed, before, last)
 
-
-def start_or_resume(run: Run, resume_from, feed: Feed) -> dict:
+def start_or_resume(session: Session, resume_from, evaluate_before: bool = True) -> dict:
     """Restore a checkpoint, or evaluate the untrained policy; returns the pre-training eval."""
+    run, feed = session.run, session.feed
     if resume_from is not None:
         with whole_tensors(run, gather=False):  # under FSDP: full states from disk into each rank's shards
             resumed = load_checkpoint(run, resume_from)
@@ -99,20 +151,23 @@ def start_or_resume(run: Run, resume_from, feed: Feed) -> dict:
         print(f"covey: resumed from {resume_from} at step {run.step}")
         return resumed.eval_before
     run.logger.reset()
-    before, source = eval_before_training(run, feed)
+    if not evaluate_before:
+        run.logger.log(0, {"data/skipped_rows": feed.data.skipped_rows})
+        return {}
+    before, source = eval_before_training(session)
     run.logger.log(0, {**before, "data/skipped_rows": feed.data.skipped_rows})
     print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
           f"({before['eval/n']} problems, greedy{source})")
     return before
 
 
-def eval_before_training(run: Run, feed: Feed) -> tuple[dict, str]:
+def eval_before_training(session: Session) -> tuple[dict, str]:
     """The untrained policy's evaluation, and where it came from: run here, or read from
     train.eval_before_cache, where a run with the same settings stored it (then added there)."""
-    path = run.cfg.train.eval_before_cache
-    if not path:
+    run, feed = session.run, session.feed
+    if session.eval_cache is None:
         return run_eval(run, feed), ""
-    settings = eval_settings(run.cfg)
+    path, settings = session.eval_cache
     key = settings_key(settings)
     cached = broadcast_object(read_cached_eval(path, key) if run.world.is_main else None)
     if cached is not None:
@@ -126,44 +181,46 @@ def eval_before_training(run: Run, feed: Feed) -> tuple[dict, str]:
     return before, ""
 
 
-def eval_settings(cfg: Config) -> dict:
-    """What the untrained policy's held-out figures depend on: every section but algo, optim and
-    train, and of train the seed (it draws the held-out set), the device and pass@k."""
-    sections = as_dict(cfg)
-    settings = {name: sections[name] for name in ("model", "task", "rollout", "reward", "rm", "eval")}
-    settings["train"] = {k: sections["train"][k] for k in ("seed", "device", "eval_pass_k")}
-    return settings
+def steps(session: Session) -> Iterator[dict]:
+    """The run's steps, each yielded with its metrics once logged, until train.steps, the time budget or
+    a stop signal; a checkpoint every save_every steps. On a stop signal: a checkpoint, then
+    TrainingStopped. A caller may `break` at any step; `finish` saves what was not saved."""
+    run, feed, schedule = session.run, session.feed, session.run.plan.schedule
+    bar = tqdm(total=schedule.steps, initial=run.step, disable=not schedule.progress, unit="step")
+    try:
+        while run.step < schedule.steps and not out_of_time(run) and not session.stop.agreed():
+            metrics = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
+            if schedule.eval_every and run.step % schedule.eval_every == 0 and run.step < schedule.steps:
+                metrics.update(run_eval(run, feed))
+            run.logger.log(run.step, metrics)
+            fault_point("step-logged", run.step)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
+                            **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
+                            kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
+            bar.update(1)
+            if schedule.save_every and run.step % schedule.save_every == 0:
+                save_on_main(run, lambda r: save_checkpoint(r, session.before))
+                session.last_saved = run.step
+            session.last = metrics
+            yield metrics
+    finally:
+        bar.close()
+    if session.stop.requested:
+        save_unsaved(session)
+        raise TrainingStopped(session.stop.signum, run.step,
+                              run.run_dir / "checkpoints" / f"step-{run.step:06d}")
 
 
-def run_loop(run: Run, feed: Feed, before: dict, stop, last_saved: int | None) -> dict:
-    """Steps until train.steps, the time budget or a stop signal; a checkpoint every save_every steps
-    and at the end. Returns the last step's metrics."""
-    cfg, metrics = run.cfg, {}
-    bar = tqdm(total=cfg.train.steps, initial=run.step, disable=not cfg.train.progress, unit="step")
-    while run.step < cfg.train.steps and not out_of_time(run) and not stop.agreed():
-        metrics = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
-        if cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and run.step < cfg.train.steps:
-            metrics.update(run_eval(run, feed))
-        run.logger.log(run.step, metrics)
-        fault_point("step-logged", run.step)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                        **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
-                        kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
-        bar.update(1)
-        if cfg.train.save_every and run.step % cfg.train.save_every == 0:
-            save_on_main(run, lambda r: save_checkpoint(r, before))
-            last_saved = run.step
-    bar.close()
-    if last_saved != run.step:  # the end of the run, or a stop between two checkpoints
-        save_on_main(run, lambda r: save_checkpoint(r, before))
-    if stop.requested:
-        raise TrainingStopped(stop.signum, run.step, run.run_dir / "checkpoints" / f"step-{run.step:06d}")
-    return metrics
+def save_unsaved(session: Session) -> None:
+    """A checkpoint of the newest step, unless one was written at it."""
+    if session.last_saved != session.run.step:
+        save_on_main(session.run, lambda r: save_checkpoint(r, session.before))
+        session.last_saved = session.run.step
 
 
 def out_of_time(run: Run) -> bool:
-    limit = run.cfg.train.max_minutes
-    return limit > 0 and run.extra_state["clock"].seconds >= 60 * limit
+    limit = run.plan.schedule.max_minutes
+    return limit > 0 and run.clock.seconds >= 60 * limit
 
 
 # --------------------------------------------------------------------------- one step
@@ -190,10 +247,10 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     metrics.update(rollout_metrics(global_batch_view(rollout)))  # over every rank's samples
     metrics["kl/beta"] = run.kl_controller.value
     metrics["time/step"] = time.perf_counter() - t0 - metrics.get("time/grad_var", 0.0)  # measurement excluded
-    metrics["time/elapsed"] = run.extra_state["clock"].add(metrics["time/step"])
+    metrics["time/elapsed"] = run.clock.add(metrics["time/step"])
     metrics["throughput/tokens_per_s"] = float(rollout.response_mask.sum()) / max(metrics["time/generate"], 1e-9)
     metrics.update(memory_metrics(run))
-    every = run.cfg.train.samples_every
+    every = run.plan.schedule.samples_every
     if every and (run.step % every == 0 or run.step == 1):  # the first step too: a short run shows samples
         run.logger.log_samples(run.step, sample_rows(rollout, data.train))
     return reduce_metrics(metrics)  # under torchrun: pooled over ranks (docs/scale.md, Metrics)
@@ -222,21 +279,21 @@ def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict
 def score_steps(run: Run, rollout: Rollout, examples, prompts) -> tuple[dict | None, dict]:
     """Process supervision (the estimator's `step_scores` trait): one reward per reasoning step,
     placed on the token where the step ends."""
-    if not run.plan.traits.step_scores:
+    scoring, t0 = run.plan.step_scoring, time.perf_counter()
+    if not scoring.enabled:
         return None, {}
-    cfg, t0 = run.cfg, time.perf_counter()
     steps, metrics = process_step_inputs(rollout, run.tokenizer, prompts, examples, run.learned_rewards.process,
-                                         cfg.reward.step_source, cfg.reward.step_separator)
-    if cfg.reward.process_outcome_weight:
+                                         scoring.source, scoring.separator)
+    if scoring.outcome_weight:
         steps["step_scores"] = add_outcome_to_last_step(steps["step_scores"], steps["step_mask"], rollout.scores,
-                                                        cfg.reward.process_outcome_weight)
+                                                        scoring.outcome_weight)
     metrics["time/score_steps"] = time.perf_counter() - t0
     return steps, metrics
 
 
 def add_logprobs(run: Run, rollout: Rollout) -> dict:
     """pi_old and pi_ref log-probs and critic values, each only where something uses it."""
-    plan, t0, sizes, device = run.plan, time.perf_counter(), run.extra_state["micro_batches"], run.world.device
+    plan, t0, sizes, device = run.plan, time.perf_counter(), run.micro_batches, run.world.device
     temp, prec = plan.update.temperature, plan.update.autocast
     if plan.needs_old_logprobs:
         rollout.old_logp = halving_on_oom("logprobs", sizes, lambda mb: batched_logprobs(
@@ -274,27 +331,27 @@ def correct_sampler_mismatch(run: Run, rollout: Rollout) -> dict:
     """Truncated IS (algo.tis_cap): vLLM sampled with its own kernels and weight copy, so each token's
     policy-loss term is weighted by min(pi_old/pi_sampler, cap). The weight (>= 0, no gradient) is folded
     into the advantage, which for ppo_clip and pg is the same as multiplying the token's loss term."""
-    if not run.cfg.algo.tis_cap:
+    if not run.plan.tis_cap:
         return {}
     sampler_logp = getattr(rollout, "sample_logp", None)
     if sampler_logp is None:
         raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs")
     weights, metrics = algos.truncated_is_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
-                                                  run.cfg.algo.tis_cap)
+                                                  run.plan.tis_cap)
     rollout.advantages = rollout.advantages * weights
     return metrics
 
 
 def update(run: Run, rollout: Rollout) -> dict:
     """algo.epochs x algo.minibatches optimizer steps of the policy loss (and of the critic's)."""
-    cfg, opts, metrics = run.cfg, run.plan.update, {}
-    if cfg.train.grad_var_every and (run.step + 1) % cfg.train.grad_var_every == 0:
+    schedule, opts, metrics = run.plan.schedule, run.plan.update, {}
+    if schedule.grad_var_every and (run.step + 1) % schedule.grad_var_every == 0:
         metrics = measure_grad_variance(run.policy, rollout, opts, run.kl_controller.value,
-                                        seed=cfg.train.seed * 100003 + run.step,
-                                        num_batches=cfg.train.grad_var_batches)
+                                        seed=schedule.seed * 100003 + run.step,
+                                        num_batches=schedule.grad_var_batches)
     t0 = time.perf_counter()
-    size_update_pass(run, rollout)  # on one GPU, before the first update
-    sizes = run.extra_state["micro_batches"]
+    size_update(run, rollout)  # on one GPU, before the first update
+    sizes = run.micro_batches
     metrics.update(update_policy(run.policy, run.optimizer, run.scheduler, rollout, opts, run.kl_controller.value,
                                  run.update_state, run.shuffle_generator, sizes))
     if run.critic is not None:
@@ -309,7 +366,7 @@ def update(run: Run, rollout: Rollout) -> dict:
 def learn_from_pairs(run: Run, rollout: Rollout) -> dict:
     """Iterative DPO (covey.train.dpo): best-vs-worst pairs of each group, DPO steps against the reference."""
     metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.plan.update,
-                         run.update_state, run.shuffle_generator)
+                         run.update_state, run.shuffle_generator, run.micro_batches)
     return record_gpu_peak({**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}, run.world.device, "update")
 
 
@@ -323,14 +380,14 @@ def sync_engine(run: Run, engine) -> dict:
 @torch.no_grad()
 def refresh_reference(run: Run) -> None:
     """Reset the reference to the policy every K steps, or mix it in (EMA) every step."""
-    a = run.cfg.algo
+    ref = run.plan.reference
     if run.reference is None:
         return
-    if a.ref_refresh_every and run.step % a.ref_refresh_every == 0:
+    if ref.refresh_every and run.step % ref.refresh_every == 0:
         run.reference.load_state_dict(run.policy.state_dict())
-    elif a.ref_ema:
+    elif ref.ema:
         for r, p in zip(run.reference.parameters(), run.policy.parameters()):
-            r.lerp_(p, a.ref_ema)
+            r.lerp_(p, ref.ema)
 
 
 def refresh_reward_models(run: Run, rollout: Rollout, examples, prompts) -> dict:
@@ -347,12 +404,12 @@ def refresh_reward_models(run: Run, rollout: Rollout, examples, prompts) -> dict
 
 def run_eval(run: Run, feed: Feed) -> dict:
     """Held-out evaluation; under torchrun each rank evaluates every W-th problem and the counts are pooled."""
-    cfg, t0 = run.cfg, time.perf_counter()
+    sampling, schedule, t0 = run.plan.sampling, run.plan.schedule, time.perf_counter()
     mine = uneven_share(list(range(len(feed.eval_prompts))), run.world)
-    feed.judge.state = TrainerState(global_step=run.step, max_steps=cfg.train.steps)
+    feed.judge.state = TrainerState(global_step=run.step, max_steps=schedule.steps)
     out = evaluate(feed.eval_engine, [feed.eval_prompts[i] for i in mine], [feed.data.eval[i] for i in mine],
-                   judge=feed.judge, batch_size=cfg.rollout.eval_batch_size,
-                   max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=cfg.train.eval_pass_k)
+                   judge=feed.judge, batch_size=sampling.eval_batch_size,
+                   max_new_tokens=sampling.eval_max_new_tokens, pass_k=schedule.eval_pass_k)
     out = reduce_eval(out)
     out["time/eval"] = time.perf_counter() - t0
     return record_gpu_peak(out, run.world.device, "eval")
@@ -365,19 +422,28 @@ def eval_figure(judge: Judge, result: dict) -> str:
     return f"{result['eval/accuracy']:.1%}"
 
 
-def finish(run: Run, feed: Feed, before: dict, last: dict) -> TrainResult:
-    """Evaluate the trained policy, save it, close the process group."""
-    by_budget = run.step < run.cfg.train.steps and out_of_time(run)
-    after = run_eval(run, feed)
+def finish(session: Session, *, evaluate: bool = True, save: bool = True) -> TrainResult:
+    """The end of a run: a checkpoint of the newest step, the trained policy evaluated and saved
+    (runs/<name>/final), the process group closed. `evaluate=False` / `save=False` leave out the
+    evaluation / the checkpoint and the final folder (a caller that measures or saves by itself)."""
+    run, feed, before, schedule = session.run, session.feed, session.before, session.run.plan.schedule
+    session.close()
+    if save:
+        save_unsaved(session)
+    by_budget = run.step < schedule.steps and out_of_time(run)
+    after = run_eval(run, feed) if evaluate else {}
     run.logger.log(run.step, {**after, "final": 1, "train/stopped_by_budget": int(by_budget)})
-    final_dir = save_on_main(run, save_final) or run.run_dir / "final"  # rank 0 writes it
-    result = TrainResult(run_dir=run.run_dir, final_model=final_dir, steps=run.step, metrics=last,
+    final_dir = (save_on_main(run, save_final) or run.run_dir / "final") if save else None  # rank 0 writes it
+    result = TrainResult(run_dir=run.run_dir, final_model=final_dir, steps=run.step, metrics=session.last,
                          accuracy_before=before.get("eval/accuracy"), accuracy_after=after.get("eval/accuracy"),
                          eval_before=before, eval_after=after)
-    budget = run.cfg.train.max_minutes
-    stopped = (f" (stopped by the time budget train.max_minutes={budget:g} before train.steps={run.cfg.train.steps}; "
-               "train.max_minutes=0 for no limit)" if by_budget else "")
-    print(f"covey: held-out {feed.judge.describe()} {eval_figure(feed.judge, before)} -> "
-          f"{eval_figure(feed.judge, after)} after {run.step} steps; model saved to {final_dir}{stopped}")
+    stopped = (f" (stopped by the time budget train.max_minutes={schedule.max_minutes:g} before "
+               f"train.steps={schedule.steps}; train.max_minutes=0 for no limit)" if by_budget else "")
+    if evaluate and before:
+        print(f"covey: held-out {feed.judge.describe()} {eval_figure(feed.judge, before)} -> "
+              f"{eval_figure(feed.judge, after)} after {run.step} steps"
+              + (f"; model saved to {final_dir}" if save else "") + stopped)
+    elif save:
+        print(f"covey: {run.step} steps; model saved to {final_dir}{stopped}")
     close_distributed()
     return result

@@ -1,10 +1,11 @@
 """Config -> Plan, once at the top of a run: what the run computes, in plain options.
 
-The Config stops here. `make_plan` reads it once, derives from the estimator's registry
-entry (`covey.algos.ESTIMATORS`) which models and inputs the run needs, builds the option
-objects of the advantage estimator, the policy loss and the update, checks them, and
-`print_plan` shows the result at start. Everything below the loop (update, dpo, gradvar)
-takes these options, never the Config.
+The Config stops here. `make_plan` reads it once, checks it against the `covey.algos`
+registries (covey/train/plan_checks.py), derives from the estimator's registry entry which
+models and inputs the run needs, builds the option objects of sampling, the advantage
+estimator, the policy loss, the update, the reference, the sampler correction, step scoring
+and the schedule, checks them, and `print_plan` shows the result at start. The steps read
+these options, never the Config.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from covey import algos
 from covey.config import Config, ConfigError, validate
+from covey.train.plan_checks import check_against_registries
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,66 @@ class KLOptions:
 
 
 @dataclass(frozen=True)
+class SamplingOptions:
+    """How a step samples (rollout.*), and DAPO's dynamic sampling (algo.dynamic_sampling)."""
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seeding: str
+    """global | per_prompt (each group seeded by its draw: the same samples however calls split)."""
+    eval_batch_size: int
+    eval_max_new_tokens: int
+    dynamic_sampling: bool
+    """Drop groups whose rewards all tie and sample more prompts (Yu et al. 2025, arXiv:2503.14476)."""
+    max_resample_rounds: int
+
+
+@dataclass(frozen=True)
+class ReferenceOptions:
+    """How the reference model moves (algo.ref_refresh_every, algo.ref_ema); both 0: it stays the initial policy."""
+    refresh_every: int
+    ema: float
+
+    @property
+    def moves(self) -> bool:
+        """The reference changes during the run (so checkpoints hold it)."""
+        return bool(self.refresh_every or self.ema)
+
+
+@dataclass(frozen=True)
+class StepScoring:
+    """Process supervision's step rewards (the estimator's `step_scores` trait)."""
+    enabled: bool
+    source: str
+    """prm | exact."""
+    separator: str
+    outcome_weight: float
+    """Weight of the outcome reward added to the last step (0 = none)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the run stops, evaluates, saves, logs samples and measures gradient variance (train.*)."""
+    steps: int
+    max_minutes: float
+    """Training-time budget in minutes, resumes included (0 = none)."""
+    seed: int
+    eval_every: int
+    eval_pass_k: int
+    save_every: int
+    keep_checkpoints: int
+    samples_every: int
+    progress: bool
+    grad_var_every: int
+    grad_var_batches: int
+    resume_force: bool
+    """Resume even if keys that change results differ from the checkpoint's."""
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one run computes; made once by `make_plan`."""
     label: str
@@ -99,6 +161,14 @@ class Plan:
     advantage: algos.AdvantageOptions
     update: UpdateOptions
     kl: KLOptions
+    sampling: SamplingOptions
+    reference: ReferenceOptions
+    tis_cap: float
+    """Truncated importance sampling: each token's weight min(pi_old / pi_sampler, cap) (0 = off)."""
+    step_scoring: StepScoring
+    schedule: Schedule
+    update_memory_share: float
+    """On one GPU, the share of free memory the update's micro-batches may take (0 = micro_batch_size)."""
 
 
 def make_plan(cfg: Config) -> Plan:
@@ -108,6 +178,7 @@ def make_plan(cfg: Config) -> Plan:
     code gets them too); then the option objects check themselves.
     """
     validate(cfg)
+    check_against_registries(cfg)
     a = cfg.algo
     traits = algos.ESTIMATORS[a.estimator]
     sizes = step_sizes(cfg)
@@ -123,7 +194,12 @@ def make_plan(cfg: Config) -> Plan:
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
         update=update_options(cfg),
         kl=KLOptions(beta=a.beta, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator,
-                     placement=a.kl_in))
+                     placement=a.kl_in),
+        sampling=sampling_options(cfg), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
+        tis_cap=a.tis_cap, schedule=schedule(cfg), update_memory_share=a.update_memory_share,
+        step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
+                                 separator=cfg.reward.step_separator,
+                                 outcome_weight=cfg.reward.process_outcome_weight))
     for options in (plan.advantage, plan.update.loss):
         try:
             options.validate()
@@ -138,6 +214,23 @@ def step_sizes(cfg: Config) -> Sizes:
     return Sizes(sequences_per_step=n_seq, sequences_per_minibatch=per_mb,
                  micro_batches_per_minibatch=-(-per_mb // cfg.algo.micro_batch_size),
                  optimizer_steps_per_rollout=cfg.algo.epochs * cfg.algo.minibatches)
+
+
+def sampling_options(cfg: Config) -> SamplingOptions:
+    r, a = cfg.rollout, cfg.algo
+    return SamplingOptions(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                           max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                           seeding=r.seeding, eval_batch_size=r.eval_batch_size,
+                           eval_max_new_tokens=r.eval_max_new_tokens, dynamic_sampling=a.dynamic_sampling,
+                           max_resample_rounds=a.max_resample_rounds)
+
+
+def schedule(cfg: Config) -> Schedule:
+    t = cfg.train
+    return Schedule(steps=t.steps, max_minutes=t.max_minutes, seed=t.seed, eval_every=t.eval_every,
+                    eval_pass_k=t.eval_pass_k, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
+                    samples_every=t.samples_every, progress=t.progress, grad_var_every=t.grad_var_every,
+                    grad_var_batches=t.grad_var_batches, resume_force=t.resume_force)
 
 
 def update_options(cfg: Config) -> UpdateOptions:
@@ -165,3 +258,16 @@ def print_plan(plan: Plan) -> None:
     models = ["policy"] + ["reference"] * plan.needs_reference + ["critic"] * plan.needs_critic
     print(f"covey: models {' + '.join(models)}; old log-prob pass: {'yes' if plan.needs_old_logprobs else 'no'}")
     print("covey: sizes " + " ".join(f"{k}={v}" for k, v in vars(plan.sizes).items()))
+    s, ref, sc = plan.sampling, plan.reference, plan.schedule
+    print(f"covey: sampling {s.prompts_per_step} prompts x {s.group_size} samples, {s.max_new_tokens} new tokens, "
+          f"temperature={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k} seeding={s.seeding}"
+          + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else ""))
+    extras = [f"reference refreshed every {ref.refresh_every} steps" if ref.refresh_every else "",
+              f"reference EMA {ref.ema:g}" if ref.ema else "",
+              f"truncated IS cap {plan.tis_cap:g}" if plan.tis_cap else "",
+              (f"step scores from {plan.step_scoring.source}" + (f" + outcome x {plan.step_scoring.outcome_weight:g}"
+               if plan.step_scoring.outcome_weight else "")) if plan.step_scoring.enabled else ""]
+    if any(extras):
+        print("covey: " + "; ".join(e for e in extras if e))
+    print(f"covey: schedule steps={sc.steps} max_minutes={sc.max_minutes:g} eval_every={sc.eval_every} "
+          f"save_every={sc.save_every} seed={sc.seed}")

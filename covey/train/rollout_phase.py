@@ -16,6 +16,7 @@ import torch
 
 from covey.batch import Rollout, concat_rollouts
 from covey.rewards.combine import TrainerState
+from covey.rewards.scoring import score
 from covey.runtime.memory import halving_on_oom
 from covey.train.global_batch import draw_share, prompt_seed, sample_groups
 from covey.train.setup import Run
@@ -28,7 +29,7 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
     metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / len(rollout.group_ids.unique())
     if "correctness" in rollout.reward_parts:  # the verifier's share of right samples; no verifier, no accuracy
         metrics["accuracy"] = float(rollout.reward_parts["correctness"].mean())
-    if run.cfg.algo.dynamic_sampling:
+    if run.plan.sampling.dynamic_sampling:
         rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
                                                              timings)
     rollout = drop_invalid(rollout)
@@ -37,16 +38,16 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
 
 def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dict) -> tuple[Rollout, dict]:
     """Draw B prompts (this rank's share of them), sample G completions each, score them."""
-    cfg = run.cfg
-    ids, draws = draw_share(run.stream, cfg.rollout.prompts_per_step, run.world)
-    seeds = [prompt_seed(cfg.train.seed, d) for d in draws] if cfg.rollout.seeding == "per_prompt" else None
+    sampling, schedule = run.plan.sampling, run.plan.schedule
+    ids, draws = draw_share(run.stream, sampling.prompts_per_step, run.world)
+    seeds = [prompt_seed(schedule.seed, d) for d in draws] if sampling.seeding == "per_prompt" else None
     t0 = time.perf_counter()
-    rollout = halving_on_oom("generate", run.extra_state["micro_batches"], lambda per_call: sample_in_calls(
-        engine, [prompts[i] for i in ids], cfg.rollout.group_size, seeds, per_call), run.world.device)
+    rollout = halving_on_oom("generate", run.micro_batches, lambda per_call: sample_in_calls(
+        engine, [prompts[i] for i in ids], sampling.group_size, seeds, per_call), run.world.device)
     rollout.example_index = [ids[i] for i in rollout.example_index]
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = TrainerState(global_step=run.step, max_steps=cfg.train.steps)
+    state = TrainerState(global_step=run.step, max_steps=schedule.steps)
     metrics = score(rollout, rewarder, examples, prompts, state)
     if run.plan.traits.greedy_baseline:
         t1 = time.perf_counter()
@@ -77,31 +78,6 @@ def sample_in_calls(engine, prompts: list[str], group_size: int, seeds: list[int
     return concat_rollouts(parts, engine.tokenizer.pad_token_id)
 
 
-def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None) -> tuple[list, list, dict]:
-    """(prompts, completions, columns) as TRL passes them to reward functions: the prompts as the
-    dataset gives them, completions as strings for string prompts and as one assistant message for
-    chat prompts, the sampled ids, the trainer state, and every dataset column under its name
-    (plus `answer`, the reference, and `completion_lengths`, in tokens)."""
-    picked = [examples[i] for i in rollout.example_index]
-    lengths = rollout.response_mask.sum(1).long().tolist()
-    completions = [[{"role": "assistant", "content": text}] if ex.messages is not None else text
-                   for ex, text in zip(picked, rollout.completions)]
-    columns = {key: [ex.meta.get(key) for ex in picked] for key in (picked[0].meta if picked else ())}
-    columns.setdefault("answer", [ex.answer for ex in picked])
-    columns.update(completion_lengths=lengths, trainer_state=state or TrainerState(),
-                   completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)])
-    return [ex.given_prompt for ex in picked], completions, columns
-
-
-def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | None = None) -> dict:
-    """Fill rollout.scores; returns reward metrics (errors, drops and samples no function scored)."""
-    given, completions, columns = reward_inputs(rollout, examples, state)
-    scores = rewarder(given, completions, columns, formatted_prompts=[prompts[i] for i in rollout.example_index])
-    rollout.scores, rollout.reward_parts, rollout.valid = scores.total, scores.parts, scores.valid
-    return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum()),
-            "reward/unscored": scores.unscored}
-
-
 def informative_groups(rollout: Rollout) -> torch.Tensor:
     """Group ids whose rewards are not all equal (DAPO dynamic sampling keeps these)."""
     gids, inverse = rollout.group_ids.unique(return_inverse=True)
@@ -121,10 +97,10 @@ def refill_groups(run: Run, rollout: Rollout, engine, rewarder, examples, prompt
     reached with fewer than B groups, the step trains on what it has (the loss
     normaliser is global, so a smaller batch is still an unbiased estimate).
     """
-    want = run.cfg.rollout.prompts_per_step
+    want = run.plan.sampling.prompts_per_step
     parts = [keep_informative(rollout)]
     kept, resampled = len(informative_groups(rollout)), 0
-    for _ in range(run.cfg.algo.max_resample_rounds):
+    for _ in range(run.plan.sampling.max_resample_rounds):
         if kept >= want:
             break
         extra, _ = sample_and_score(run, engine, rewarder, examples, prompts, timings)

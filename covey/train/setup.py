@@ -1,8 +1,9 @@
-"""Everything a run builds before its first step, in the order `train()` builds it.
+"""Everything a run builds before its first step, in the order `open_run` builds it.
 
 The process world, the run folder, the models and their optimizers (`build_run`), the
 metrics logger, the formatted prompts and the sampling engines (`open_feed`). `Run` holds
-what a checkpoint restores; `Feed` what the steps read and never checkpoint.
+what a checkpoint restores, in typed fields; `Feed` what the steps read and never checkpoint.
+The Config is read here, at the top, and nowhere below: the run holds the Plan.
 """
 
 from __future__ import annotations
@@ -17,34 +18,31 @@ import numpy as np
 import torch
 import yaml
 
-from covey import algos
+
 from covey.config import Config, ConfigError, as_dict, validate_world
 from covey.models.critic import ValueModel
 from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
-from covey.rollout.local import DecodeOptions, local_engine
-from covey.rollout.precision import LowPrecisionEngine, resolve_precision
-from covey.rollout.vllm import VLLMEngine
+from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
 from covey.runtime.cpu import apply_cpu_settings
-from covey.runtime.dist import (DeviceError, SilentLogger, World, broadcast_object, describe_device,
-                                init_distributed, quiet_unless_main)
+from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
 from covey.runtime.fsdp import shard_model
-from covey.runtime.memory import MicroBatchSizes, on_gpu, rows_per_no_grad_pass, rows_per_update_pass
+from covey.runtime.memory import MicroBatchSizes, on_gpu, size_no_grad_passes, size_update_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
-from covey.train.plan import KLOptions, Plan, make_plan
+from covey.train.optim import make_kl_controller, make_optimizer, make_scheduler
+from covey.train.plan import Plan, make_plan
 from covey.train.update import UpdateState
 
 
 @dataclass
 class Run:
     """What the loop holds between steps (everything a checkpoint must restore)."""
-    cfg: Config
     plan: Plan
     run_dir: Path
     policy: torch.nn.Module
@@ -56,14 +54,27 @@ class Run:
     critic_optimizer: torch.optim.Optimizer | None
     kl_controller: object
     stream: PromptStream
+    config_record: dict
+    """The resolved config as config.yaml holds it: written with each checkpoint and compared on resume;
+    never read for options (the plan holds those)."""
     update_state: UpdateState = field(default_factory=UpdateState)
     step: int = 0
     shuffle_generator: torch.Generator = field(default_factory=torch.Generator)
     logger: MetricsLogger | None = None
-    extra_state: dict = field(default_factory=dict)  # name -> object with state_dict(); checkpointed
     world: World = field(default_factory=World)  # rank, process count, device (torchrun)
+    clock: "StepClock" = field(default_factory=lambda: StepClock())
+    """Seconds spent in training steps (train.max_minutes is a budget over them, resumes included)."""
+    micro_batches: MicroBatchSizes = field(default_factory=lambda: MicroBatchSizes(8))
+    """Batch sizes of the phases that halve on out-of-memory."""
     learned_rewards: object = None  # covey.rewards.learned.LearnedRewards: learned RM / PRM
     reward_refreshers: list = field(default_factory=list)  # covey.rm.refresh.RewardModelRefresher
+
+    def checkpointed(self) -> dict:
+        """The state objects a checkpoint holds beside models and optimizers, by name (each has state_dict):
+        the step clock, the micro-batch sizes and, with iterative refresh, each refreshed reward model."""
+        state = {"clock": self.clock, "micro_batches": self.micro_batches}
+        state.update({f"reward_model/{r.name}": r for r in self.reward_refreshers if r.every})
+        return state
 
 
 @dataclass
@@ -83,8 +94,8 @@ class TrainResult:
     """What `covey.train(...)` returns."""
     run_dir: Path
     """The run folder (metrics.jsonl, samples.jsonl, checkpoints/, final/)."""
-    final_model: Path
-    """The trained policy as a Hugging Face folder."""
+    final_model: Path | None
+    """The trained policy as a Hugging Face folder (None when finish(..., save=False))."""
     steps: int
     """Training steps done (resumed ones included)."""
     metrics: dict
@@ -128,7 +139,6 @@ def open_world(cfg: Config) -> World:
     validate_world(cfg, world.size)
     quiet_unless_main(world)
     apply_cpu_settings(cfg)
-    print(f"covey: device {describe_device(world.device)}")
     check_extras(cfg)
     return world
 
@@ -186,53 +196,6 @@ def seed_everything(seed: int) -> None:
 # --------------------------------------------------------------------------- models and optimizers
 
 
-def make_optimizer(params, lr: float, cfg: Config) -> torch.optim.Optimizer:
-    b1, b2 = (float(x) for x in cfg.optim.betas.split(","))
-    params = [p for p in params if p.requires_grad]
-    # Fused: one pass over each tensor instead of ~10 (0.7 s -> 0.2 s per step for 135M on one core);
-    # the same update up to float rounding. Plain tensors only (not FSDP2's DTensors).
-    fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") for p in params)
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), weight_decay=cfg.optim.weight_decay,
-                                  fused=fused or None)
-    allocate_adamw_state(optimizer)
-    return optimizer
-
-
-def allocate_adamw_state(optimizer: torch.optim.AdamW) -> None:
-    """Allocate the moments of a fused AdamW now, as its first step would (zeros, step 0).
-
-    Left to the first step, the moments (1 GiB for 135M parameters) land in the heap that the
-    first update's activations have just freed, so the second update grows the heap by about
-    as much again and faults its pages in: 0.37M page faults, 9.4 s against ~6 s for later
-    updates on a 2-core CPU (dev/LOG.md, 2026-11-25). Allocated before any pass, they sit below
-    the activations. The steps are bit-identical (tests/test_speed_update.py).
-    """
-    for group in optimizer.param_groups:
-        if not group["fused"]:  # torch's own lazy path for the rest (FSDP2's DTensors)
-            continue
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)  # fused: a float32 tensor
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def make_scheduler(optimizer, warmup_steps: int):
-    """Linear warm-up to the configured lr, constant after."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
-
-
-def make_kl_controller(kl: KLOptions):
-    if kl.target > 0:
-        return algos.AdaptiveKLController(kl.beta, kl.target, kl.horizon)
-    return algos.FixedKLController(kl.beta)
-
-
 def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None = None,
               plan: Plan | None = None) -> Run:
     """Models, optimizers and controllers, in the order they are needed (`plan`: made from cfg if None)."""
@@ -247,19 +210,18 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
         checkpoint_activations(policy, critic)
     # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
     policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
-    moves = bool(cfg.algo.ref_refresh_every or cfg.algo.ref_ema)  # a refreshed or EMA reference changes
+    moves = plan.reference.moves  # a refreshed or EMA reference changes
     maybe_offload_reference(reference, cfg.model, world.size, reference_moves=moves)  # read from disk for its pass only
     maybe_hold_reference_in_bf16(reference, cfg.model, world.size, reference_moves=moves)  # weight casts made once
-    optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg)
-    critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg) if critic is not None else None
-    run = Run(cfg=cfg, plan=plan, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
+    optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg.optim)
+    critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg.optim) if critic is not None else None
+    run = Run(plan=plan, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
               critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, cfg.optim.warmup_steps),
               critic_optimizer=critic_opt, kl_controller=make_kl_controller(plan.kl),
-              stream=PromptStream(train_size, cfg.train.seed), world=world)
+              stream=PromptStream(train_size, cfg.train.seed), config_record=as_dict(cfg), world=world,
+              micro_batches=MicroBatchSizes(plan.update.micro_batch_size,  # halved on out-of-memory
+                                            prompts_per_call=plan.sampling.prompts_per_step))
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
-    run.extra_state["clock"] = StepClock()
-    run.extra_state["micro_batches"] = MicroBatchSizes(plan.update.micro_batch_size,  # halved on out-of-memory
-                                                       prompts_per_call=cfg.rollout.prompts_per_step)
     return run
 
 
@@ -270,22 +232,19 @@ def checkpoint_activations(*models) -> None:
             raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
 
 
-def attach_reward_models(run: Run, learned) -> None:
+def attach_reward_models(run: Run, learned, cfg: Config) -> None:
     """The learned RM / PRM; with iterative refresh their weights change, so they are checkpointed."""
     run.learned_rewards = learned
-    cfg = run.cfg
     run.reward_refreshers = make_refreshers(learned, cfg.rm, every=cfg.reward.iterative_every,
                                             replay_fraction=cfg.reward.replay_fraction, seed=cfg.train.seed,
                                             autocast=cfg.model.autocast)
-    if run.cfg.reward.iterative_every:
-        for refresher in run.reward_refreshers:
-            run.extra_state[f"reward_model/{refresher.name}"] = refresher
 
 
-def print_precision(run: Run) -> None:
+def print_precision(run: Run, cfg: Config) -> None:
     """What model.autocast=auto and rollout.precision=auto resolved to on this device."""
-    cfg, device = run.cfg, run.world.device
-    rollout = rollout_precision(run) if cfg.rollout.engine != "vllm" else "vllm's"
+    device = run.world.device
+    rollout = (sampling_precision(cfg.rollout, run.world.size, device) if cfg.rollout.engine != "vllm"
+               else "vllm's")
     print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
           f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
 
@@ -293,100 +252,38 @@ def print_precision(run: Run) -> None:
 # --------------------------------------------------------------------------- logger, prompts, engines
 
 
-def open_feed(run: Run, data, rewarder) -> Feed:
+def open_feed(run: Run, data, rewarder, cfg: Config) -> Feed:
     """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines."""
-    cfg = run.cfg
     run.logger = (MetricsLogger(run.run_dir, tensorboard=cfg.train.logger == "tensorboard") if run.world.is_main
                   else SilentLogger())
     if run.world.is_main:
-        (run.run_dir / "config.yaml").write_text(yaml.safe_dump(as_dict(cfg), sort_keys=False))
+        (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
     prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
     eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
     context = getattr(run.policy.config, "max_position_embeddings", 2048)
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
-    size_no_grad_passes(run, prompts)
-    engine = make_engine(run)
+    if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
+        longest = max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+        s = run.plan.sampling
+        size_no_grad_passes(run.micro_batches, run.policy.config, longest + s.max_new_tokens, s.prompts_per_step
+                            * s.group_size, run.world.device)
+    engine = make_engine(cfg.rollout, cfg.model, run.policy, run.tokenizer, world_size=run.world.size,
+                         device=run.world.device, seed=cfg.train.seed)
+    if cfg.rollout.engine != "vllm":  # a local engine reads the policy module itself (whole parameters under FSDP)
+        engine = GatheredGeneration(engine, run.policy)
+    eval_engine = make_eval_engine(cfg.rollout, run.policy, run.tokenizer, engine)
     return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
-                eval_engine=make_eval_engine(run, engine))
+                eval_engine=engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy))
 
 
-def size_no_grad_passes(run: Run, prompts: list[str]) -> None:
-    """On one GPU the no-grad log-prob passes (old policy, reference, values) take as many sequences as
-    fit in a quarter of the free memory (covey/runtime/memory.py), at least algo.micro_batch_size: fewer,
-    larger passes. Halved on out-of-memory like any phase; under torchrun every rank keeps the
-    configured size (their passes must pair up)."""
-    if not on_gpu(run.world.device) or run.world.size > 1 or not prompts:
+def size_update(run: Run, rollout) -> None:
+    """Before the first update on one GPU: the update's micro-batches sized to algo.update_memory_share of the
+    free memory (covey/runtime/memory.py); nothing on a CPU or under torchrun."""
+    if not on_gpu(run.world.device) or run.world.size > 1:
         return
-    r, sizes = run.cfg.rollout, run.extra_state["micro_batches"]
-    longest = max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-    free, _ = torch.cuda.mem_get_info(torch.device(run.world.device))
-    sizes.sizes["logprobs"] = rows_per_no_grad_pass(run.policy.config, longest + r.max_new_tokens, free,
-                                                    sizes.sizes["logprobs"], r.prompts_per_step * r.group_size)
-
-
-def size_update_pass(run: Run, rollout) -> None:
-    """Before the first update on one GPU: its micro-batches take as many sequences as fit in
-    algo.update_memory_share of the free GPU memory, less the gradients and optimizer state not yet
-    allocated (covey/runtime/memory.py), at least algo.micro_batch_size; fewer, larger micro-batches
-    launch fewer kernels, and the gradient does not change. Once per process, and never after an
-    out-of-memory halved a size (a resumed run keeps its checkpointed sizes then)."""
-    sizes, share = run.extra_state["micro_batches"], run.cfg.algo.update_memory_share
-    if not on_gpu(run.world.device) or run.world.size > 1 or share <= 0 or sizes.oom_retries or sizes.update_sized:
-        return
-    sizes.update_sized = True
-    device = torch.device(run.world.device)
-    pending = 0
-    for model, optimizer in ((run.policy, run.optimizer), (run.critic, run.critic_optimizer)):
-        if model is None:
-            continue
-        trained = [p for p in model.parameters() if p.requires_grad]
-        pending += sum(p.numel() * p.element_size() for p in trained if p.grad is None)  # gradients
-        if not optimizer.state:  # AdamW's two moments, made at the first optimizer step
-            pending += 2 * sum(p.numel() * p.element_size() for p in trained)
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    element = 2 if resolve_autocast(run.cfg.model.autocast, device) == "bfloat16" else 4
-    positions = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
-    least = sizes.sizes["update"]
-    sizes.sizes["update"] = rows_per_update_pass(run.policy.config, positions, free + cached - pending,
-                                                 least, len(rollout), element, share)
-    if sizes.sizes["update"] > least:  # the memory this takes is the user's to know (and to refuse)
-        print(f"covey: update micro-batches of {sizes.sizes['update']} sequences, sized to "
-              f"algo.update_memory_share={share:g} of {free / 2**30:.1f} GiB free GPU memory "
-              f"(algo.update_memory_share=0 keeps {least})")
-
-
-def make_engine(run: Run):
-    """hf / fast: generate with the policy module itself (whole parameters under FSDP); vllm: its own copy."""
-    r = run.cfg.rollout
-    if r.engine == "vllm":
-        return VLLMEngine.from_config(run.cfg.rollout, run.cfg.model, run.policy, run.tokenizer,
-                                      seed=run.cfg.train.seed)
-    engine = local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, precision=rollout_precision(run),
-                          decode=decode_options(r))
-    return GatheredGeneration(engine, run.policy)
-
-
-def decode_options(r, persistent: bool = True) -> DecodeOptions:
-    """The fast engine's static cache and CUDA graphs (rollout.decode)."""
-    return DecodeOptions(r.decode, persistent)
-
-
-def rollout_precision(run: Run) -> str:
-    """A local engine's sampling precision; under torchrun the policy's own (a bf16 copy of a sharded policy is not built)."""
-    return resolve_precision(run.cfg.rollout.precision, run.world.device) if run.world.size == 1 else "float32"
-
-
-def make_eval_engine(run: Run, engine):
-    """Held-out evaluation runs in the policy's own precision (what `covey eval` of the saved model
-    measures): the rollout engine itself, or, when that samples from a bf16 copy, a local engine on
-    the policy module (no second copy)."""
-    if not isinstance(getattr(engine, "engine", None), LowPrecisionEngine):
-        return engine
-    r = run.cfg.rollout
-    # its buffers and graphs are freed after each evaluation: it runs seldom, and holds the fp32 policy's
-    return GatheredGeneration(local_engine(r.engine, run.policy, run.tokenizer, max_new_tokens=r.max_new_tokens,
-                                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                           decode=decode_options(r, persistent=False)), run.policy)
+    trained = [(m, o) for m, o in ((run.policy, run.optimizer), (run.critic, run.critic_optimizer)) if m is not None]
+    element = 2 if resolve_autocast(run.plan.update.autocast, torch.device(run.world.device)) == "bfloat16" else 4
+    size_update_pass(run.micro_batches, run.policy.config, trained,
+                     rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1], len(rollout), run.world.device,
+                     element, run.plan.update_memory_share)

@@ -3,8 +3,13 @@ import re
 import pytest
 
 from covey.algos import ESTIMATORS
-from covey.config import (ConfigError, as_dict, config_yaml, derived_sizes, load_config, preset_names, preset_path,
-                          split_config, uses_critic)
+from covey.config import ConfigError, as_dict, config_yaml, load_config, preset_names, preset_path, split_config
+from covey.train.plan import make_plan
+
+
+def plan_of(*overrides: str):
+    """The plan of the default preset with `overrides`: the config's own checks, then the registries'."""
+    return make_plan(load_config(None, list(overrides)))
 
 
 def test_overrides_and_short_keys():
@@ -38,39 +43,45 @@ def test_bad_values(override, message):
         assert load_config(None, [override]).optim.lr == 1e-5
         return
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        plan_of(override)  # what load_config refuses, or the plan (registry names, estimator traits)
+
+
+def test_registry_names_are_checked_by_the_plan_not_by_the_torch_free_config():
+    cfg = load_config(None, ["algo.estimator=foo"])  # covey.config knows no estimator names
+    with pytest.raises(ConfigError, match=re.escape("algo.estimator='foo' is not one of: grpo, grpo_process")):
+        make_plan(cfg)
 
 
 def test_kl_in_reward_needs_token_estimator():
     with pytest.raises(ConfigError, match="kl_in=reward needs"):
-        load_config(None, ["algo.kl_in=reward"])
+        plan_of("algo.kl_in=reward")
 
 
 def test_checks_follow_the_estimator_traits():
     """Every check that depends on the estimator reads its registry traits, for every estimator."""
     for name, est in ESTIMATORS.items():
         base = [f"algo.estimator={name}", "reward.step_source=exact", "task.name=multistep"]
-        assert uses_critic(load_config(None, base)) == est.needs_values
+        assert plan_of(*base).needs_critic == est.needs_values
         if est.min_group_size >= 2:
             with pytest.raises(ConfigError, match=f"rollout.group_size must be >= {est.min_group_size}"):
-                load_config(None, [*base, "rollout.group_size=1"])
-            load_config(None, [*base, "algo.dynamic_sampling=true"])
+                plan_of(*base, "rollout.group_size=1")
+            plan_of(*base, "algo.dynamic_sampling=true")
         else:
-            load_config(None, [*base, "rollout.group_size=1"])
+            plan_of(*base, "rollout.group_size=1")
             with pytest.raises(ConfigError, match="algo.dynamic_sampling needs a group-based estimator"):
-                load_config(None, [*base, "algo.dynamic_sampling=true"])
+                plan_of(*base, "algo.dynamic_sampling=true")
         if est.per_token_rewards:
-            load_config(None, [*base, "algo.kl_in=reward"])
+            plan_of(*base, "algo.kl_in=reward")
         else:
             with pytest.raises(ConfigError, match="algo.kl_in=reward needs a per-token-reward estimator"):
-                load_config(None, [*base, "algo.kl_in=reward"])
+                plan_of(*base, "algo.kl_in=reward")
         if est.step_scores:  # step rewards from a PRM need one
             with pytest.raises(ConfigError, match="reward.prm_path"):
-                load_config(None, [f"algo.estimator={name}"])
+                plan_of(f"algo.estimator={name}")
         else:
-            load_config(None, [f"algo.estimator={name}"])
+            plan_of(f"algo.estimator={name}")
     # the learner that does not use advantages trains no critic whatever the estimator says
-    assert not uses_critic(load_config(None, ["algo.learner=dpo", "algo.estimator=gae"]))
+    assert not plan_of("algo.learner=dpo", "algo.estimator=gae").needs_critic
 
 
 def test_presets_load_by_name():
@@ -113,14 +124,13 @@ def test_printed_config_reads_back(tmp_path):
     assert as_dict(load_config(str(path))) == as_dict(cfg)
 
 
-def test_derived_sizes():
-    cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.group_size=8", "algo.epochs=2",
-                             "algo.minibatches=4", "algo.micro_batch_size=3"])
-    sizes = derived_sizes(cfg)
-    assert sizes["sequences_per_minibatch"] == 8  # 4 prompts x 8 samples / 4 mini-batches
-    assert sizes["micro_batches_per_minibatch"] == 3  # ceil(8 / 3)
-    assert sizes["optimizer_steps_per_rollout"] == 8
-    assert sizes["reuses_old_logprobs"]
+def test_plan_sizes():
+    plan = plan_of("rollout.prompts_per_step=4", "rollout.group_size=8", "algo.epochs=2", "algo.minibatches=4",
+                   "algo.micro_batch_size=3")
+    assert plan.sizes.sequences_per_minibatch == 8  # 4 prompts x 8 samples / 4 mini-batches
+    assert plan.sizes.micro_batches_per_minibatch == 3  # ceil(8 / 3)
+    assert plan.sizes.optimizer_steps_per_rollout == 8
+    assert plan.needs_old_logprobs  # pi_old differs from pi_theta after the first of the 8 steps
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

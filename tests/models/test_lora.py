@@ -7,13 +7,11 @@ pytest.importorskip("peft")
 
 from covey.train.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
 from covey.config import ConfigError, load_config  # noqa: E402
-from covey.tasks.data import format_prompts, load_task_data  # noqa: E402
 from covey.passes.logprobs import batched_logprobs  # noqa: E402
 from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
 from covey.models.load import ModelError, load_policy, param_memory_mb  # noqa: E402
-from covey.rewards.build import build_rewarder  # noqa: E402
-from covey.train.loop import train_step  # noqa: E402
-from covey.train.setup import build_run, make_engine  # noqa: E402
+from covey.train.loop import open_run, steps  # noqa: E402
+from covey.train.setup import build_run  # noqa: E402
 from tests.helpers import tiny_overrides  # noqa: E402
 
 DIGITS = "tests.train.test_torchrun:digit_share:1.0"  # a reward the random model earns unevenly
@@ -38,20 +36,18 @@ def some_rollout(model_dir):
 
 def test_only_adapter_parameters_change_and_adapters_reload(tiny_model_dir, tmp_path):
     cfg = lora_config(tiny_model_dir, tmp_path)
-    data = load_task_data(cfg.task, cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    run = build_run(cfg, tmp_path / "t", len(data.train))
-    run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
+    session = open_run(cfg, evaluate_before=False)
+    run = session.run
     assert isinstance(run.reference, BaseModelView) and param_memory_mb(run.reference) == 0  # no second copy
     trainable = set(trainable_names(run.policy))
     assert trainable and all("lora_" in name for name in trainable)
     assert sum(len(g["params"]) for g in run.optimizer.param_groups) == len(trainable)
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}
 
-    prompts = format_prompts(run.tokenizer, data.train)
-    engine, rewarder = make_engine(run), build_rewarder(cfg)
-    for _ in range(2):
-        train_step(run, engine, rewarder, data, prompts)
+    for step, _ in enumerate(steps(session), 1):
+        if step == 2:
+            break
+    session.close()
 
     after = run.policy.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}

@@ -17,7 +17,7 @@ import pytest
 import covey
 from covey.rewards.combine import Rewarder, RewardTerm, TrainerState
 from covey.tasks.files import load_file
-from covey.train.rollout_phase import reward_inputs
+from covey.rewards.scoring import reward_inputs
 from tests.helpers import grouped_rollout, tiny_overrides
 
 CALLS: list[dict] = []

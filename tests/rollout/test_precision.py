@@ -4,15 +4,12 @@ import pytest
 import torch
 
 from covey.config import ConfigError, load_config, validate_world
-from covey.tasks.data import format_prompts, load_task_data
 from covey.models.load import load_policy
-from covey.rewards.build import build_rewarder
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
 from covey.train import loop as covey_train
-from covey.train.loop import train_step
-from covey.train.setup import build_run, make_engine, make_eval_engine
+from covey.train.loop import open_run, steps
 from tests.helpers import tiny_overrides
 
 
@@ -96,19 +93,16 @@ def test_a_released_copy_is_refilled_by_sync_or_by_the_next_rollout(tiny_model_d
 
 def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir, tmp_path, monkeypatch):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.precision": "bfloat16"}))
-    data = load_task_data(cfg.task, cfg.train.seed)
-    run = build_run(cfg, tmp_path / "t", len(data.train))
-    run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
-    engine = make_engine(run)
-    eval_engine = make_eval_engine(run, engine)
+    session = open_run(cfg, evaluate_before=False)
+    run, engine, eval_engine = session.run, session.feed.engine, session.feed.eval_engine
     assert isinstance(engine.engine, LowPrecisionEngine)
     assert eval_engine.engine.model is run.policy  # held-out accuracy in the policy's own precision
-    prompts = format_prompts(run.tokenizer, data.train)
     held = []  # bf16 weights the copy holds while the policy updates: none, it was released after sampling
     update = covey_train.update
     monkeypatch.setattr(covey_train, "update", lambda *a: held.append(
         sum(p.numel() for p in engine.engine.copy.parameters())) or update(*a))
-    metrics = train_step(run, engine, build_rewarder(cfg), data, prompts)
+    metrics = next(steps(session))
+    session.close()
     assert held == [0]
     assert metrics["time/sync_weights"] >= 0
     for p, q in zip(run.policy.parameters(), engine.engine.copy.parameters()):  # refreshed after the update

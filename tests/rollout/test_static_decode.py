@@ -14,10 +14,7 @@ from covey.rollout.hf import HFEngine
 from covey.rollout.local import DecodeOptions, local_engine
 from covey.rollout.precision import LowPrecisionEngine, low_precision_copy
 from covey.rollout.static_step import supports_static_decode, views_of
-from covey.train.loop import train_step
-from covey.rewards.build import build_rewarder
-from covey.tasks.data import format_prompts, load_task_data
-from covey.train.setup import build_run, make_engine, make_eval_engine
+from covey.train.loop import open_run, steps
 from tests.helpers import tiny_overrides
 
 PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]
@@ -168,12 +165,10 @@ def test_config_key_is_checked(keys, message):
 
 def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.decode": "static"}))
-    data = load_task_data(cfg.task, cfg.train.seed)
-    run = build_run(cfg, tmp_path / "t", len(data.train))
-    run.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
-    engine = make_engine(run)
-    eval_engine = make_eval_engine(run, engine)
+    session = open_run(cfg, evaluate_before=False)
+    engine, eval_engine = session.feed.engine, session.feed.eval_engine
     assert engine.static is not None and engine.static.persistent
-    metrics = train_step(run, engine, build_rewarder(cfg), data, format_prompts(run.tokenizer, data.train))
+    metrics = next(steps(session))
+    session.close()
     assert engine.static.steps > 0 and metrics["optim/grad_norm"] >= 0
     assert eval_engine.engine is engine.engine  # fp32 sampling: one engine for both

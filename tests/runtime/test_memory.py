@@ -115,40 +115,30 @@ def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allo
     gradients and 8000 of AdamW moments are still to come. Free 1e9 + cached (reserved 300 -
     allocated 100) - 12000 = 999988200 bytes available; the estimate (fake shape below) is 1000
     bytes a position per layer x 2 layers x 10 positions = 20000 a sequence, so a share of 0.5
-    holds 24999 sequences, capped at the step's 16. Only the MicroBatchSizes object, which has a
-    state_dict, stays in extra_state (every entry there is checkpointed)."""
+    holds 24999 sequences, capped at the step's 16."""
     from types import SimpleNamespace
 
-    import covey.train.setup as setup
     from covey.runtime import memory
     seen = {}
+    real_rows = memory.rows_per_update_pass
 
     def fake_rows(config, positions, available, least, most, element_bytes, share):
         seen.update(positions=positions, available=available, element=element_bytes, share=share)
-        return memory.rows_per_update_pass(SimpleNamespace(hidden_size=0, intermediate_size=250, num_hidden_layers=2,
-                                                           num_attention_heads=1, num_key_value_heads=1),
-                                           positions, available, least, most, 1, share)
-    monkeypatch.setattr(setup, "on_gpu", lambda device: True)
-    monkeypatch.setattr(setup, "rows_per_update_pass", fake_rows)
+        return real_rows(SimpleNamespace(hidden_size=0, intermediate_size=250, num_hidden_layers=2,
+                                         num_attention_heads=1, num_key_value_heads=1),
+                         positions, available, least, most, 1, share)
+    monkeypatch.setattr(memory, "rows_per_update_pass", fake_rows)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**9, 2 * 10**9))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100)
     policy = torch.nn.Linear(100, 10, bias=False)  # 1000 parameters
     sizes = MicroBatchSizes(4)
-    run = SimpleNamespace(extra_state={"micro_batches": sizes}, world=SimpleNamespace(device="cuda", size=1),
-                          cfg=SimpleNamespace(algo=SimpleNamespace(update_memory_share=0.5),
-                                              model=SimpleNamespace(autocast="bfloat16")),
-                          policy=policy, optimizer=torch.optim.AdamW(policy.parameters()), critic=None,
-                          critic_optimizer=None)
-    policy.config = None
-    rollout = type("R", (), {"prompt_ids": torch.zeros(16, 6), "response_ids": torch.zeros(16, 4),
-                             "__len__": lambda self: 16})()
-    setup.size_update_pass(run, rollout)
+    trained = [(policy, torch.optim.AdamW(policy.parameters()))]
+    memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
     assert seen == {"positions": 10, "available": 10**9 + 200 - 12000, "element": 2, "share": 0.5}
     assert sizes.sizes["update"] == 16 and sizes.update_sized
     assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences, sized to algo.update_memory_share=0.5"
                                        " of 0.9 GiB free GPU memory (algo.update_memory_share=0 keeps 4)\n")
-    assert all(hasattr(v, "state_dict") for v in run.extra_state.values())
     sizes.sizes["update"] = 4
-    setup.size_update_pass(run, rollout)  # once per process
-    assert sizes.sizes["update"] == 4
+    memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
+    assert sizes.sizes["update"] == 4  # once per process

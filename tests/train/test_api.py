@@ -93,7 +93,7 @@ def test_unusable_reward_funcs_fail_in_one_line(funcs, message):
 
 def test_covey_is_light_and_covey_train_is_a_callable_package():
     code = ("import sys, covey; assert 'torch' not in sys.modules, 'import covey imported torch'; "
-            "import covey.train.loop, types; assert callable(covey.train) and isinstance(covey.train.loop, "
+            "import covey.train.loop, covey.train.api, types; assert callable(covey.train) and isinstance(covey.train.loop, "
             "types.ModuleType); print(covey.train.api.train is not None)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]

@@ -1,0 +1,48 @@
+"""The engine factory: the sampling engine and the held-out evaluation engine a run's settings ask for.
+
+hf and fast generate with the policy module of this process (fast from a bf16 copy where
+rollout.precision resolves to it); vllm holds its own copy of the weights. Held-out evaluation
+runs in the policy's own precision (what `covey eval` of the saved model measures): the
+sampling engine itself, or, when that samples from a bf16 copy, a local engine on the policy
+module (no second copy).
+"""
+
+from __future__ import annotations
+
+from covey.config import ModelConfig, RolloutConfig
+from covey.rollout.local import DecodeOptions, local_engine
+from covey.rollout.precision import LowPrecisionEngine, resolve_precision
+from covey.rollout.vllm import VLLMEngine
+
+
+def sampling_precision(rollout: RolloutConfig, world_size: int, device: str) -> str:
+    """A local engine's sampling precision; under torchrun the policy's own (a bf16 copy of a sharded
+    policy is not built)."""
+    return resolve_precision(rollout.precision, device) if world_size == 1 else "float32"
+
+
+def decode_options(rollout: RolloutConfig, persistent: bool = True) -> DecodeOptions:
+    """The fast engine's static cache and CUDA graphs (rollout.decode)."""
+    return DecodeOptions(rollout.decode, persistent)
+
+
+def make_engine(rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *, world_size: int, device: str,
+                seed: int):
+    """The sampling engine of rollout.engine: vllm starts its own copy; hf / fast generate with `policy`."""
+    if rollout.engine == "vllm":
+        return VLLMEngine.from_config(rollout, model, policy, tokenizer, seed=seed)
+    return local_engine(rollout.engine, policy, tokenizer, max_new_tokens=rollout.max_new_tokens,
+                        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                        precision=sampling_precision(rollout, world_size, device), decode=decode_options(rollout))
+
+
+def make_eval_engine(rollout: RolloutConfig, policy, tokenizer, engine):
+    """The held-out engine: None when the sampling engine serves (it samples from the policy's own
+    weights), else a local engine on the policy module whose buffers and graphs are freed after each
+    evaluation (it runs seldom and holds the fp32 policy's)."""
+    inner = getattr(engine, "engine", engine)
+    if not isinstance(inner, LowPrecisionEngine):
+        return None
+    return local_engine(rollout.engine, policy, tokenizer, max_new_tokens=rollout.max_new_tokens,
+                        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                        decode=decode_options(rollout, persistent=False))

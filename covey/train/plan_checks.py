@@ -1,0 +1,65 @@
+"""The checks of a Config that read the `covey.algos` registries, run by `make_plan`.
+
+covey.config checks what a config can check alone (closed sets of plain options, ranges, files);
+what an algorithm name means is known only to its registry entry, so the names of estimators,
+policy losses, aggregations and KL estimators, and what an estimator needs from the rollout
+(groups of at least two samples, per-token rewards, step scores), are checked here, from the
+entries' traits, never from a name. Every error is one line naming the key.
+"""
+
+from __future__ import annotations
+
+from covey import algos
+from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
+from covey.config import Config, ConfigError
+
+REGISTRY_CHOICES = {
+    "algo.estimator": tuple(algos.ESTIMATORS),
+    "algo.policy_loss": tuple(algos.POLICY_LOSSES),
+    "algo.loss_agg": tuple(algos.AGGREGATIONS),
+    "algo.kl_estimator": tuple(algos.KL_ESTIMATORS),
+    "algo.ratio_level": RATIO_LEVELS,
+    "algo.ratio_against": RATIO_AGAINST,
+    "algo.token_credit": TOKEN_CREDITS,
+    "algo.normalize": NORMALIZE_MODES,
+}
+"""Keys whose values are the names of covey.algos registry entries or options."""
+
+
+def check_against_registries(cfg: Config) -> None:
+    """Registry names first (so a typo is named as such), then what the estimator needs."""
+    for key, options in REGISTRY_CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in options:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
+    check_estimator_needs(cfg)
+    check_step_scores(cfg)
+
+
+def check_estimator_needs(cfg: Config) -> None:
+    """Group sizes, dynamic sampling and a KL penalty in the reward, from the estimator's traits."""
+    a, r = cfg.algo, cfg.rollout
+    estimator = algos.ESTIMATORS[a.estimator]
+    if r.group_size < estimator.min_group_size:
+        raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
+                          f"must be >= {estimator.min_group_size}")
+    if a.dynamic_sampling and estimator.min_group_size < 2:
+        raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
+    if a.kl_in == "reward" and not estimator.per_token_rewards:
+        per_token = ", ".join(name for name, e in algos.ESTIMATORS.items() if e.per_token_rewards)
+        raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")
+
+
+def check_step_scores(cfg: Config) -> None:
+    """Process supervision: where the step rewards come from, and the outcome added to the last step."""
+    r, name = cfg.reward, cfg.algo.estimator
+    if algos.ESTIMATORS[name].step_scores:
+        if r.step_source == "prm" and not r.prm_path:
+            raise ConfigError(f"algo.estimator={name} scores steps with a PRM: set reward.prm_path "
+                              "(or reward.step_source=exact on task.name=multistep)")
+        if r.step_source == "exact" and cfg.task.name != "multistep":
+            raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
+    elif r.process_outcome_weight:
+        raise ConfigError(f"reward.process_outcome_weight adds the outcome to the last step of a step-scored "
+                          f"estimator (process supervision); algo.estimator={name} uses the outcome reward already")
