@@ -3,13 +3,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test install
+.PHONY: train test test-fast install
 
 train: $(VENV)/.installed
 	$(PY) -m covey.cli train $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -ra $(ARGS)
+
+# The fast tier, under a minute on two cores: the maths, the config, the rewards and the house rules.
+FAST_TESTS := tests/algos tests/config tests/rewards tests/test_layers.py
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -ra -m "not slow and not gpu" $(FAST_TESTS) $(ARGS)
 
 install: $(VENV)/.installed
 
