@@ -137,6 +137,29 @@ def test_every_package_init_opens_with_a_docstring():
     assert not bad, f"package __init__ without a docstring: {bad}"
 
 
+def test_importing_covey_config_loads_no_torch():
+    """The config is layer 0 and torch-free: the registry checks that need covey.algos run in make_plan."""
+    import subprocess
+    import sys
+    code = "import sys, covey.config; print(sorted(m for m in ('torch', 'covey.algos') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+def test_the_run_holds_the_plan_not_the_config():
+    """The Config stops at the top: `Run` has no `cfg` field and no untyped state dict, and nothing
+    under covey/train/ reads a `.cfg` attribute (what a step needs is in the Plan)."""
+    tree = ast.parse((ROOT / "train" / "setup.py").read_text())
+    run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Run")
+    fields = {n.target.id for n in run.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert "plan" in fields and not fields & {"cfg", "config", "extra_state"}, sorted(fields)
+    bad = [f"{p.relative_to(ROOT.parent)}:{node.lineno}" for p in sorted((ROOT / "train").glob("*.py"))
+           for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.Attribute) and node.attr in ("cfg", "extra_state")]
+    assert not bad, "reads of .cfg / .extra_state under covey/train: " + ", ".join(bad)
+
+
 # bench/ is becoming one harness package; until it lands its paths are not checked. Deleting this
 # line is all it takes to check them.
 PENDING_BENCH = True
