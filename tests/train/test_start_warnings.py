@@ -39,3 +39,11 @@ def test_held_out_rows_seen_in_training_are_announced(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ("covey: warning: 2 of 2 held-out examples are also training examples (same prompt "
                        "and answer): held-out accuracy overstates what was learned")
+
+
+def test_a_missing_model_is_one_line_before_anything_is_printed(tmp_path, capsys):
+    from covey.cli.main import main
+    code = main(["train", "model.path=/no/such/model", f"train.output_dir={tmp_path}", "train.steps=1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", out  # no device, run folder or task line before the error
+    assert err.strip() == "covey train: error: model path not found: /no/such/model"
