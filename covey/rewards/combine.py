@@ -169,7 +169,7 @@ class Rewarder:
         self.on_error = on_error
         self.timeout_s = timeout_s
 
-    def _run_term(self, term: RewardTerm, prompts, completions, columns) -> tuple[list, list[str | None]]:
+    def run_term(self, term: RewardTerm, prompts, completions, columns) -> tuple[list, list[str | None]]:
         """Values of one term (NaN where it returned None) and, per sample, a fault or None."""
         n = len(completions)
         try:
@@ -197,7 +197,7 @@ class Rewarder:
         parts, errors = {}, 0
         for term in self.terms:
             given = formatted_prompts if term.formatted_prompts and formatted_prompts is not None else prompts
-            values, faults = self._run_term(term, given, completions, columns)
+            values, faults = self.run_term(term, given, completions, columns)
             for i, fault in enumerate(faults):
                 if fault is None:
                     continue

@@ -99,7 +99,7 @@ class RewardService:
         errors: list[str | None] = [None] * len(items)
         for term in self.rewarder.terms:
             # The same checks as training (count, None, NaN, exceptions, timeout), per sample.
-            values, faults = self.rewarder._run_term(term, prompts, completions, columns)
+            values, faults = self.rewarder.run_term(term, prompts, completions, columns)
             whole_batch = len(items) > 1 and all(f is not None for f in faults) and len(set(faults)) == 1
             if whole_batch and not faults[0].startswith("timed out"):  # one exception for all: find the culprits
                 return [r for it in items for r in self._score_group([it])]
