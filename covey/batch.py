@@ -1,6 +1,6 @@
 """The Rollout: the typed batch that travels between the stages of a step.
 
-Shapes follow DESIGN.md: N = B*G sequences, P prompt tokens (left-padded),
+Shapes follow docs/design.md: N = B*G sequences, P prompt tokens (left-padded),
 L response tokens (right-padded). `response_mask` is 1 on the response tokens
 up to and including EOS; tokens after EOS are padding and carry 0.
 """

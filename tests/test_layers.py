@@ -1,4 +1,4 @@
-"""The house rules of DESIGN.md, checked on the source: imports point down the layers, no import
+"""The house rules of docs/design.md, checked on the source: imports point down the layers, no import
 cycle, module and function sizes, and no branch on an algorithm's name outside the registries."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "covey"
 
-# Layer of each top-level package or module of covey (DESIGN.md, "The house").
+# Layer of each top-level package or module of covey (docs/design.md, "The house").
 LAYERS = {
     "config": 0, "algos": 0, "batch": 0, "runtime": 0,
     "tasks": 1, "models": 1,

@@ -1,6 +1,6 @@
 """Inputs and options of the advantage estimators and policy losses (plain scalars only).
 
-Dimension legend (DESIGN.md): N sequences, L response tokens, S reasoning steps.
+Dimension legend (docs/design.md): N sequences, L response tokens, S reasoning steps.
 """
 
 from __future__ import annotations
