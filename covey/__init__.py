@@ -4,15 +4,21 @@
     cfg = covey.load_config("grpo", ["train.steps=20"])   # a packaged preset, then key=value overrides
     result = covey.train(cfg, reward_funcs=[...])        # -> TrainResult (run_dir, accuracies, metrics)
 
-Both names are imported on first use (PEP 562), so `import covey` stays light: `load_config`
-(covey.config, which loads no torch) and `train` (the package covey.train, callable; its first
-call imports the models).
+    session = covey.open_run(cfg)                        # or step by step: covey.train is these three
+    for metrics in covey.steps(session):                 # one training step each; `break` stops early
+        ...
+    result = covey.finish(session)                       # checkpoint, held-out accuracy, final/
+
+Every name is imported on first use (PEP 562), so `import covey` stays light: `load_config`
+(covey.config, which loads no torch), `train` (the package covey.train, callable; its first
+call imports the models) and the step API of covey.train.loop.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load_config", "train"]
+__all__ = ["__version__", "finish", "load_config", "open_run", "steps", "train"]
+STEP_API = ("open_run", "steps", "finish")
 
 
 def __getattr__(name: str):
@@ -20,4 +26,6 @@ def __getattr__(name: str):
         return importlib.import_module("covey.config").load_config
     if name == "train":
         return importlib.import_module("covey.train")
+    if name in STEP_API:
+        return getattr(importlib.import_module("covey.train.loop"), name)
     raise AttributeError(f"module 'covey' has no attribute {name!r}")

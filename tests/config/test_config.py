@@ -52,6 +52,22 @@ def test_registry_names_are_checked_by_the_plan_not_by_the_torch_free_config():
         make_plan(cfg)
 
 
+def test_normalisation_and_token_credit_follow_the_estimator_traits():
+    """Checked at start from the registry entry, not at the first advantage step."""
+    for name, est in ESTIMATORS.items():
+        base = [f"algo.estimator={name}", "reward.step_source=exact", "task.name=multistep"]
+        for mode in ("group", "batch", "global_token", "none"):
+            if mode in est.allowed_normalize:
+                plan_of(*base, f"algo.normalize={mode}")
+            else:
+                with pytest.raises(ConfigError, match=f"algo.normalize={mode} is not defined for algo.estimator={name}"):
+                    plan_of(*base, f"algo.normalize={mode}")
+        if not est.sequence_level:
+            with pytest.raises(ConfigError, match="algo.token_credit=uniform spreads one advantage per sequence"):
+                plan_of(*base, "algo.token_credit=uniform")
+    assert plan_of("algo.estimator=grpo", "algo.token_credit=uniform").advantage.token_credit == "uniform"
+
+
 def test_kl_in_reward_needs_token_estimator():
     with pytest.raises(ConfigError, match="kl_in=reward needs"):
         plan_of("algo.kl_in=reward")

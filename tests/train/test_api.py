@@ -99,3 +99,49 @@ def test_covey_is_light_and_covey_train_is_a_callable_package():
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
     with pytest.raises(TypeError, match="covey.train takes the Config of covey.load_config"):
         covey.train("grpo")
+
+
+def drop_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/peak_rss", "memory/rss"))}
+            for r in rows]
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_step_api_is_the_run_covey_train_makes(tiny_model_dir, tmp_path):
+    """covey.train is open_run -> steps -> finish: driven by hand, the same two steps log the same
+    numbers (timings aside), and finish saves and evaluates as train does."""
+    overrides = tiny_overrides(tiny_model_dir, tmp_path / "a", **{"reward.functions": "tests.helpers:varied_reward"})
+    whole = covey.train(load_config(None, overrides))
+    session = covey.open_run(load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "b", **{
+        "reward.functions": "tests.helpers:varied_reward"})))
+    yielded = list(covey.steps(session))
+    stepped = covey.finish(session)
+    assert [m["optim/grad_norm"] for m in yielded] == [r["optim/grad_norm"] for r in read_rows(whole.run_dir)[1:3]]
+    assert drop_times(read_rows(stepped.run_dir)) == drop_times(read_rows(whole.run_dir))
+    assert (stepped.steps, stepped.accuracy_before, stepped.accuracy_after) == (
+        whole.steps, whole.accuracy_before, whole.accuracy_after)
+    assert (stepped.final_model / "config.json").is_file()
+
+
+def test_a_caller_stops_with_break_and_finish_keeps_the_step(tiny_model_dir, tmp_path):
+    """`break` after step 1 of 3: finish checkpoints step 1 (a resume continues from it), logs the final
+    line at step 1, and with evaluate=False / save=False measures and writes nothing more."""
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"train.steps": 3}))
+    session = covey.open_run(cfg, evaluate_before=False)
+    for metrics in covey.steps(session):
+        assert session.run.step == 1 and metrics["time/step"] > 0
+        break
+    result = covey.finish(session, evaluate=False)
+    assert result.steps == 1 and result.eval_before == {} and result.eval_after == {}
+    assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["step-000001"]
+    assert [(r["step"], r.get("final")) for r in read_rows(result.run_dir)] == [(0, None), (1, None), (1, 1)]
+    again = covey.open_run(load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "train.steps": 3, "train.resume": "auto"})), evaluate_before=False)
+    assert again.run.step == 1  # resumed from the checkpoint finish wrote
+    assert [again.run.step for _ in covey.steps(again)] == [2, 3]
+    done = covey.finish(again, evaluate=False, save=False)
+    assert done.final_model is None  # save=False: no checkpoint of step 3 and the first finish's final/ kept
+    assert sorted(p.name for p in (done.run_dir / "checkpoints").iterdir()) == ["step-000001"]
