@@ -187,8 +187,12 @@ class Estimator:
     default_normalize: str = "none"  # what normalize='auto' means for it (its paper's choice)
     allowed_normalize: tuple[str, ...] = ("global_token", "none")  # the normalisations defined for it
 
+    def options(self, opts: AdvantageOptions) -> AdvantageOptions:
+        """`opts` checked against the traits (ValueError naming the option), normalize='auto' resolved."""
+        return resolve_normalize(self.fn.__name__, self, opts)
+
     def __call__(self, inp: AdvantageInput, opts: AdvantageOptions):
-        return self.fn(inp, resolve_normalize(self.fn.__name__, self, opts))
+        return self.fn(inp, self.options(opts))
 
 
 ESTIMATORS: dict[str, Estimator] = {

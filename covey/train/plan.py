@@ -200,9 +200,9 @@ def make_plan(cfg: Config) -> Plan:
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight))
-    for options in (plan.advantage, plan.update.loss):
+    for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage)):
         try:
-            options.validate()
+            check()  # the estimator's entry: normalize and token_credit against its traits
         except ValueError as err:
             raise ConfigError(f"algo: {err}") from None
     return plan

@@ -38,8 +38,8 @@ def check_against_registries(cfg: Config) -> None:
 
 
 def check_estimator_needs(cfg: Config) -> None:
-    """Group sizes, normalisation, token credit, dynamic sampling and a KL penalty in the reward, from the
-    estimator's traits."""
+    """Group sizes, dynamic sampling and a KL penalty in the reward, from the estimator's traits (its
+    normalisation and token credit are checked by the entry itself, in make_plan)."""
     a, r = cfg.algo, cfg.rollout
     estimator = algos.ESTIMATORS[a.estimator]
     if r.group_size < estimator.min_group_size:
@@ -47,13 +47,6 @@ def check_estimator_needs(cfg: Config) -> None:
                           f"must be >= {estimator.min_group_size}")
     if a.dynamic_sampling and estimator.min_group_size < 2:
         raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
-    mode = estimator.default_normalize if a.normalize == "auto" else a.normalize
-    if mode not in estimator.allowed_normalize:
-        raise ConfigError(f"algo.normalize={a.normalize} is not defined for algo.estimator={a.estimator}; "
-                          f"valid: auto, {', '.join(estimator.allowed_normalize)}")
-    if not estimator.sequence_level and a.token_credit != "shared":
-        raise ConfigError(f"algo.token_credit={a.token_credit} spreads one advantage per sequence over its tokens; "
-                          f"algo.estimator={a.estimator} computes per-token advantages itself (keep shared)")
     if a.kl_in == "reward" and not estimator.per_token_rewards:
         per_token = ", ".join(name for name, e in algos.ESTIMATORS.items() if e.per_token_rewards)
         raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")

@@ -60,10 +60,10 @@ def test_normalisation_and_token_credit_follow_the_estimator_traits():
             if mode in est.allowed_normalize:
                 plan_of(*base, f"algo.normalize={mode}")
             else:
-                with pytest.raises(ConfigError, match=f"algo.normalize={mode} is not defined for algo.estimator={name}"):
+                with pytest.raises(ConfigError, match=f"algo: normalize='{mode}' is not defined for estimator '{name}'"):
                     plan_of(*base, f"algo.normalize={mode}")
         if not est.sequence_level:
-            with pytest.raises(ConfigError, match="algo.token_credit=uniform spreads one advantage per sequence"):
+            with pytest.raises(ConfigError, match="algo: token_credit='uniform' applies to sequence-level estimators"):
                 plan_of(*base, "algo.token_credit=uniform")
     assert plan_of("algo.estimator=grpo", "algo.token_credit=uniform").advantage.token_credit == "uniform"
 
