@@ -1,12 +1,6 @@
-"""The benchmark's arithmetic (bench/): steps 2..N summarised, interleaved rounds pooled."""
+"""The benchmark harness's arithmetic (bench/harness.py): steps 2..N summarised, interleaved rounds pooled."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from bench_grpo import pooled  # noqa: E402
-from common import summarize  # noqa: E402
+from bench.harness import interleaved, pooled, summarize
 
 
 def result(seconds, updates, flops, rss):
@@ -31,3 +25,10 @@ def test_rounds_pool_their_timed_steps_and_keep_the_highest_peak():
     r = summarize(pooled([one, two]))
     assert r["median_s"] == 25 and r["steps_timed"] == 4 and r["peak_rss_mib"] == 5000
     assert r["train_gflops"] == 12e12 / 12 / 1e9
+
+
+def test_rounds_interleave_the_runs():
+    order = []
+    by_name = interleaved(["covey", "trl"], 2, lambda name, tag: order.append(name + tag) or name + tag)
+    assert order == ["covey-round1", "trl-round1", "covey-round2", "trl-round2"]
+    assert by_name == {"covey": ["covey-round1", "covey-round2"], "trl": ["trl-round1", "trl-round2"]}

@@ -1,14 +1,10 @@
-"""bench/gpu_bench.py's arithmetic: the update's model FLOPs, the shapes' parameter counts, the targets."""
-
-import sys
-from pathlib import Path
+"""The GPU benchmark's arithmetic (bench/gpu.py): the update's model FLOPs, the shapes' parameter counts,
+the targets."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from gpu_bench import summarize, table, varied_reward, verdicts  # noqa: E402
-from gpu_roles import model_shape, update_flops  # noqa: E402
+from bench.report import gpu_summary, gpu_table, verdicts
+from bench.workloads import model_shape, update_flops, varied_reward
 
 
 def test_qwen25_shapes_count_their_parameters():
@@ -43,11 +39,11 @@ def test_summary_ratios_and_verdicts():
     shape = {"matmul_params": 1e9, "heads": 12, "head_dim": 128, "layers": 28, "prompt_tokens_mean": 40}
     workload = {"prompts": 8, "group_size": 8, "new_tokens": 256}
     variant = {"steps": steps([9, 0.8, 0.9, 0.7]), "peak_gpu_bytes": 30 * 2**30}
-    row = summarize("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape,
+    row = gpu_summary("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape,
                     {"covey": covey, "trl": trl, "covey-variant": variant}, workload)
     assert row["step_vs_trl"] == pytest.approx(0.11) and row["memory_vs_trl"] == 0.5  # covey's, not the variant's
     assert row["trainers"] == ["covey", "trl", "covey-variant"] and row["covey-variant"]["step_s"] == 0.8
-    assert "| 1.5b | covey-variant | 0.80 |" in table([row], {})
+    assert "| 1.5b | covey-variant | 0.80 |" in gpu_table([row])
     assert row["decode_floor_ms"] == 1.0 and row["decode_vs_floor"] == 2.0
     lines = verdicts(row)
     assert any("step_vs_trl: 0.110 (target <= 0.25) met" in line for line in lines)

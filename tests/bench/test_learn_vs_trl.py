@@ -2,18 +2,13 @@
 evaluation schedule, and the report's verdicts on hand-made numbers."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from learn_report import markdown, mean_curve, spread_verdict, summarize, view  # noqa: E402
-from learn_run import Schedule  # noqa: E402
-from trl_map import micro_batches, trl_grpo_kwargs  # noqa: E402
-
-from covey.config import load_config  # noqa: E402
+from bench.report import learn_summary, markdown, mean_curve, spread_verdict, view
+from bench.trl_side import micro_batches, trl_grpo_kwargs
+from bench.workloads import Schedule
+from covey.config import load_config
 
 
 def test_covey_defaults_map_to_the_same_trl_update():
@@ -111,7 +106,7 @@ def test_overlapping_seed_ranges_are_within_the_spread():
 def test_the_summary_reads_each_view_at_its_tagged_point():
     runs = [run("covey", 0, (0.18, 0.30, 0.36, 0.40), 20), run("covey", 1, (0.18, 0.28, 0.38, 0.44), 30),
             run("trl", 0, (0.18, 0.25, 0.31, 0.36), 10), run("trl", 1, (0.18, 0.27, 0.33, 0.41), 10)]
-    s = summarize(runs)
+    s = learn_summary(runs)
     # per-sample view at step 30: covey 0.40/0.44 vs TRL 0.36/0.41 -> overlapping, covey +3.5 points
     assert s["steps"]["covey"]["mean"] == pytest.approx(0.42) and s["steps"]["trl"]["mean"] == pytest.approx(0.385)
     assert s["steps"]["verdict"]["within_spread"]
