@@ -191,3 +191,40 @@ def test_every_path_cited_in_the_docs_exists():
                 if not found:
                     missing.append(f"{doc.relative_to(repo)}:{number}: {as_written}")
     assert not missing, "paths cited in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_nothing_under_bench_assigns_to_a_covey_module_attribute():
+    """Benchmarks drive a run through open_run / steps / finish and module hooks (DESIGN.md): no
+    `loop.train_step = f`, `loop.x += 1` or `setattr(loop, "x", f)` on a name bound to a covey module
+    (`import covey.train.loop as loop`, `from covey.train import loop`, `import covey.train.loop`)."""
+    known = set(modules())
+
+    def dotted(node) -> str | None:
+        if isinstance(node, ast.Name):
+            return node.id
+        return f"{base}.{node.attr}" if isinstance(node, ast.Attribute) and (base := dotted(node.value)) else None
+
+    bad = []
+    for path in sorted((ROOT.parent / "bench").rglob("*.py")):
+        tree, bound = ast.parse(path.read_text()), {}
+        for node in ast.walk(tree):  # names bound to covey modules, at any depth
+            if isinstance(node, ast.Import):
+                bound.update({a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                              for a in node.names if a.name.startswith("covey")})
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("covey"):
+                bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                              if f"{node.module}.{a.name}" in known})
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+            owners = [(t.value, t.attr) for t in targets if isinstance(t, ast.Attribute)]
+            if isinstance(node, ast.Call) and (dotted(node.func) or "").split(".")[-1] == "setattr" and node.args:
+                attr = node.args[1] if len(node.args) > 1 else None
+                owners.append((node.args[0], attr.value if isinstance(attr, ast.Constant) else "?"))
+            for owner, attr in owners:
+                root, _, rest = (dotted(owner) or "").partition(".")
+                module = ".".join(filter(None, [bound.get(root), rest]))
+                if root in bound and module in known:
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} assigns {module}.{attr}")
+    assert not bad, "bench/ replaces covey's functions at run time:\n" + "\n".join(bad)

@@ -31,8 +31,9 @@ def test_update_flops_count_six_per_parameter_and_token_and_the_attention():
 
 
 def test_summary_ratios_and_verdicts():
-    steps = lambda s: [{"step_s": x, "generate_s": x / 2, "reference_s": 0.1, "update_s": x / 4, "score_s": 0.0}
-                       for x in s]
+    def steps(s):
+        return [{"step_s": x, "generate_s": x / 2, "reference_s": 0.1, "update_s": x / 4, "score_s": 0.0} for x in s]
+
     covey = {"steps": steps([9, 1, 1.2, 1.1]), "peak_gpu_bytes": 20 * 2**30,
              "decode": {"loop_ms_median": 2.0, "floor_bytes_per_step": 1e9, "rows": 64}}
     trl = {"steps": steps([9, 10, 10, 10]), "peak_gpu_bytes": 40 * 2**30}
