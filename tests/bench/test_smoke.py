@@ -1,0 +1,103 @@
+"""Every benchmark driver end to end on the tiny model: the covey side really trains a few steps in its
+own process, and the driver's result file holds sane figures. The TRL side needs TRL (the `bench`
+extra): its tests are skipped where TRL is not installed."""
+
+import json
+
+import pytest
+import torch
+
+from bench import gpu, learn, speed
+
+
+def speed_smoke(tmp_path, model: str, runs: str) -> dict:
+    out = speed.main(["--smoke", "--runs", runs, "--steps", "2", "--model", model, "--out", str(tmp_path / "bench"),
+                      "--threads", str(torch.get_num_threads())])  # the test process keeps its threads
+    return json.loads(out.read_text())
+
+
+def gpu_smoke(tmp_path, model: str, runs: str, *flags: str) -> dict:
+    code = gpu.main(["--smoke", "--runs", runs, "--tokenizer", model, "--out", str(tmp_path / "bench"),
+                     "--work", str(tmp_path / "models"), *flags])
+    assert code == 0
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+def learn_smoke(tmp_path, model: str, trainers: str) -> dict:
+    assert learn.main(["--smoke", "--trainers", trainers, "--seeds", "0", "--out", str(tmp_path),
+                       f"model.path={model}"]) == 0
+    return json.loads((tmp_path / "learn-vs-trl.json").read_text())
+
+
+def check_speed_row(row: dict, name: str) -> None:
+    assert row["name"] == name and row["steps_timed"] == 1  # step 1 warms up
+    assert 0 < row["median_s"] < 60 and row["tokens_per_s"] > 0 and row["peak_rss_mib"] > 100
+    assert row["train_gflops"] > 0  # the FLOP counter's hooks saw the training passes
+    assert 0 <= row["generate_s"] < row["median_s"] and 0 < row["update_s"] < row["median_s"]
+
+
+def check_gpu_row(row: dict, name: str) -> None:
+    r = row[name]
+    assert 0 < r["step_s"] < 60 and 0 < r["update_s"] < r["step_s"] and 0 < r["generate_s"] < r["step_s"]
+    assert r["update_tflops"] > 0 and r["generate_ms_per_token"] > 0
+
+
+def check_learning_run(run: dict, steps: int = 3) -> None:
+    points = run["points"]
+    assert points[0]["step"] == 0 and points[0]["tags"] == ["base"]
+    assert all(0 <= p["accuracy"] <= 1 and p["n"] == 8 for p in points)
+    assert "final" in points[-1]["tags"] and points[-1]["step"] == run["steps"][-1]["step"] >= steps
+    assert [p["step"] for p in points if "every" in p["tags"]][:1] == [2]  # --eval-every 2
+    assert all(s["step_s"] > 0 for s in run["steps"]) and all(p["folder"] is None for p in points[1:])
+
+
+def test_speed_driver_times_covey_steps(tmp_path, tiny_model_dir):
+    result = speed_smoke(tmp_path, tiny_model_dir, "covey")
+    (row,) = result["summary"]
+    check_speed_row(row, "covey")
+    steps = result["runs"][0]["steps"]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["completion_tokens"] > 0 for s in steps)
+    assert result["peak_before"]["float32"] > 0
+
+
+def test_gpu_driver_covey_child_runs_on_the_cpu(tmp_path, tiny_model_dir):
+    result = gpu_smoke(tmp_path, tiny_model_dir, "covey", "--profile")
+    (row,) = result["rows"]
+    assert row["size"] == "smoke" and row["trainers"] == ["covey"]
+    check_gpu_row(row, "covey")
+    detail = row["covey"]["detail"]
+    assert detail["held_bytes"]["policy"] > 0 and detail["config"]["rollout.decode"] == "auto"
+    assert detail["profile"]["step_wall_s"] > 0  # one more step under torch.profiler
+    assert result["device"]["copy_bytes_per_s"] > 0 and result["device"]["matmul_tflops"] > 0
+
+
+def test_learn_driver_saves_and_evaluates_covey_points(tmp_path, tiny_model_dir):
+    result = learn_smoke(tmp_path, tiny_model_dir, "covey")
+    (run,) = result["runs"]
+    assert run["trainer"] == "covey" and run["seed"] == 0
+    check_learning_run(run)
+    assert (tmp_path / "learn-vs-trl.md").is_file() and (tmp_path / "learn-vs-trl.png").is_file()
+
+
+def test_speed_driver_times_trl_steps(tmp_path, tiny_model_dir):
+    pytest.importorskip("trl", reason="TRL is the `bench` extra")
+    result = speed_smoke(tmp_path, tiny_model_dir, "trl,trl-gc")
+    for row, name in zip(result["summary"], ("trl", "trl-gc")):
+        check_speed_row(row, name)
+
+
+def test_gpu_driver_trl_child_runs_on_the_cpu(tmp_path, tiny_model_dir):
+    pytest.importorskip("trl", reason="TRL is the `bench` extra")
+    (row,) = gpu_smoke(tmp_path, tiny_model_dir, "trl")["rows"]
+    check_gpu_row(row, "trl")
+    assert row["trl"]["detail"]["setup"]["gradient_checkpointing"] is False  # covey's setting, mapped
+
+
+def test_learn_driver_compares_both_trainers(tmp_path, tiny_model_dir):
+    pytest.importorskip("trl", reason="TRL is the `bench` extra")
+    result = learn_smoke(tmp_path, tiny_model_dir, "covey,trl")
+    assert [r["trainer"] for r in result["runs"]] == ["covey", "trl"]
+    for run in result["runs"]:
+        check_learning_run(run)
+    assert set(result["summary"]) == {"steps", "minutes"}
+    assert result["trl_settings"]["num_generations"] == 4
