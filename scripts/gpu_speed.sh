@@ -102,9 +102,9 @@ else
 fi
 
 left=$(( ${TOTAL_S:-470} - ($(date +%s) - start) ))
-echo "== bench/gpu_bench.py (budget ${left}s)"
+echo "== python -m bench.gpu (budget ${left}s)"
 # BENCH_FLAGS: extra flags for a trial elsewhere (e.g. BENCH_FLAGS=--smoke on a CPU)
-timeout $(( left + 30 )) "$PY" bench/gpu_bench.py --out "$WORK/bench" --work "$WORK/models" $TOKENIZER \
+timeout $(( left + 30 )) "$PY" -m bench.gpu --out "$WORK/bench" --work "$WORK/models" $TOKENIZER \
   --decode-modes "${DECODE_MODES-graphs,compile}" --budget-s "$left" ${BENCH_FLAGS:-} 2>&1 \
   | tee "$WORK/bench-stdout.txt" | sed '/^device: /,$d'
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

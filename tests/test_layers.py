@@ -160,9 +160,6 @@ def test_the_run_holds_the_plan_not_the_config():
     assert not bad, "reads of .cfg / .extra_state under covey/train: " + ", ".join(bad)
 
 
-# bench/ is becoming one harness package; until it lands its paths are not checked. Deleting this
-# line is all it takes to check them.
-PENDING_BENCH = True
 DOC_PATH = re.compile(r"(?<![\w./<-])((?:covey|tests|bench|scripts|docs|examples|dev)/[\w./*<>{}-]*|test_[\w*]+\.py)")
 DOC_LINK = re.compile(r"\]\(([^)\s]+)")
 DOC_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S*")
