@@ -2,7 +2,8 @@
 any model on the configured task.
 
 Given a run folder, its config.yaml supplies the task, the reward functions and eval.metric, and
-its trained model (final/) is evaluated unless --model names another.
+its trained model (final/) is evaluated unless --model names another. The run recorded its data
+paths absolute and its eval.metric resolved, so this works from any folder and judges as the run did.
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     from covey.rewards.build import build_rewarder
     from covey.rewards.learned import load_learned_rewards
     from covey.rollout.hf import HFEngine
-    from covey.tasks.data import load_task_data, format_prompts
+    from covey.tasks.data import format_prompts, load_run_data
     from covey.tasks.verifiers import resolve_verifier
     from covey.train.evaluate import Judge, evaluate, reply_breakdown
     if replies_path:
         Path(replies_path).parent.mkdir(parents=True, exist_ok=True)
         Path(replies_path).write_text("")  # an unwritable path fails here, before the model loads
-    data = load_task_data(cfg.task, cfg.train.seed)
+    cfg, data = load_run_data(cfg)  # eval.metric=auto resolved as a run resolves it (reward for prompt-only data)
+    if not data.eval:
+        raise ValueError("no held-out examples to evaluate (task.eval_size=0): set task.eval_path=FILE, or "
+                         "task.eval_size=N to hold out N rows of task.path")
     metric = cfg.eval.metric
-    verifier = resolve_verifier(metric, [ex.answer for ex in data.eval])
+    verifier = resolve_verifier(metric, [ex.answer for ex in data.eval if ex.answer is not None])
     device = command_device(cfg)
     judge = Judge(verifier)
     if metric == "reward":

@@ -1,18 +1,26 @@
-"""From the task config to chat-formatted prompts, and a resumable prompt stream."""
+"""From the task config to chat-formatted prompts, and a resumable prompt stream; the settings a
+run takes from its data (`load_run_data`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from covey.config import TaskConfig
+from covey.config import Config, ConfigError, TaskConfig
+from covey.config.checks import FILE_TASKS
 from covey.tasks.arithmetic import arithmetic_splits
 from covey.tasks.base import Example, build_messages
-from covey.tasks.files import load_examples
+from covey.tasks.files import ANSWER_COLUMNS, key_hint, load_examples
 from covey.tasks.multistep import multistep_splits
+from covey.tasks.verifiers import VERIFIERS, resolve_verifier
 from covey.tasks.wordproblems import wordproblem_splits
+
+HELD_OUT_WARN_SHARE = 0.2
+"""Held-out rows drawn out of task.path above this share of its rows are announced with a warning."""
 
 
 @dataclass
@@ -21,6 +29,7 @@ class TaskData:
     eval: list[Example]
     skipped_rows: int = 0
     overlap: int = 0  # held-out examples that are also training examples (same prompt and answer)
+    notes: list[str] = field(default_factory=list)  # said at start, one line each ("warning: ..." ones too)
 
 
 def load_task_data(task: TaskConfig, seed: int) -> TaskData:
@@ -28,24 +37,27 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
     (train.seed) draws the synthetic tasks and the held-out rows of a file without held-out data."""
     t = task
     if t.name == "arithmetic":
-        train, held = arithmetic_splits(t.train_size, t.eval_size, seed,
-                                        kind=t.kind, digits_a=t.digits_a, digits_b=t.digits_b,
-                                        template=t.template)
-        return TaskData(train, held)
-    if t.name == "multistep":
-        train, held = multistep_splits(t.train_size, t.eval_size, seed, min_ops=t.min_ops,
-                                       max_ops=t.max_ops, ops=tuple(dict.fromkeys(t.ops)),
-                                       operand_max=t.operand_max, start_digits=t.start_digits,
-                                       max_value=t.max_value, template=t.multistep_template)
-        return TaskData(train, held)
-    if t.name == "wordproblems":
-        return TaskData(*wordproblem_splits(t.train_size, t.eval_size, seed, steps=t.word_steps))
-    return load_file_task(t, seed)
+        data = TaskData(*arithmetic_splits(t.train_size, t.eval_size, seed, kind=t.kind, digits_a=t.digits_a,
+                                           digits_b=t.digits_b, template=t.template))
+    elif t.name == "multistep":
+        data = TaskData(*multistep_splits(t.train_size, t.eval_size, seed, min_ops=t.min_ops, max_ops=t.max_ops,
+                                          ops=tuple(dict.fromkeys(t.ops)), operand_max=t.operand_max,
+                                          start_digits=t.start_digits, max_value=t.max_value,
+                                          template=t.multistep_template))
+    elif t.name == "wordproblems":
+        data = TaskData(*wordproblem_splits(t.train_size, t.eval_size, seed, steps=t.word_steps))
+    else:
+        data = load_file_task(t, seed)
+    if not data.eval:
+        data.notes.append("no held-out evaluation (task.eval_size=0): every example trains, and no accuracy "
+                          "is measured before or after training")
+    return data
 
 
 def load_file_task(t: TaskConfig, seed: int) -> TaskData:
     """task.path's rows; held out: task.eval_path, else task.eval_split of task.path, else eval_size
-    rows drawn with `seed`. Held-out rows that are also training rows are counted (`overlap`)."""
+    rows drawn with `seed` (none with eval_size=0; a warning above HELD_OUT_WARN_SHARE of the rows).
+    Held-out rows that are also training rows are counted (`overlap`)."""
     kwargs = dict(prompt_key=t.prompt_key, answer_key=t.answer_key, on_error=t.on_bad_row)
     if t.eval_split and not Path(t.eval_path or t.path).is_dir():
         raise ValueError(f"task.eval_split={t.eval_split} needs a saved HF dataset folder "
@@ -54,13 +66,59 @@ def load_file_task(t: TaskConfig, seed: int) -> TaskData:
     if t.eval_path or t.eval_split:
         held, skipped_eval = load_examples(t.eval_path or t.path, split=t.eval_split or None, **kwargs)
         return TaskData(examples, held, skipped + skipped_eval, overlap=count_overlap(examples, held))
-    if len(examples) < 2:
-        raise ValueError(f"{t.path}: need at least 2 rows to hold some out (or set task.eval_path)")
+    if t.eval_size and len(examples) < 2:
+        raise ValueError(f"{t.path}: need at least 2 rows to hold some out (or set task.eval_path, "
+                         "or task.eval_size=0 to train on every row without a held-out evaluation)")
     n_eval = min(t.eval_size, len(examples) // 2)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = [examples[i] for i in order[:n_eval]]
     train = [examples[i] for i in order[n_eval:]]
-    return TaskData(train, held, skipped, overlap=count_overlap(train, held))
+    data = TaskData(train, held, skipped, overlap=count_overlap(train, held))
+    if n_eval > HELD_OUT_WARN_SHARE * len(examples):
+        data.notes.append(f"warning: task.eval_size={t.eval_size} holds out {n_eval} of the {len(examples)} rows "
+                          f"of {t.path} ({n_eval / len(examples):.0%}), leaving {len(train)} to train on: set "
+                          "task.eval_size (0 trains on every row, with no held-out evaluation) or task.eval_path")
+    return data
+
+
+def load_run_data(cfg: Config) -> tuple[Config, TaskData]:
+    """The run's data (`load_task_data`) and the config as the run records it (`settle_config`)."""
+    data = load_task_data(cfg.task, cfg.train.seed)
+    return settle_config(cfg, data), data
+
+
+def settle_config(cfg: Config, data: TaskData) -> Config:
+    """A copy of `cfg` with what the data decides written out, as a run stores it in config.yaml
+    (compared on resume; read back by `covey eval RUN_DIR`, from any folder): task.path and
+    task.eval_path absolute; eval.metric=auto resolved to the verifier the answers call for; for data
+    without reference answers (prompt-only) eval.metric=reward and the correctness reward off."""
+    cfg = copy.deepcopy(cfg)
+    t = cfg.task
+    if t.name in FILE_TASKS:
+        t.path, t.eval_path = (os.path.abspath(p) if p else p for p in (t.path, t.eval_path))
+    examples = [*data.train, *data.eval]
+    missing = sum(ex.answer is None for ex in examples)
+    metric = cfg.eval.metric
+    if not missing:
+        cfg.eval.metric = resolve_verifier(metric, [ex.answer for ex in examples]) if metric == "auto" else metric
+        return cfg
+    where = f"{t.path}" + (f" and {t.eval_path}" if t.eval_path else "")
+    columns = {k for ex in examples for k in ex.meta}
+    why = (f"{missing} of {len(examples)} rows have no reference answer a verifier reads (null, a list, ...)"
+           if t.answer_key in columns else f"there is no {t.answer_key!r} column")
+    hint = key_hint(columns, t.answer_key, "task.answer_key", ANSWER_COLUMNS)
+    hint = f"{hint} if that column holds the answers" if hint else ""
+    if missing < len(examples) and cfg.reward.correctness:
+        raise ConfigError(f"{where}: {why}, which the correctness reward needs in every row: set "
+                          f"reward.correctness=0 to train on your reward functions alone{hint}")
+    if metric in VERIFIERS:
+        raise ConfigError(f"eval.metric={metric} compares answers with the reference, but in {where} {why}: "
+                          f"set eval.metric=reward to judge held-out answers by your reward functions{hint}")
+    off = ", so the correctness reward is off and" if cfg.reward.correctness else ":"
+    cfg.eval.metric, cfg.reward.correctness = "reward", 0.0
+    data.notes.append(f"{where}: {why}{off} held-out answers are judged by the reward functions (eval.metric="
+                      f"reward, passing at eval.reward_threshold={cfg.eval.reward_threshold:g}){hint}")
+    return cfg
 
 
 def count_overlap(train: list[Example], held: list[Example]) -> int:

@@ -2,7 +2,10 @@
 `save_to_disk`.
 
 A prompt is a string, or a list of chat messages ({"role", "content"}: TRL's conversational
-format); the answer a string or a number; every other column travels to the reward functions.
+format). The answer column is optional (prompt-only data, as TRL's quickstart uses, trains on
+reward functions alone): a string or a number is the reference a verifier reads; a null, a
+list or any other value leaves the row without one. Every column but the prompt, the answer
+column included, travels to the reward functions as the dataset gives it.
 
 Bad data must fail early (before a model is loaded) with one line that names the
 file and the row, or be skipped and counted when the user asks for that.
@@ -48,14 +51,30 @@ def check_messages(value: Any, key: str) -> tuple:
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
+ANSWER_COLUMNS = ("answer", "answers", "solution", "target", "label", "ground_truth", "gold", "output",
+                  "reference", "response", "completion")
+"""Column names that often hold the reference answer (a missing task.answer_key names them)."""
+
+PROMPT_COLUMNS = ("prompt", "question", "problem", "query", "instruction", "input", "text", "messages")
+"""Column names that often hold the prompt (a missing task.prompt_key names them)."""
+
+
+def key_hint(columns, key: str, setting: str, likely: tuple[str, ...]) -> str:
+    """'; set task.answer_key=solution' when `key` is missing and a likely column is there; else ''."""
+    found = [c for c in likely if c in columns and c != key]
+    return f"; set {setting}={found[0]}" if found else ""
+
+
 def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answer") -> Example:
-    """Validate one row; numbers as answers become strings, other columns go to `meta`."""
+    """Validate one row. `answer` is the reference as a verifier reads it (a number as its text), None
+    where the row has none (no answer field, null, a list, ...); `meta` holds every column but the
+    prompt as the dataset gives it, the answer column included."""
     if not isinstance(row, dict):
         raise _RowError(f"expected a JSON object, got {_type_name(row)}")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise _RowError(f"missing field {key!r}")
-    prompt, answer = row[prompt_key], row[answer_key]
+    if prompt_key not in row:
+        raise _RowError(f"missing field {prompt_key!r} (the row has: {', '.join(map(str, row)) or 'nothing'}"
+                        f"{key_hint(row, prompt_key, 'task.prompt_key', PROMPT_COLUMNS)})")
+    prompt = row[prompt_key]
     messages = check_messages(prompt, prompt_key) if isinstance(prompt, (list, tuple)) else None
     if messages is not None:
         prompt = messages_text(messages)
@@ -63,15 +82,20 @@ def row_to_example(row: Any, prompt_key: str = "prompt", answer_key: str = "answ
         raise _RowError(f"field {prompt_key!r} must be a string or a list of chat messages, got {_type_name(prompt)}")
     if not prompt.strip():
         raise _RowError(f"field {prompt_key!r} is empty")
+    meta = {k: v for k, v in row.items() if k != prompt_key}  # reward functions get each column as it is
+    return Example(prompt=prompt, answer=reference_answer(row, answer_key), meta=meta, messages=messages)
+
+
+def reference_answer(row: dict, answer_key: str) -> str | None:
+    """The row's answer as a verifier reads it: a string (trimmed) or a number (as text); None for no
+    answer field, null, a list or any other value (reward functions still get it as it is)."""
+    answer = row.get(answer_key)
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise _RowError(f"field {answer_key!r} must be a string or a number, got {_type_name(answer)}")
+        return None
     answer = str(answer).strip()
     if not answer:
         raise _RowError(f"field {answer_key!r} is empty")
-    meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-    if answer_key != "answer":
-        meta[answer_key] = row[answer_key]  # reward functions get the column under its own name too
-    return Example(prompt=prompt, answer=answer, meta=meta, messages=messages)
+    return answer
 
 
 def _check_on_error(on_error: str) -> None:
@@ -81,13 +105,30 @@ def _check_on_error(on_error: str) -> None:
 
 def _collect(rows: Iterable[tuple[str, Any]], prompt_key: str, answer_key: str,
              on_error: str) -> tuple[list[Example], int]:
-    """Turn (location, row-or-_RowError) pairs into examples, raising or counting errors."""
+    """Turn (location, row-or-_RowError) pairs into examples, raising or counting errors. The answer
+    field is optional for a whole dataset, not for some of its rows: once one row has it, a row
+    without it is a bad row (rows without it read before that one are reported, or skipped, then)."""
     examples, skipped = [], 0
+    lacking: list[tuple[str, int]] = []  # (where, index) of rows without the answer field, while no row had it
+    answered = False
     for where, row in rows:
         try:
             if isinstance(row, _RowError):
                 raise row
-            examples.append(row_to_example(row, prompt_key, answer_key))
+            example = row_to_example(row, prompt_key, answer_key)
+            has_answer = answer_key in row
+            if answered and not has_answer:
+                raise _RowError(f"missing field {answer_key!r} (other rows have it)")
+            if has_answer and not answered:
+                answered = True
+                if lacking and on_error == "raise":
+                    raise DataError(f"{lacking[0][0]}: missing field {answer_key!r} (other rows have it, "
+                                    f"such as {where})")
+                drop = {i for _, i in lacking}
+                examples, skipped = [ex for i, ex in enumerate(examples) if i not in drop], skipped + len(drop)
+            if not answered:
+                lacking.append((where, len(examples)))
+            examples.append(example)
         except _RowError as err:
             if on_error == "raise":
                 raise DataError(f"{where}: {err}") from None
@@ -101,7 +142,7 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is not data
             except UnicodeDecodeError as err:
                 yield where, _RowError(f"not valid UTF-8 ({err.reason} at byte {err.start})")
                 continue
@@ -179,9 +220,9 @@ def load_hf_dataset(path: str | Path, split: str | None = None, prompt_key: str 
         raise DataError(f"{path}: not a dataset saved with save_to_disk ({first_line(err)})") from None
     ds = _pick_split(ds, split, path)
     where = f"{path}[{split}]" if split else str(path)
-    for key in (prompt_key, answer_key):
-        if key not in ds.column_names:
-            raise DataError(f"{where}: missing column {key!r} (columns: {', '.join(ds.column_names)})")
+    if prompt_key not in ds.column_names:  # the answer column is optional (prompt-only data)
+        raise DataError(f"{where}: missing column {prompt_key!r} (columns: {', '.join(ds.column_names)}"
+                        f"{key_hint(ds.column_names, prompt_key, 'task.prompt_key', PROMPT_COLUMNS)})")
     rows = ((f"{where} row {i}", row) for i, row in enumerate(ds))
     examples, skipped = _collect(rows, prompt_key, answer_key, on_error)
     _require_nonempty(examples, skipped, where)
@@ -189,9 +230,10 @@ def load_hf_dataset(path: str | Path, split: str | None = None, prompt_key: str 
 
 
 def _csv_rows(path: Path) -> Iterable[tuple[str, Any]]:
-    """Yield ('file:line', row dict) from a CSV file with a header row (every value a string)."""
+    """Yield ('file:line', row dict) from a CSV file with a header row (every value a string); a
+    byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name."""
     import csv
-    with open(path, newline="", encoding="utf-8") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         try:
             for row in reader:
@@ -208,7 +250,7 @@ def _csv_rows(path: Path) -> Iterable[tuple[str, Any]]:
 def _json_rows(path: Path) -> Iterable[tuple[str, Any]]:
     """Yield ('file row i', row) from a JSON file holding one list of objects."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: invalid JSON: {first_line(err)}") from None
     if not isinstance(data, list):

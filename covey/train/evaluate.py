@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from covey.config import Config, as_dict
 from covey.rewards.combine import TrainerState
 from covey.rewards.scoring import score
 from covey.runtime.metrics import write_whole
+from covey.runtime.signals import TrainingStopped
 from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
 from covey.tasks.verifiers import verify
@@ -55,6 +57,17 @@ class Judge:
         return f"share at reward >= {self.threshold:g}" if self.by_reward else f"accuracy ({self.metric})"
 
 
+class EvaluationStopped(TrainingStopped):
+    """A stop signal (SIGINT, SIGTERM) ended the evaluation before training between two batches: no step
+    was trained, so no checkpoint is written; the CLI exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, done: int, total: int):
+        RuntimeError.__init__(self, f"stopped by {signal.Signals(signum).name} during the evaluation before "
+                                    f"training, after {done} of {total} held-out problems: nothing was trained, "
+                                    "so no checkpoint was written (the same command starts the run again)")
+        self.signum, self.step, self.checkpoint = signum, 0, None
+
+
 def headline(result: dict) -> float:
     """The one number of an evaluation: accuracy for a verifier, the pass rate for the reward."""
     return result["eval/accuracy"] if "eval/accuracy" in result else result["eval/reward_pass"]
@@ -62,12 +75,15 @@ def headline(result: dict) -> float:
 
 @torch.inference_mode()
 def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judge, batch_size: int,
-             max_new_tokens: int, pass_k: int = 0, replies: list[dict] | None = None) -> dict:
+             max_new_tokens: int, pass_k: int = 0, replies: list[dict] | None = None, stop=None) -> dict:
     """Greedy answers to every held-out prompt, judged; pass@k with `pass_k` samples per prompt.
-    `replies`: one `reply_record` per prompt is appended to it."""
+    `replies`: one `reply_record` per prompt is appended to it. `stop` (the run's StopFlag, for the
+    evaluation before training): once raised, EvaluationStopped before the next batch."""
     hits: list[bool] = []
     values: list[float] = []
     for start in range(0, len(prompts), batch_size):
+        if stop is not None and stop.requested:
+            raise EvaluationStopped(stop.signum, start, len(prompts))
         batch = slice(start, start + batch_size)
         out = engine.generate(prompts[batch], 1, greedy=True, max_new_tokens=max_new_tokens)
         passed, scored = judge(out, examples[batch], prompts[batch])
@@ -83,15 +99,18 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         result = {"eval/accuracy": sum(hits) / n, "eval/n": len(hits)}
     if pass_k > 0:
         name = f"eval/reward_pass@{pass_k}" if judge.by_reward else f"eval/pass@{pass_k}"
-        result[name] = pass_at_k(engine, prompts, examples, judge, batch_size, max_new_tokens, pass_k)
+        result[name] = pass_at_k(engine, prompts, examples, judge, batch_size, max_new_tokens, pass_k, stop)
     return result
 
 
-def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_tokens: int, k: int) -> float:
-    """Share of prompts with at least one of k sampled answers passing the judge."""
+def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_tokens: int, k: int,
+              stop=None) -> float:
+    """Share of prompts with at least one of k sampled answers passing the judge (`stop`: as `evaluate`'s)."""
     solved = []
     per_call = max(batch_size // k, 1)
     for start in range(0, len(prompts), per_call):
+        if stop is not None and stop.requested:
+            raise EvaluationStopped(stop.signum, start, len(prompts))
         batch = slice(start, start + per_call)
         out = engine.generate(prompts[batch], k, max_new_tokens=max_new_tokens)
         flags, _ = judge(out, examples[batch], prompts[batch])

@@ -39,7 +39,7 @@ from covey.config import Config
 from covey.models.load import resolve_model_path
 from covey.models.offload import release_weights
 from covey.passes.logprobs import batched_logprobs, batched_values
-from covey.rewards.build import build_rewarder
+from covey.rewards.build import build_rewarder, check_user_rewards
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
@@ -47,7 +47,7 @@ from covey.runtime.dist import (broadcast_object, close_distributed, describe_de
                                 uneven_share)
 from covey.runtime.memory import halving_on_oom, record_gpu_peak, take_gpu_peak_mb
 from covey.runtime.signals import StopFlag, TrainingStopped, fault_point, graceful_stop
-from covey.tasks.data import load_task_data
+from covey.tasks.data import load_run_data
 from covey.train.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                                     save_final)
 from covey.train.dpo import dpo_update
@@ -107,8 +107,9 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) ->
     plan = make_plan(cfg)  # every option checked once; below the loop only plain options travel
     check_resume_request(cfg)
     world = open_world(cfg)
-    data = load_task_data(cfg.task, cfg.train.seed)  # bad data fails before a model is loaded
+    cfg, data = load_run_data(cfg)  # bad data fails before a model loads; cfg as the run records it
     run_dir = prepare_run_dir(cfg, plan.label)
+    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir)  # and a broken reward function (build.py)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     resolve_model_path(cfg.model.path)  # and a model that is not there, before anything is printed
     print(f"covey: device {describe_device(world.device)}")
@@ -117,7 +118,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) ->
     print_plan(plan)
     seed_everything(cfg.train.seed)
     learned = load_learned_rewards(cfg.reward, world.device)
-    rewarder = build_rewarder(cfg, learned, reward_funcs or (), verifier=verifier)
+    rewarder = build_rewarder(cfg, learned, verifier=verifier, user=user_rewards, run_dir=run_dir)
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)
@@ -151,13 +152,11 @@ def start_or_resume(session: Session, resume_from, evaluate_before: bool = True)
         print(f"covey: resumed from {resume_from} at step {run.step}")
         return resumed.eval_before
     run.logger.reset()
-    if not evaluate_before:
-        run.logger.log(0, {"data/skipped_rows": feed.data.skipped_rows})
-        return {}
-    before, source = eval_before_training(session)
+    before, source = eval_before_training(session) if evaluate_before and feed.data.eval else ({}, "")
     run.logger.log(0, {**before, "data/skipped_rows": feed.data.skipped_rows})
-    print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
-          f"({before['eval/n']} problems, greedy{source})")
+    if before:  # none when not asked for, or without a held-out set (task.eval_size=0)
+        print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
+              f"({before['eval/n']} problems, greedy{source})")
     return before
 
 
@@ -166,13 +165,13 @@ def eval_before_training(session: Session) -> tuple[dict, str]:
     train.eval_before_cache, where a run with the same settings stored it (then added there)."""
     run, feed = session.run, session.feed
     if session.eval_cache is None:
-        return run_eval(run, feed), ""
+        return run_eval(run, feed, session.stop), ""
     path, settings = session.eval_cache
     key = settings_key(settings)
     cached = broadcast_object(read_cached_eval(path, key) if run.world.is_main else None)
     if cached is not None:
         return cached, f"; from {path}, evaluated earlier with the same settings"
-    before = run_eval(run, feed)
+    before = run_eval(run, feed, session.stop)
     if run.world.is_main:
         try:
             write_cached_eval(path, key, before, settings)
@@ -402,13 +401,15 @@ def refresh_reward_models(run: Run, rollout: Rollout, examples, prompts) -> dict
 # --------------------------------------------------------------------------- evaluation and the end
 
 
-def run_eval(run: Run, feed: Feed) -> dict:
-    """Held-out evaluation; under torchrun each rank evaluates every W-th problem and the counts are pooled."""
+def run_eval(run: Run, feed: Feed, stop: StopFlag | None = None) -> dict:
+    """Held-out evaluation, pooled over torchrun's ranks ({} with no held-out set; `stop`: one process only)."""
     sampling, schedule, t0 = run.plan.sampling, run.plan.schedule, time.perf_counter()
+    if not feed.data.eval:
+        return {}
     mine = uneven_share(list(range(len(feed.eval_prompts))), run.world)
     feed.judge.state = TrainerState(global_step=run.step, max_steps=schedule.steps)
     out = evaluate(feed.eval_engine, [feed.eval_prompts[i] for i in mine], [feed.data.eval[i] for i in mine],
-                   judge=feed.judge, batch_size=sampling.eval_batch_size,
+                   judge=feed.judge, batch_size=sampling.eval_batch_size, stop=stop if run.world.size == 1 else None,
                    max_new_tokens=sampling.eval_max_new_tokens, pass_k=schedule.eval_pass_k)
     out = reduce_eval(out)
     out["time/eval"] = time.perf_counter() - t0

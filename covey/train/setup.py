@@ -169,13 +169,15 @@ def print_header(run_dir: Path, task: str, data) -> None:
     if data.overlap:
         print(f"covey: warning: {data.overlap} of {len(data.eval)} held-out examples are also training "
               "examples (same prompt and answer): held-out accuracy overstates what was learned")
+    for note in data.notes:  # what the data decided (no held-out set, no answers, a large held-out share)
+        print(f"covey: {note}")
 
 
 def choose_verifier(cfg: Config, data) -> str:
     """The verifier of the correctness reward and of held-out accuracy (eval.metric, `auto` resolved
     from the answers), printed with a warning when the math verifier cannot read some answers."""
     metric = cfg.eval.metric
-    answers = [ex.answer for ex in (*data.train, *data.eval)]
+    answers = [ex.answer for ex in (*data.train, *data.eval) if ex.answer is not None]  # none: prompt-only data
     verifier = resolve_verifier(metric, answers)
     what = (f"reward >= {cfg.eval.reward_threshold:g} (eval.metric=reward)" if metric == "reward"
             else f"accuracy by the {verifier} verifier" + (" (eval.metric=auto)" if metric == "auto" else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from covey.cli.main import main
 from covey.runtime.metrics import read_metrics
@@ -90,4 +91,50 @@ def test_missing_hf_column_is_named(tmp_path, capsys):
     capsys.readouterr()
     assert train(tmp_path, "/no/such/model", "task.name=hf", f"task.path={folder}") == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"covey train: error: {folder}: missing column 'prompt' (columns: question, answer)"
+    assert err == (f"covey train: error: {folder}: missing column 'prompt' (columns: question, answer; "
+                   "set task.prompt_key=question)")
+
+
+# ------------------------------------------------------------ data a TRL user brings
+
+SEEN = {"answer": []}
+
+
+def recording_reward(completions, answer, **_):
+    """Varied rewards; keeps the `answer` column it was given."""
+    SEEN["answer"] += list(answer)
+    return [(sum(map(ord, str(c))) % 5) / 4 for c in completions]
+
+
+def test_prompt_only_jsonl_trains_on_reward_functions_and_is_judged_by_them(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "prompts.jsonl"
+    chat = [{"role": "user", "content": "Say something short."}]
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*[f"Write about {i}." for i in range(5)], chat]))
+    assert train(tmp_path, tiny_model_dir, "task.name=file", f"task.path={data}", "train.steps=1",
+                 "reward.functions=tests.train.test_faults_data:recording_reward") == 0
+    out = capsys.readouterr().out
+    assert (f"covey: {data}: there is no 'answer' column, so the correctness reward is off and held-out answers are "
+            "judged by the reward functions (eval.metric=reward, passing at eval.reward_threshold=1)") in out
+    assert "covey: held-out metric: reward >= 1 (eval.metric=reward)" in out
+    first = read_metrics(tmp_path / "t")[0]
+    assert first["eval/n"] == 2 and "eval/reward_mean" in first and "eval/accuracy" not in first
+    saved = yaml.safe_load((tmp_path / "t" / "config.yaml").read_text())
+    assert saved["eval"]["metric"] == "reward" and saved["reward"]["correctness"] == 0.0
+
+
+def test_list_and_null_answers_reach_reward_functions_and_eval_size_zero_trains_on_every_row(
+        tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "d.jsonl"
+    answers = [["Paris", "paris"], None, ["Lima"], None]
+    data.write_text("".join(json.dumps({"prompt": f"Capital {i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    SEEN["answer"] = []
+    assert train(tmp_path, tiny_model_dir, "task.name=file", f"task.path={data}", "train.steps=1", "task.eval_size=0",
+                 "rollout.prompts_per_step=4", "reward.functions=tests.train.test_faults_data:recording_reward") == 0
+    out = capsys.readouterr().out
+    assert "covey: task file: 4 train / 0 held-out examples" in out
+    assert ("covey: no held-out evaluation (task.eval_size=0): every example trains, and no accuracy is measured "
+            "before or after training") in out
+    assert "held-out accuracy" not in out and out.strip().splitlines()[-1].startswith("covey: 1 steps; model saved to")
+    assert {json.dumps(a) for a in SEEN["answer"]} == {json.dumps(a) for a in answers}  # as given: not strings
+    rows = read_metrics(tmp_path / "t")
+    assert not [k for row in rows for k in row if k.startswith("eval/")]
