@@ -62,8 +62,11 @@ AT_LEAST = {
     "reward.timeout_s": (0.0, True), "reward.overlong_buffer": (0, True), "model.threads": (0, True),
     "train.eval_every": (0, True), "train.save_every": (0, True), "train.keep_checkpoints": (1, True),
     "train.samples_every": (0, True), "train.eval_pass_k": (0, True), "task.train_size": (1, True),
-    "task.eval_size": (1, True),
+    "task.eval_size": (0, True),  # 0: every row trains, no held-out evaluation
 }
+
+CLIP_HIGH_MAX = 10.0
+"""Largest algo.clip_eps_high accepted: the ratio's upper bound 1 + eps (0.2 is PPO's, 0.28 DAPO's)."""
 
 
 def parse_corruptions(spec: str) -> tuple[str, ...]:
@@ -117,8 +120,12 @@ def validate_algo(cfg: Config) -> None:
         raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
     if a.dual_clip and a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
-    if a.clip_eps_low < 0 or a.clip_eps_high < 0:
-        raise ConfigError("algo.clip_eps_low / clip_eps_high must be >= 0")
+    if not 0.0 <= a.clip_eps_low < 1.0:
+        raise ConfigError(f"algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
+                          f"PPO's is 0.2), got {a.clip_eps_low}")
+    if not 0.0 <= a.clip_eps_high <= CLIP_HIGH_MAX:
+        raise ConfigError(f"algo.clip_eps_high must lie in [0, {CLIP_HIGH_MAX:g}] (the ratio's upper bound is "
+                          f"1 + eps; PPO's is 0.2, DAPO's 0.28), got {a.clip_eps_high}")
     if r.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
     if not 0.0 <= a.update_memory_share < 1.0:

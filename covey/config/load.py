@@ -1,9 +1,11 @@
-"""Loading a Config: defaults <- a preset <- key=value overrides, then the checks.
+"""Loading a Config: defaults <- presets and YAML files, in the order given <- key=value overrides,
+then the checks.
 
 A preset is a packaged YAML file named on the command line (`covey train ppo`): the files in
 covey/config/presets/ ship with the package. Anything that is not a preset name is read as the
-path of a YAML file of the same shape. Unknown keys fail with a close-match suggestion; values
-are converted to the field's type or fail naming the key.
+path of a YAML file of the same shape (`covey train ppo my.yaml k=v`: the preset, then the file,
+then the overrides). Unknown keys fail naming covey's key for another trainer's name, or a close
+key of the same section; values are converted to the field's type or fail naming the key.
 """
 
 from __future__ import annotations
@@ -54,29 +56,43 @@ def read_preset(preset: str) -> dict:
     """{dotted key: value} of a preset name or YAML file."""
     path = preset_file(preset)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{preset}: invalid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(yaml_error(preset, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{preset}: top level must be a mapping")
     return flatten(data)
 
 
-def split_config(items: typing.Sequence[str]) -> tuple[str | None, list[str]]:
-    """Command-line items -> (preset name or YAML path, or None; key=value overrides)."""
-    if items and "=" not in items[0]:
-        return items[0], list(items[1:])
-    return None, list(items)
+def yaml_error(where: str, err: yaml.YAMLError) -> str:
+    """'my.yaml:3:5: invalid YAML: mapping values are not allowed here': the line and column of the problem."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return f"{where}: invalid YAML: {str(err).splitlines()[0]}"
+    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
+    since = f" ({context} that starts at {start.line + 1}:{start.column + 1})" if context and start else ""
+    return f"{where}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {err.problem}{since}"
 
 
-def load_config(preset: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults <- preset (a name from preset_names() or a YAML path; None = the defaults, which
-    are the grpo preset) <- key=value overrides; then every check of covey/config/checks.py."""
+def split_config(items: typing.Sequence[str]) -> tuple[str | list[str] | None, list[str]]:
+    """Command-line items -> (the preset name or YAML path before the first key=value, a list of them
+    when several, or None; the key=value overrides)."""
+    n = next((i for i, item in enumerate(items) if "=" in item), len(items))
+    named = list(items[:n])
+    return (named[0] if len(named) == 1 else named or None), list(items[n:])
+
+
+def load_config(preset: str | typing.Sequence[str] | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults <- preset (a name from preset_names() or a YAML path, or a list of them applied in order;
+    None = the defaults, which are the grpo preset) <- key=value overrides; then every check of
+    covey/config/checks.py."""
     cfg = Config()
-    pairs = list(read_preset(preset).items()) if preset else []
+    named = [preset] if isinstance(preset, str) else list(preset or ())
+    pairs = [pair for name in named for pair in read_preset(name).items()]
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' is not key=value")
+            raise ConfigError(f"override '{item}' is not key=value (presets and YAML files come before the "
+                              "overrides)")
         k, v = item.split("=", 1)
         pairs.append((k.strip(), parse_override(cfg, k.strip(), v)))
     for k, v in pairs:
@@ -102,54 +118,115 @@ def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(as_dict(cfg), sort_keys=False, allow_unicode=True)
 
 
-# Names users of TRL, verl and OpenRLHF type, and covey's keys for them. A bare name here is never
-# read as a leaf of some other section (`learning_rate` would otherwise land on rm.learning_rate).
-PEER_NAMES = {
+# TRL's names (GRPOConfig, its TrainingArguments and the TRL scripts' ModelConfig and ScriptArguments) and
+# covey's keys for them; docs/your-task.md lists the same table. TRL names that are covey's own leaf names
+# (beta, temperature, top_p, top_k, seed, warmup_steps, weight_decay, max_grad_norm, output_dir, run_name,
+# gradient_checkpointing, lora_alpha, vllm_gpu_memory_utilization) work as they are.
+TRL_NAMES = {
     "learning_rate": "optim.lr (the policy's; the reward model's is rm.learning_rate)",
+    "num_generations": "rollout.group_size", "max_completion_length": "rollout.max_new_tokens",
+    "per_device_train_batch_size": "rollout.prompts_per_step (prompts per step; each gets rollout.group_size "
+                                   "samples) and algo.micro_batch_size (sequences per forward/backward)",
+    "gradient_accumulation_steps": "algo.micro_batch_size (covey takes one step's whole gradient; this sets "
+                                   "the sequences per forward/backward)",
+    "generation_batch_size": "rollout.prompts_per_step (times rollout.group_size samples)",
+    "steps_per_generation": "algo.minibatches", "num_iterations": "algo.epochs",
+    "epsilon": "algo.clip_eps_low and algo.clip_eps_high", "epsilon_high": "algo.clip_eps_high",
+    "importance_sampling_level": "algo.ratio_level", "loss_type": "algo.loss_agg",
+    "scale_rewards": "algo.std_normalize",
+    "max_steps": "train.steps", "num_train_epochs": "train.steps",
+    "sync_ref_model": "algo.ref_refresh_every", "ref_model_sync_steps": "algo.ref_refresh_every",
+    "ref_model_mixup_alpha": "algo.ref_ema", "vllm_importance_sampling_cap": "algo.tis_cap",
+    "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions (a :weight after each function)",
+    "save_steps": "train.save_every", "eval_steps": "train.eval_every", "save_total_limit": "train.keep_checkpoints",
+    "report_to": "train.logger", "log_completions": "train.samples_every",
+    "per_device_eval_batch_size": "rollout.eval_batch_size", "warmup_ratio": "optim.warmup_steps (in steps)",
+    "bf16": "model.dtype=bfloat16", "model_name_or_path": "model.path", "use_peft": "model.lora_rank",
+    "lora_r": "model.lora_rank", "lora_target_modules": "model.lora_targets",
+    "dataset_name": "task.path", "dataset_train_split": "task.split", "dataset_test_split": "task.eval_split",
+}
+
+# Names users of verl, OpenRLHF and vLLM type, and covey's keys for them.
+OTHER_NAMES = {
     "actor_learning_rate": "optim.lr", "critic_learning_rate": "optim.critic_lr",
     "kl_coef": "algo.beta", "init_kl_coef": "algo.beta", "kl_beta": "algo.beta", "kl_loss_coef": "algo.beta",
     "kl_target": "algo.kl_target", "use_kl_loss": "algo.kl_in=loss", "kl_loss_type": "algo.kl_estimator",
-    "num_generations": "rollout.group_size", "n_samples_per_prompt": "rollout.group_size",
-    "rollout_n": "rollout.group_size",
-    "max_completion_length": "rollout.max_new_tokens", "response_length": "rollout.max_new_tokens",
-    "generate_max_len": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
-    "per_device_train_batch_size": "rollout.prompts_per_step (prompts per step; each gets rollout.group_size "
-                                   "samples) and algo.micro_batch_size (sequences per forward/backward)",
+    "n_samples_per_prompt": "rollout.group_size", "rollout_n": "rollout.group_size", "n": "rollout.group_size",
+    "response_length": "rollout.max_new_tokens", "generate_max_len": "rollout.max_new_tokens",
+    "max_response_length": "rollout.max_new_tokens", "max_tokens": "rollout.max_new_tokens",
     "train_batch_size": "rollout.prompts_per_step", "rollout_batch_size": "rollout.prompts_per_step",
     "micro_train_batch_size": "algo.micro_batch_size", "ppo_micro_batch_size": "algo.micro_batch_size",
     "mini_batch_size": "algo.minibatches (optimizer steps per rollout pass)",
-    "num_iterations": "algo.epochs", "ppo_epochs": "algo.epochs", "max_epochs": "algo.epochs",
-    "num_train_epochs": "train.steps", "max_steps": "train.steps",
-    "epsilon": "algo.clip_eps_low and algo.clip_eps_high", "cliprange": "algo.clip_eps_low and algo.clip_eps_high",
-    "clip_ratio": "algo.clip_eps_low and algo.clip_eps_high", "eps_clip": "algo.clip_eps_low and algo.clip_eps_high",
-    "epsilon_high": "algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
-    "loss_type": "algo.loss_agg", "loss_agg_mode": "algo.loss_agg",
-    "cliprange_value": "algo.value_clip", "vf_coef": "algo.value_coef", "entropy_coeff": "algo.entropy_coef",
-    "adv_estimator": "algo.estimator", "advantage_estimator": "algo.estimator",
-    "model_name_or_path": "model.path", "pretrain": "model.path", "lora_r": "model.lora_rank",
-    "scale_rewards": "algo.std_normalize",
+    "ppo_epochs": "algo.epochs", "max_epochs": "algo.epochs",
+    "cliprange": "algo.clip_eps_low and algo.clip_eps_high", "clip_ratio": "algo.clip_eps_low and algo.clip_eps_high",
+    "eps_clip": "algo.clip_eps_low and algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
+    "loss_agg_mode": "algo.loss_agg", "cliprange_value": "algo.value_clip", "vf_coef": "algo.value_coef",
+    "entropy_coeff": "algo.entropy_coef", "adv_estimator": "algo.estimator", "advantage_estimator": "algo.estimator",
+    "pretrain": "model.path",
 }
+
+# A name here is never read as a leaf of some other section (`learning_rate` would otherwise land on
+# rm.learning_rate), with or without a section before it (`optim.learning_rate`).
+PEER_NAMES = {**OTHER_NAMES, **TRL_NAMES}
+
+GUESS_CUTOFF = 0.75
+"""How close (difflib's ratio) a misspelt key must be to a key of its own section to be suggested."""
+
+GENERIC_LEAVES = ("name", "path", "data", "output")
+"""Leaf names too general to suggest from another section ('model.name' is not task.name)."""
 
 
 def resolve_key(key: str) -> tuple[str, str]:
     """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works, except the
-    names other trainers use (PEER_NAMES), which fail with covey's key for them."""
+    names other trainers use (PEER_NAMES), which fail with covey's key for them, bare or under a
+    section ('algo.kl_coef')."""
     keys = leaf_keys()
     if key in keys:
         section, name = key.split(".")
         return section, name
-    if key in PEER_NAMES:
-        raise ConfigError(f"unknown config key '{key}' (another trainer's name): covey's is {PEER_NAMES[key]}")
-    if "." not in key:
+    section, _, name = key.rpartition(".")
+    if name in TRL_NAMES:
+        raise ConfigError(f"unknown config key '{key}': TRL's {name} is {TRL_NAMES[name]} here")
+    if name in OTHER_NAMES:
+        raise ConfigError(f"unknown config key '{key}' (another trainer's name): covey's is {OTHER_NAMES[name]}")
+    if not section:
         matches = [k for k in keys if k.split(".")[1] == key]
         if len(matches) == 1:
             section, name = matches[0].split(".")
             return section, name
         if len(matches) > 1:
             raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(matches)}")
-    close = difflib.get_close_matches(key, keys + [k.split(".")[1] for k in keys], n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ConfigError(f"unknown config key '{key}'{hint}")
+    close = guess_key(section, name, keys)
+    raise ConfigError(f"unknown config key '{key}'" + (f" (did you mean '{close}'?)" if close else ""))
+
+
+def guess_key(section: str, name: str, keys: list[str]) -> str | None:
+    """The key a mistyped 'section.name' most likely means: a close name in its own section (a close
+    section's, for a misspelt section), else the one key of another section with that very name (a name
+    too general, such as 'name', excepted); a bare name, a close leaf name. None rather than a guess in an
+    unrelated section."""
+    leaves = {}
+    for k in keys:
+        leaves.setdefault(k.split(".")[1], []).append(k)
+    sections = sorted({k.split(".")[0] for k in keys})
+    if section and section not in sections:
+        close = difflib.get_close_matches(section, sections, n=1, cutoff=GUESS_CUTOFF)
+        section = close[0] if close else ""
+    if section:
+        own = [k.split(".")[1] for k in keys if k.startswith(section + ".")]
+        close = difflib.get_close_matches(name, own, n=1, cutoff=GUESS_CUTOFF)
+        if close:
+            return f"{section}.{close[0]}"
+    if len(leaves.get(name, ())) == 1 and name not in GENERIC_LEAVES:
+        return leaves[name][0]
+    if section:
+        return None
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=GUESS_CUTOFF)
+    return close[0] if close else None  # a bare name gets a bare name ('stepz' -> 'steps')
+
+
+COMMA_LISTS = ("reward.functions", "model.lora_targets", "rm.corruption_kinds", "optim.betas")
+"""String keys that hold a comma-separated list: a YAML list is read as that list."""
 
 
 def convert(key: str, raw, typ: str):
@@ -165,6 +242,10 @@ def convert(key: str, raw, typ: str):
             if isinstance(raw, bool):
                 raise ValueError
             return float(raw)
+        if isinstance(raw, (list, tuple)) and key in COMMA_LISTS:  # a YAML list: the comma form
+            return ",".join(str(item).strip() for item in raw)
+        if isinstance(raw, (list, tuple, dict)):
+            raise ValueError
         return "" if raw is None else str(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"config key '{key}' expects {typ}, got {raw!r}") from None

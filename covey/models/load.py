@@ -54,6 +54,7 @@ def resolve_model_path(spec: str) -> str:
         return str(build_cached(cache_root(), "tiny-llama", _build_tiny))
     path = Path(spec).expanduser()
     if path.is_dir():
+        check_model_folder(path)
         return str(path)
     if spec.endswith(".gguf"):
         return str(prepare_gguf(path))
@@ -63,6 +64,19 @@ def resolve_model_path(spec: str) -> str:
         raise ModelError(f"model path not found: {spec}")
     check_hub_id(spec)
     return spec
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_model_folder(path: Path) -> None:
+    """A model folder holds config.json (adapter_config.json: a LoRA run's adapters) and weights; one line
+    naming the folder and what it lacks otherwise, before any model loads."""
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise ModelError(f"model folder {path} has no config.json: give the folder a model was saved to "
+                         "(save_pretrained), a .gguf file, 'default' or a hub id")
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        raise ModelError(f"model folder {path} has config.json but no weights (no *.safetensors or *.bin file)")
 
 
 def check_hub_id(spec: str) -> None:

@@ -180,3 +180,64 @@ def test_string_overrides_are_taken_verbatim():
     assert cfg.task.multistep_template == "From {start}: {steps}."
     assert cfg.rm.output == "null"
     assert load_config(None, ["train.progress=false", "optim.lr=2e-5"]).optim.lr == 2e-5
+
+
+def test_a_yaml_error_keeps_its_line_and_column(tmp_path, capsys):
+    from covey.cli.main import main
+    bad = tmp_path / "my.yaml"
+    bad.write_text("algo:\n  beta: 0.1\n    epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    assert str(err.value) == f"{bad}:3:11: invalid YAML: mapping values are not allowed here"
+    unclosed = tmp_path / "unclosed.yaml"
+    unclosed.write_text("algo:\n  beta: [0.1\ntrain:\n  steps: 3\n")
+    assert main(["train", str(unclosed), "--print-config"]) == 2
+    assert capsys.readouterr().err.strip() == (f"covey train: error: {unclosed}:3:6: invalid YAML: expected ',' or ']', "
+                                               "but got ':' (while parsing a flow sequence that starts at 2:9)")
+
+
+def test_a_yaml_list_of_reward_functions_is_the_comma_list(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("reward:\n  functions:\n    - my_rewards.py:length\n    - my_rewards:format:0.5\n"
+                    "optim:\n  betas: [0.9, 0.95]\n")
+    cfg = load_config(str(path))
+    assert cfg.reward.functions == "my_rewards.py:length,my_rewards:format:0.5"
+    assert cfg.optim.betas == "0.9,0.95"
+    path.write_text("task:\n  system_prompt: [a, b]\n")  # not a list-valued key: no silent "['a', 'b']"
+    with pytest.raises(ConfigError, match=re.escape("config key 'task.system_prompt' expects str, got ['a', 'b']")):
+        load_config(str(path))
+
+
+def test_a_preset_then_a_yaml_file_then_overrides(tmp_path, capsys):
+    from covey.cli.main import main
+    path = tmp_path / "my.yaml"
+    path.write_text("algo:\n  beta: 0.2\ntrain:\n  steps: 7\n  seed: 3\n")
+    cfg = load_config(*split_config(["ppo", str(path), "train.steps=9"]))
+    assert cfg.algo.estimator == "gae" and cfg.algo.kl_in == "reward"  # the preset's
+    assert (cfg.algo.beta, cfg.train.seed) == (0.2, 3)  # the file's, over the preset's beta=0.05
+    assert cfg.train.steps == 9  # the override, over the file's
+    assert main(["train", "ppo", str(path), "train.steps=9", "--print-config"]) == 0
+    assert "estimator: gae" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=re.escape("override 'ppo' is not key=value (presets and YAML files come "
+                                                    "before the overrides)")):
+        load_config(*split_config(["train.steps=9", "ppo"]))
+
+
+@pytest.mark.parametrize("key, old_guess, message", [
+    ("rollout.lr", "rollout.top_p", "unknown config key 'rollout.lr' (did you mean 'optim.lr'?)"),
+    ("task.dataset", "task.train_size", "unknown config key 'task.dataset'"),
+    ("reward.weights", "reward.prm_weight", "unknown config key 'reward.weights'"),
+    ("algo.kl", "algo.kl_in", "unknown config key 'algo.kl'"),
+    ("model.name", "model.path", "unknown config key 'model.name'"),
+    ("algo.temperature", "temperature", "unknown config key 'algo.temperature' (did you mean 'rollout.temperature'?)"),
+    ("rollout.n", "rollout.engine", "unknown config key 'rollout.n' (another trainer's name): covey's is "
+                                    "rollout.group_size"),
+    ("eval.metrics", "eval.metric", "unknown config key 'eval.metrics' (did you mean 'eval.metric'?)"),
+    ("rollouts.group_size", "rollout.group_size",
+     "unknown config key 'rollouts.group_size' (did you mean 'rollout.group_size'?)"),
+])
+def test_no_guess_lands_on_an_unrelated_key(key, old_guess, message):
+    """Each `old_guess` is what the nearest spelling over every key said; the last two were right."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=1"])
+    assert str(err.value) == message

@@ -13,14 +13,44 @@ from tests.helpers import tiny_overrides
 
 @pytest.mark.parametrize("name,covey_key", [
     ("learning_rate", "optim.lr (the policy's; the reward model's is rm.learning_rate)"),
-    ("kl_coef", "algo.beta"), ("num_generations", "rollout.group_size"),
-    ("max_completion_length", "rollout.max_new_tokens"), ("epsilon_high", "algo.clip_eps_high"),
-    ("loss_type", "algo.loss_agg"), ("num_iterations", "algo.epochs"),
+    ("num_generations", "rollout.group_size"), ("max_completion_length", "rollout.max_new_tokens"),
+    ("epsilon_high", "algo.clip_eps_high"), ("loss_type", "algo.loss_agg"), ("num_iterations", "algo.epochs"),
+    ("max_steps", "train.steps"), ("epsilon", "algo.clip_eps_low and algo.clip_eps_high"),
 ])
-def test_names_of_other_trainers_point_at_covey_keys(name, covey_key):
+@pytest.mark.parametrize("section", ["", "algo.", "optim.", "rollout."])
+def test_trl_names_point_at_covey_keys_with_or_without_a_section(name, covey_key, section):
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"{name}=1"])
-    assert str(err.value) == f"unknown config key '{name}' (another trainer's name): covey's is {covey_key}"
+        load_config(None, [f"{section}{name}=1"])
+    assert str(err.value) == f"unknown config key '{section}{name}': TRL's {name} is {covey_key} here"
+
+
+@pytest.mark.parametrize("key", ["kl_coef", "algo.kl_coef", "algo.init_kl_coef"])
+def test_names_of_other_trainers_point_at_covey_keys(key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}=1"])
+    assert str(err.value) == f"unknown config key '{key}' (another trainer's name): covey's is algo.beta"
+
+
+def test_trl_names_that_are_covey_names_work_as_they_are():
+    cfg = load_config(None, ["beta=0.1", "temperature=0.9", "top_p=0.95", "top_k=20", "seed=3", "warmup_steps=2"])
+    assert (cfg.algo.beta, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k, cfg.train.seed,
+            cfg.optim.warmup_steps) == (0.1, 0.9, 0.95, 20, 3, 2)
+
+
+def test_the_trl_table_in_the_docs_is_the_one_the_config_reads():
+    import re
+    from pathlib import Path
+
+    from covey.config.load import TRL_NAMES
+    from covey.config.schema import leaf_keys
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "your-task.md").read_text()
+    table = doc.split("## TRL's names", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", table, re.M))
+    leaves = {key.split(".")[1]: key for key in leaf_keys()}
+    for name, where in rows.items():
+        expected = TRL_NAMES.get(name) or leaves.get(name)
+        assert expected and where.replace("`", "").startswith(expected.split(" (")[0]), (name, where)
+    assert set(TRL_NAMES) <= set(rows), set(TRL_NAMES) - set(rows)
 
 
 def test_the_reward_models_learning_rate_is_still_set_by_its_full_key():
@@ -37,6 +67,13 @@ def test_the_reward_models_learning_rate_is_still_set_by_its_full_key():
     ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
     ("rollout.top_p=1.5", "rollout.top_p must lie in (0, 1], got 1.5"),
     ("optim.betas=0.9", "optim.betas must be two numbers in [0, 1) such as '0.9,0.99', got '0.9'"),
+    ("algo.clip_eps_low=1.5", "algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
+                              "PPO's is 0.2), got 1.5"),
+    ("algo.clip_eps_low=-0.1", "algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
+                               "PPO's is 0.2), got -0.1"),
+    ("algo.clip_eps_high=20", "algo.clip_eps_high must lie in [0, 10] (the ratio's upper bound is 1 + eps; PPO's is "
+                              "0.2, DAPO's 0.28), got 20.0"),
+    ("task.eval_size=-1", "task.eval_size must be >= 0, got -1"),
 ])
 def test_out_of_range_numbers_fail_naming_the_key_before_any_model_loads(override, message, capsys, tmp_path):
     # model.path names no model: the error must come before covey looks for one
@@ -73,3 +110,24 @@ def test_a_run_shorter_than_samples_every_still_writes_samples(tiny_model_dir, t
     assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path)]) == 0  # 2 steps, train.samples_every=5
     rows = [json.loads(line) for line in (tmp_path / "t" / "samples.jsonl").read_text().splitlines()]
     assert rows and {row["step"] for row in rows} == {1}
+
+
+def test_task_eval_size_zero_and_high_clip_bounds_are_accepted():
+    cfg = load_config(None, ["task.eval_size=0", "algo.clip_eps_low=0.99", "algo.clip_eps_high=0.28"])
+    assert (cfg.task.eval_size, cfg.algo.clip_eps_low, cfg.algo.clip_eps_high) == (0, 0.99, 0.28)
+
+
+@pytest.mark.parametrize("files, lacks", [
+    ((), "has no config.json: give the folder a model was saved to (save_pretrained), a .gguf file, 'default' or "
+         "a hub id"),
+    (("config.json", "tokenizer.json"), "has config.json but no weights (no *.safetensors or *.bin file)"),
+])
+def test_a_folder_without_a_model_says_what_it_lacks(files, lacks, tmp_path, capsys):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    code = main(["train", *tiny_overrides(str(folder), tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""  # before anything is printed
+    assert err.strip() == f"covey train: error: model folder {folder} {lacks}"
