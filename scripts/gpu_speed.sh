@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU speed check: covey's static-cache / CUDA-graph decoding tests and the covey-vs-TRL benchmark
-# (bench/gpu_bench.py) in one run of at most 8 minutes on one GPU without network access.
+# (python -m bench.gpu) in one run of at most 8 minutes on one GPU without network access.
 #
 # Needs: one CUDA GPU with torch and transformers installed (Python 3.12), no network, about
 # 8 minutes (allow 10), and the repository with two prepared folders beside it.
@@ -30,7 +30,7 @@
 #    The wheels install into a temporary folder (nothing in the machine's Python changes); covey
 #    runs from the checkout. A rerun of part of it: SKIP_TESTS=1 leaves out the tests,
 #    DECODE_MODES= the decode-mode timings, TOTAL_S (default 470) bounds the seconds from the start
-#    to the last benchmark run, and BENCH_FLAGS adds flags to bench/gpu_bench.py (--profile,
+#    to the last benchmark run, and BENCH_FLAGS adds flags to python -m bench.gpu (--profile,
 #    --covey-variant KEYS, ...), e.g.
 #
 #      BENCH_FLAGS='--sizes 1.5b --covey-keys algo.micro_batch_size=16' bash scripts/gpu_speed.sh LOG_DIR
@@ -41,8 +41,8 @@
 # What it checks: tests/rollout/test_static_decode_gpu.py (greedy tokens under CUDA-graph capture equal
 # `generate`'s, with and without torch.compile's kernels; graphs reused between calls; an update synced
 # into the bf16 sampling copy reaches the replayed graphs; a GRPO run through the CLI with
-# rollout.decode=graphs), then bench/gpu_bench.py --decode-modes graphs,compile: covey and TRL's
-# GRPOTrainer (settings mapped from covey's by bench/trl_map.py; BENCH_FLAGS=--trl-gc for TRL's own
+# rollout.decode=graphs), then python -m bench.gpu --decode-modes graphs,compile: covey and TRL's
+# GRPOTrainer (settings mapped from covey's by bench/trl_side.py; BENCH_FLAGS=--trl-gc for TRL's own
 # gradient checkpointing) on random Qwen2.5-0.5B and -1.5B shapes (8 x 8 samples, 256 tokens), per-phase seconds,
 # peak GPU memory, covey's decode step against its bandwidth floor, update TFLOP/s against the bf16
 # matmul peak, then graphs against compile on each model's decode. Exit status 0 only if every part ran.
