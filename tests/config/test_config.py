@@ -192,8 +192,8 @@ def test_a_yaml_error_keeps_its_line_and_column(tmp_path, capsys):
     unclosed = tmp_path / "unclosed.yaml"
     unclosed.write_text("algo:\n  beta: [0.1\ntrain:\n  steps: 3\n")
     assert main(["train", str(unclosed), "--print-config"]) == 2
-    assert capsys.readouterr().err.strip() == (f"covey train: error: {unclosed}:3:6: invalid YAML: expected ',' or ']', "
-                                               "but got ':' (while parsing a flow sequence that starts at 2:9)")
+    assert capsys.readouterr().err.strip() == (f"covey train: error: {unclosed}:3:6: invalid YAML: expected ',' or "
+                                               "']', but got ':' (while parsing a flow sequence that starts at 2:9)")
 
 
 def test_a_yaml_list_of_reward_functions_is_the_comma_list(tmp_path):

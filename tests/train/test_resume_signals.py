@@ -7,7 +7,10 @@ The signals are sent by the reward function of step 2, so they arrive mid-step
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,8 +25,9 @@ PLAN = {"calls": 0, "signals": ()}
 
 
 def signalling_reward(prompts, completions, **_):
-    """Varied rewards; on the second call (step 2) sends the planned signals to this process."""
-    PLAN["calls"] += 1
+    """Varied rewards; on the second training batch (step 2) sends the planned signals to this process.
+    A call on one completion (a check of the function before training) is not a training batch."""
+    PLAN["calls"] += len(completions) > 1
     if PLAN["calls"] == 2:
         for signum in PLAN["signals"]:
             installed = signal.getsignal(signum)
@@ -108,3 +112,42 @@ def test_under_torchrun_every_rank_stops_when_one_is_signalled():
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     assert got == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGINT)]
+
+
+MARKS_ENV = "COVEY_TEST_REWARD_MARKS"
+
+
+def marking_reward(completions, **_):
+    """A slow reward that appends a line to the file named by COVEY_TEST_REWARD_MARKS at every call."""
+    with open(os.environ[MARKS_ENV], "a") as fh:
+        fh.write(f"{len(completions)}\n")
+    time.sleep(0.02)
+    return [0.5] * len(completions)
+
+
+def test_a_stop_signal_during_the_evaluation_before_training_ends_it_between_batches(tiny_model_dir, tmp_path):
+    """400 held-out problems one per batch, judged by a slow reward: about 20 s of evaluation. SIGINT once
+    it runs: the process ends within seconds, exit 130, no checkpoint (nothing was trained)."""
+    marks = tmp_path / "marks"
+    keys = tiny_overrides(tiny_model_dir, tmp_path, **{
+        "model.threads": 1, "task.eval_size": 400, "rollout.eval_batch_size": 1, "eval.metric": "reward",
+        "reward.correctness": 0, "reward.functions": "tests.train.test_resume_signals:marking_reward"})
+    env = {**os.environ, MARKS_ENV: str(marks), "COVEY_MALLOC_KEEP": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "covey.cli", "train", *keys], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and (
+            not marks.exists() or len(marks.read_text().splitlines()) < 5):  # past any check call: evaluating
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took, calls = time.monotonic() - sent, len(marks.read_text().splitlines())
+    assert proc.returncode == 130, err
+    assert took < 5 and calls < 200, (took, calls)  # not the whole evaluation
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("covey train: stopped by SIGINT during the evaluation before training, after "), last
+    assert last.endswith(" of 400 held-out problems: nothing was trained, so no checkpoint was written (the same "
+                         "command starts the run again)"), last
+    assert list_checkpoints(tmp_path / "t") == []
