@@ -1,1 +1,2 @@
-"""Training reward models: data, the Bradley-Terry / process RM trainer, and the refresh of iterative GRPO with replay."""
+"""Training reward models: data, the Bradley-Terry / process RM trainer, and the refresh of iterative GRPO with
+replay."""

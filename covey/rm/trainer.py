@@ -72,8 +72,8 @@ class RMTrainer:
         with self._autocast():
             if not self.hidden_cache:
                 return read_values(self.model, enc).float(), enc
-            hidden = torch.nn.utils.rnn.pad_sequence([self.hidden_cache[repr(row)] for row in zip(prompts, completions)],
-                                                     batch_first=True)
+            cached = [self.hidden_cache[repr(row)] for row in zip(prompts, completions)]
+            hidden = torch.nn.utils.rnn.pad_sequence(cached, batch_first=True)
             values = self.model.values_from_hidden(hidden, enc.attention_mask, self.cached_layers)
         return values.float().gather(1, enc.positions), enc
 

@@ -1,1 +1,2 @@
-"""Process plumbing with no RL in it: processes and collectives (dist), FSDP2 sharding, precision, signals, metrics files, CPU settings, error text."""
+"""Process plumbing with no RL in it: processes and collectives (dist), FSDP2 sharding, precision, signals, memory,
+metrics files, CPU settings, error text."""

@@ -1,8 +1,8 @@
 """Variance of the policy-gradient estimate on one fixed rollout (optional: train.grad_var_every).
 
 A common claim is that GRPO's group-relative advantages (Shao et al. 2024, arXiv:2402.03300)
-give a lower-variance update than PPO's GAE. The advantages themselves cannot show it: every preset normalises them to unit
-scale. What matters is the noise of the gradient the optimizer receives, so this measures it:
+give a lower-variance update than PPO's GAE. The advantages themselves cannot show it: every preset
+normalises them to unit scale. What matters is the noise of the gradient the optimizer receives, so this measures it:
 
 1. take the step's rollout after its advantages are computed and before the update
    (theta = theta_old, so every importance ratio is 1 and the surrogate's gradient is the

@@ -66,7 +66,8 @@ def test_update_with_prompts_encoded_once_equals_one_micro_batch(tiny64, monkeyp
     whole = one_step(model, rollout, 9, monkeypatch, encode_once=False)
     assert_same_step(one_step(model, rollout, micro_batch_size, monkeypatch, encode_once=True), whole, 1e-12)
     # the prompt pass carries gradient: the embeddings of prompt tokens move
-    assert not torch.equal(whole["model.embed_tokens.weight"], dict(model.named_parameters())["model.embed_tokens.weight"])
+    embed = "model.embed_tokens.weight"
+    assert not torch.equal(whole[embed], dict(model.named_parameters())[embed])
 
 
 @pytest.mark.parametrize("micro_batch_size", [2, 4])

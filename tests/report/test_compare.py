@@ -47,7 +47,8 @@ def test_train_argv_order_and_dpo_has_no_gradient_measurement(tmp_path):
     assert argv[:2] == ["train", "grpo"]  # a preset by name: works from an installed package
     # user overrides come after the compare defaults, managed keys last (later wins)
     assert argv.index("rollout.group_size=2") > argv.index("rollout.group_size=4")
-    assert argv[-2:] == ["train.steps=4", "train.max_minutes=0"] and "train.seed=1" in argv and "train.resume=auto" in argv
+    assert argv[-2:] == ["train.steps=4", "train.max_minutes=0"]
+    assert "train.seed=1" in argv and "train.resume=auto" in argv
     assert f"train.output_dir={tmp_path}/compare-t" in argv and "train.run_name=grpo-s1" in argv
     assert f"train.eval_before_cache={tmp_path}/compare-t/eval-before.json" in argv  # one file for all runs
     assert "train.grad_var_every=2" in argv

@@ -34,7 +34,8 @@ def test_plot_cli_one_run_and_two_runs_overlaid(tmp_path, capsys):
              "time/step": 30.0} for s in range(1, 5)] + [{"step": 0, "eval/accuracy": 0.3},
                                                           {"step": 4, "eval/accuracy": 0.4, "final": 1}]
     fixed = write_run(tmp_path / "rm_fixed", rows)
-    iterative = write_run(tmp_path / "rm_iter", [{**r, "rm/agreement": 0.9} if "rm/agreement" in r else r for r in rows])
+    iterative = write_run(tmp_path / "rm_iter",
+                          [{**r, "rm/agreement": 0.9} if "rm/agreement" in r else r for r in rows])
     assert main(["plot", str(fixed)]) == 0
     assert capsys.readouterr().out.strip() == str(fixed / "curves.png")
     assert_valid_png(fixed / "curves.png")
@@ -46,7 +47,8 @@ def test_plot_cli_one_run_and_two_runs_overlaid(tmp_path, capsys):
 
 def test_plot_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "absent")]) == 2
-    assert capsys.readouterr().err.strip() == f"covey plot: error: {tmp_path / 'absent'}: no metrics.jsonl there (not a covey run folder)"
+    assert capsys.readouterr().err.strip() == (f"covey plot: error: {tmp_path / 'absent'}: no metrics.jsonl there "
+                                               "(not a covey run folder)")
     a, b = write_run(tmp_path / "one" / "run", [{"step": 1}]), write_run(tmp_path / "two" / "run", [{"step": 1}])
     assert main(["plot", str(a), str(b)]) == 2
     assert "runs are told apart by folder name" in capsys.readouterr().err

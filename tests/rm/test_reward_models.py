@@ -207,7 +207,7 @@ def _separable_pairs(n):
     """Chosen answers end with the real product, rejected ones with a '?': learnable by a tiny model."""
     rng = random.Random(0)
     out = []
-    for i in range(n):
+    for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(2, 9)
         out.append(PreferencePair(f"What is {a} * {b}?", f"The answer is {a * b}.", f"I think ?? {a}"))
     return out
@@ -257,7 +257,8 @@ def test_train_rm_cli_errors_are_one_line(tmp_path, capsys, tiny_model_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     assert main(["train-rm", f"rm.data={bad}", f"rm.base_model={tiny_model_dir}"]) == 2
-    assert capsys.readouterr().err.strip() == f"covey train-rm: error: {bad}:1: invalid JSON (Expecting property name enclosed in double quotes)"
+    assert capsys.readouterr().err.strip() == (f"covey train-rm: error: {bad}:1: invalid JSON "
+                                               "(Expecting property name enclosed in double quotes)")
     assert main(["train-rm", "rm.objective=orm"]) == 2
     assert "rm.objective='orm' is not one of: bt, prm" in capsys.readouterr().err
 
@@ -582,7 +583,8 @@ def test_eval_rm_cli_matches_training_and_breaks_steps_down(tiny_prm, capsys, tm
     counts = {k: v for k, v in out.items() if k.startswith("rm/step_count/")}
     assert sum(counts.values()) == out["rm/eval_n"] and "rm/step_count/correct" in counts
     assert main(["eval-rm", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"covey eval-rm: error: {tmp_path}: not a covey reward model folder (no covey_rm.json)"
+    assert capsys.readouterr().err.strip() == (f"covey eval-rm: error: {tmp_path}: not a covey reward model folder "
+                                               "(no covey_rm.json)")
 
 
 @pytest.mark.parametrize("objective", ["bt", "prm"])

@@ -137,8 +137,9 @@ def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allo
     memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
     assert seen == {"positions": 10, "available": 10**9 + 200 - 12000, "element": 2, "share": 0.5}
     assert sizes.sizes["update"] == 16 and sizes.update_sized
-    assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences, sized to algo.update_memory_share=0.5"
-                                       " of 0.9 GiB free GPU memory (algo.update_memory_share=0 keeps 4)\n")
+    assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences, sized to "
+                                       "algo.update_memory_share=0.5 of 0.9 GiB free GPU memory "
+                                       "(algo.update_memory_share=0 keeps 4)\n")
     sizes.sizes["update"] = 4
     memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
     assert sizes.sizes["update"] == 4  # once per process

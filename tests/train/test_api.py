@@ -83,7 +83,8 @@ def test_reward_funcs_take_callables_and_weighted_strings_by_keyword():
     ([lengths_reward, lengths_reward], "reward function name 'lengths_reward' is given twice "
                                         "(metrics are named reward/<name>)"),
     ([3], "reward function 3 is neither a callable nor a 'module:function[:weight]' string"),
-    (["tests.train.test_api:absent"], "reward function 'tests.train.test_api:absent': tests.train.test_api has no callable 'absent'"),
+    (["tests.train.test_api:absent"],
+     "reward function 'tests.train.test_api:absent': tests.train.test_api has no callable 'absent'"),
 ])
 def test_unusable_reward_funcs_fail_in_one_line(funcs, message):
     with pytest.raises(ValueError) as err:
@@ -93,7 +94,8 @@ def test_unusable_reward_funcs_fail_in_one_line(funcs, message):
 
 def test_covey_is_light_and_covey_train_is_a_callable_package():
     code = ("import sys, covey; assert 'torch' not in sys.modules, 'import covey imported torch'; "
-            "import covey.train.loop, covey.train.api, types; assert callable(covey.train) and isinstance(covey.train.loop, "
+            "import covey.train.loop, covey.train.api, types; "
+            "assert callable(covey.train) and isinstance(covey.train.loop, "
             "types.ModuleType); print(covey.train.api.train is not None)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
