@@ -89,13 +89,16 @@ def load_run_data(cfg: Config) -> tuple[Config, TaskData]:
 
 def settle_config(cfg: Config, data: TaskData) -> Config:
     """A copy of `cfg` with what the data decides written out, as a run stores it in config.yaml
-    (compared on resume; read back by `covey eval RUN_DIR`, from any folder): task.path and
-    task.eval_path absolute; eval.metric=auto resolved to the verifier the answers call for; for data
-    without reference answers (prompt-only) eval.metric=reward and the correctness reward off."""
+    (compared on resume; read back by `covey eval RUN_DIR`, from any folder): the data files, reward
+    model folders and reward-function files absolute; eval.metric=auto resolved to the verifier the
+    answers call for; for data without reference answers (prompt-only) eval.metric=reward and the
+    correctness reward off."""
     cfg = copy.deepcopy(cfg)
-    t = cfg.task
+    t, r = cfg.task, cfg.reward
     if t.name in FILE_TASKS:
         t.path, t.eval_path = (os.path.abspath(p) if p else p for p in (t.path, t.eval_path))
+    r.model_path, r.prm_path = (os.path.abspath(p) if p and Path(p).exists() else p for p in (r.model_path, r.prm_path))
+    r.functions = ",".join(absolute_reward_file(item) for item in r.functions.split(",")) if r.functions else ""
     examples = [*data.train, *data.eval]
     missing = sum(ex.answer is None for ex in examples)
     metric = cfg.eval.metric
@@ -119,6 +122,13 @@ def settle_config(cfg: Config, data: TaskData) -> Config:
     data.notes.append(f"{where}: {why}{off} held-out answers are judged by the reward functions (eval.metric="
                       f"reward, passing at eval.reward_threshold={cfg.eval.reward_threshold:g}){hint}")
     return cfg
+
+
+def absolute_reward_file(item: str) -> str:
+    """'rewards.py:fn:0.5' -> '/abs/rewards.py:fn:0.5' when the file is there; any other item trimmed."""
+    item = item.strip()
+    module, sep, rest = item.partition(":")
+    return os.path.abspath(module) + sep + rest if module.endswith(".py") and Path(module).is_file() else item
 
 
 def count_overlap(train: list[Example], held: list[Example]) -> int:

@@ -315,8 +315,11 @@ def test_the_recorded_config_holds_absolute_data_paths_and_the_resolved_metric(t
     from covey.config import load_config
     from covey.tasks.data import load_run_data
     rows_file(tmp_path, 10)
+    (tmp_path / "rewards.py").write_text("def f(completions, **_):\n    return [1.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
-    settled, _ = load_run_data(load_config(None, ["task.name=file", "task.path=d.jsonl", "task.eval_path=d.jsonl"]))
+    settled, _ = load_run_data(load_config(None, ["task.name=file", "task.path=d.jsonl", "task.eval_path=d.jsonl",
+                                                  "reward.functions=rewards.py:f:0.5, tests.helpers:varied_reward"]))
     assert settled.task.path == settled.task.eval_path == str(tmp_path / "d.jsonl")
+    assert settled.reward.functions == f"{tmp_path / 'rewards.py'}:f:0.5,tests.helpers:varied_reward"
     assert settled.eval.metric == "math"  # auto, resolved from the numeric answers
     assert load_run_data(load_config(None, []))[0].eval.metric == "math"  # the built-in tasks too
