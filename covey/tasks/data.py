@@ -81,18 +81,19 @@ def load_file_task(t: TaskConfig, seed: int) -> TaskData:
     return data
 
 
-def load_run_data(cfg: Config) -> tuple[Config, TaskData]:
-    """The run's data (`load_task_data`) and the config as the run records it (`settle_config`)."""
+def load_run_data(cfg: Config, extra_rewards: bool = False) -> tuple[Config, TaskData]:
+    """The run's data (`load_task_data`) and the config as the run records it (`settle_config`);
+    `extra_rewards`: reward functions were given besides the config's (the Python API's reward_funcs)."""
     data = load_task_data(cfg.task, cfg.train.seed)
-    return settle_config(cfg, data), data
+    return settle_config(cfg, data, extra_rewards), data
 
 
-def settle_config(cfg: Config, data: TaskData) -> Config:
+def settle_config(cfg: Config, data: TaskData, extra_rewards: bool = False) -> Config:
     """A copy of `cfg` with what the data decides written out, as a run stores it in config.yaml
     (compared on resume; read back by `covey eval RUN_DIR`, from any folder): the data files, reward
     model folders and reward-function files absolute; eval.metric=auto resolved to the verifier the
     answers call for; for data without reference answers (prompt-only) eval.metric=reward and the
-    correctness reward off."""
+    correctness reward off (an error when no other reward is configured)."""
     cfg = copy.deepcopy(cfg)
     t, r = cfg.task, cfg.reward
     if t.name in FILE_TASKS:
@@ -117,6 +118,11 @@ def settle_config(cfg: Config, data: TaskData) -> Config:
     if metric in VERIFIERS:
         raise ConfigError(f"eval.metric={metric} compares answers with the reference, but in {where} {why}: "
                           f"set eval.metric=reward to judge held-out answers by your reward functions{hint}")
+    others = extra_rewards or any((r.functions, r.format, r.overlong_buffer, r.language, r.model_path, r.prm_path,
+                                   r.remote_url))
+    if not others:
+        raise ConfigError(f"{where}: {why}, so the correctness reward cannot score and no other reward is set: "
+                          f"give reward functions (reward.functions=file.py:function){hint}")
     off = ", so the correctness reward is off and" if cfg.reward.correctness else ":"
     cfg.eval.metric, cfg.reward.correctness = "reward", 0.0
     data.notes.append(f"{where}: {why}{off} held-out answers are judged by the reward functions (eval.metric="

@@ -107,7 +107,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) ->
     plan = make_plan(cfg)  # every option checked once; below the loop only plain options travel
     check_resume_request(cfg)
     world = open_world(cfg)
-    cfg, data = load_run_data(cfg)  # bad data fails before a model loads; cfg as the run records it
+    cfg, data = load_run_data(cfg, bool(reward_funcs))  # bad data fails before a model loads; cfg as recorded
     run_dir = prepare_run_dir(cfg, plan.label)
     user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir)  # and a broken reward function (build.py)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work

@@ -278,7 +278,7 @@ def test_prompt_only_data_is_judged_by_the_reward_and_names_the_answer_column(tm
     from covey.tasks.data import load_run_data
     path = rows_file(tmp_path, 10, answer=False)  # {"prompt", "solution"}: the answers under another name
     cfg = load_config(None, ["task.name=file", f"task.path={path}", "task.eval_size=2"])
-    settled, data = load_run_data(cfg)
+    settled, data = load_run_data(cfg, extra_rewards=True)  # reward functions given in Python
     assert (settled.eval.metric, settled.reward.correctness) == ("reward", 0.0)
     assert (cfg.eval.metric, cfg.reward.correctness) == ("auto", 1.0)  # the caller's config is left as it was
     assert data.notes[-1] == (f"{path}: there is no 'answer' column, so the correctness reward is off and held-out "
@@ -307,7 +307,7 @@ def test_some_rows_without_a_readable_answer_need_the_correctness_reward_off(tmp
     assert str(info.value) == (f"{path}: 3 of 10 rows have no reference answer a verifier reads (null, a list, ...), "
                                "which the correctness reward needs in every row: set reward.correctness=0 to train "
                                "on your reward functions alone")
-    settled, _ = load_run_data(load_config(None, [*keys, "reward.correctness=0"]))
+    settled, _ = load_run_data(load_config(None, [*keys, "reward.correctness=0", "reward.format=1"]))
     assert settled.eval.metric == "reward"
 
 

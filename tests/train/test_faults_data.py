@@ -138,3 +138,14 @@ def test_list_and_null_answers_reach_reward_functions_and_eval_size_zero_trains_
     assert {json.dumps(a) for a in SEEN["answer"]} == {json.dumps(a) for a in answers}  # as given: not strings
     rows = read_metrics(tmp_path / "t")
     assert not [k for row in rows for k in row if k.startswith("eval/")]
+
+
+def test_prompt_only_data_without_a_reward_function_is_one_line_before_the_model_loads(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Write about {i}.", "solution": str(i)}) + "\n" for i in range(6)))
+    assert train(tmp_path, "/no/such/model", "task.name=file", f"task.path={data}") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (
+        f"covey train: error: {data}: there is no 'answer' column, so the correctness reward cannot score and no "
+        "other reward is set: give reward functions (reward.functions=file.py:function); set task.answer_key=solution "
+        "if that column holds the answers")
