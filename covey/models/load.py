@@ -73,8 +73,9 @@ def check_model_folder(path: Path) -> None:
     """A model folder holds config.json (adapter_config.json: a LoRA run's adapters) and weights; one line
     naming the folder and what it lacks otherwise, before any model loads."""
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        raise ModelError(f"model folder {path} has no config.json: give the folder a model was saved to "
-                         "(save_pretrained), a .gguf file, 'default' or a hub id")
+        where = (f"a checkpoint's model is its policy/ folder, {path / 'policy'}" if (path / "policy").is_dir()
+                 else "give the folder a model was saved to (save_pretrained), a .gguf file, 'default' or a hub id")
+        raise ModelError(f"model folder {path} has no config.json: {where}")
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise ModelError(f"model folder {path} has config.json but no weights (no *.safetensors or *.bin file)")
 

@@ -120,14 +120,16 @@ def test_task_eval_size_zero_and_high_clip_bounds_are_accepted():
 @pytest.mark.parametrize("files, lacks", [
     ((), "has no config.json: give the folder a model was saved to (save_pretrained), a .gguf file, 'default' or "
          "a hub id"),
+    (("policy/config.json",), "has no config.json: a checkpoint's model is its policy/ folder, {folder}/policy"),
     (("config.json", "tokenizer.json"), "has config.json but no weights (no *.safetensors or *.bin file)"),
 ])
 def test_a_folder_without_a_model_says_what_it_lacks(files, lacks, tmp_path, capsys):
     folder = tmp_path / "my-model"
     folder.mkdir()
     for name in files:
+        (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text("{}")
     code = main(["train", *tiny_overrides(str(folder), tmp_path)])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""  # before anything is printed
-    assert err.strip() == f"covey train: error: model folder {folder} {lacks}"
+    assert err.strip() == f"covey train: error: model folder {folder} {lacks.format(folder=folder)}"
