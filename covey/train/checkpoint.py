@@ -35,6 +35,7 @@ from covey.config import Config, as_dict
 from covey.models.lora import load_adapter_weights
 from covey.runtime.errors import first_line
 from covey.runtime.signals import fault_point
+from covey.tasks.data import absolute_reward_file
 
 # Keys that change only logging, speed, memory or length of the run, never its numbers (the device and
 # gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU).
@@ -245,16 +246,33 @@ def _flat(data: dict) -> dict:
     return {f"{section}.{key}": value for section, fields in data.items() for key, value in fields.items()}
 
 
+def settled_form(key: str, value):
+    """What a run records today for a value an older run recorded unsettled (tasks.data.settle_config):
+    relative data and reward paths made absolute (from the folder the resume runs in). eval.metric=auto
+    is compared as any verifier: the data it was resolved from are compared key by key."""
+    if not isinstance(value, str) or not value:
+        return value
+    if key in ("task.path", "task.eval_path") or (key in ("reward.model_path", "reward.prm_path")
+                                                  and Path(value).exists()):
+        return os.path.abspath(value)
+    if key == "reward.functions":
+        return ",".join(absolute_reward_file(item) for item in value.split(","))
+    return value
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ and would change results.
 
-    A key missing from the saved config (added to covey since) counts as its default.
+    A key missing from the saved config (added to covey since) counts as its default; a value recorded
+    before the run settled its config (`auto`, a relative path) counts as what it settles to.
     """
     old = {**_flat(as_dict(Config())), **_flat(saved)}
     new = _flat(current)
     diffs = []
     for key in sorted(old.keys() | new.keys()):
-        if key in RESULT_NEUTRAL or old.get(key) == new.get(key):
+        if key in RESULT_NEUTRAL or old.get(key) == new.get(key) or settled_form(key, old.get(key)) == new.get(key):
+            continue
+        if key == "eval.metric" and old.get(key) == "auto":
             continue
         before = repr(old[key]) if key in old else "absent"
         after = repr(new[key]) if key in new else "absent"

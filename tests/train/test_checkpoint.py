@@ -145,6 +145,18 @@ def test_config_differences_ignore_neutral_keys_and_default_missing_ones():
     assert config_differences(saved, current) == ["algo.epochs (1 -> 2)"]
 
 
+def test_a_config_recorded_before_settling_resumes_as_what_it_settles_to(tmp_path, monkeypatch):
+    """Older runs recorded eval.metric=auto and relative data paths; a run records them settled now
+    (absolute paths, the verifier chosen). Resuming such a run is no difference; another file is."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    saved = as_dict(load_config(None, ["task.name=file", "task.path=data.jsonl"]))
+    current = as_dict(load_config(None, ["task.name=file", f"task.path={tmp_path / 'data.jsonl'}", "eval.metric=math"]))
+    assert config_differences(saved, current) == []
+    other = as_dict(load_config(None, ["task.name=file", f"task.path={tmp_path / 'other.jsonl'}"]))
+    assert config_differences(saved, other) == [f"task.path ('data.jsonl' -> '{tmp_path / 'other.jsonl'}')"]
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"train.resume": "auto", "train.run_name": ""}, "train.resume=auto needs train.run_name"),
     ({"train.resume": "/no/such/checkpoint"}, "train.resume=/no/such/checkpoint: not a complete covey checkpoint"),
