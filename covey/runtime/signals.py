@@ -5,7 +5,8 @@ is in, writes a checkpoint and raises `TrainingStopped`, which the CLI turns
 into exit code 128 + signal (130 for SIGINT, 143 for SIGTERM). The handlers are
 then back to the previous ones, so a second signal stops at once (Ctrl-C twice:
 KeyboardInterrupt); the newest complete checkpoint is intact either way, since
-checkpoints are written atomically.
+checkpoints are written atomically. During the evaluation before training the
+flag ends the evaluation between two batches (no step, no checkpoint).
 """
 
 from __future__ import annotations
