@@ -144,6 +144,8 @@ class RewardConfig:
     """Reward failure policy: raise | zero (score 0, counted) | drop (remove the sample from its group, counted)."""
     timeout_s: float = 30.0
     """Per-call timeout of a reward function in seconds (0 = none); a timeout is a reward fault."""
+    max_failed_steps: int = 5
+    """Stop the run (exit 2) after this many steps in a row on which a reward function failed on every sample, every sample was dropped, or no function scored any sample (0 = never)."""
     model_path: str = ""
     """Learned outcome reward model folder (`covey train-rm` output); empty = none."""
     model_weight: float = 1.0

@@ -1,14 +1,87 @@
-"""From the reward config to a Rewarder: rule terms with weights plus user callables."""
+"""From the reward config to a Rewarder: rule terms with weights plus user callables, the user's
+functions loaded and checked before any model loads (`check_user_rewards`)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from pathlib import Path
 from typing import Callable, Iterable
 
-from covey.rewards.combine import Rewarder, RewardTerm, load_callable
+from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.remote import RemoteReward
 from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
+from covey.rewards.scoring import placeholder_inputs
+from covey.runtime.errors import first_line
+
+BUILT_IN_NAMES = ("correctness", "format", "overlong", "language", "rm", "prm", "remote")
+"""Names of covey's own terms: a user function of one of these names is reported as reward/user:<name>."""
+ERRORS_LOG = "reward_errors.log"
+"""The file in the run folder that keeps the traceback of each distinct reward-function error."""
+
+
+def load_callable(spec: str) -> Callable:
+    """'package.module:function' or 'path/to/file.py:function' -> the function; one clear line when
+    it cannot be found. A module in the current folder imports however covey was started (the
+    `covey` script does not put the current folder on sys.path; `python -m` does)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function '{spec}' must look like module:function or file.py:function")
+    try:
+        module = import_file(Path(module_name)) if module_name.endswith(".py") else import_here(module_name)
+    except Exception as e:  # noqa: BLE001 - the user's module: any error while importing it, in one line
+        raise ValueError(f"reward function '{spec}': cannot import {module_name}: {first_line(e)}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function '{spec}': {module_name} has no callable '{attr}'")
+    return fn
+
+
+def import_here(module_name: str):
+    """import_module, with the current folder searched after everything else on sys.path."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(module_name)
+
+
+def import_file(path: Path):
+    """A module from a .py file (its own name space: covey_user.<file stem>). Its folder is searched
+    first while it runs, as for a script, so it imports the modules beside it; afterwards last, for
+    imports made when a function is called."""
+    path = path.expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {path}")
+    name, folder = f"covey_user.{path.stem}", str(path.resolve().parent)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+        if folder not in sys.path:
+            sys.path.append(folder)
+    return module
+
+
+def accepted_keywords(fn: Callable) -> frozenset | None:
+    """The keywords `fn` takes by name, or None when it takes **kwargs (or has no readable signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
 
 
 def parse_function(item: str) -> tuple[str, float]:
@@ -24,25 +97,108 @@ def parse_function(item: str) -> tuple[str, float]:
     raise ValueError(f"reward.functions: '{item}' must be module:function[:weight]")
 
 
-def user_terms(funcs: Iterable[Callable | str]) -> list[RewardTerm]:
+def function_list(funcs) -> list:
+    """reward_funcs as a list: one callable or one string is a list of one (as TRL takes it)."""
+    if funcs is None:
+        return []
+    if isinstance(funcs, (str, RewardTerm)) or callable(funcs):
+        return [funcs]
+    return list(funcs)
+
+
+def user_term(fn: Callable | str | RewardTerm) -> RewardTerm:
+    """One user reward term, named by its function's name (metrics reward/<name>, as TRL names them),
+    or reward/user:<name> where that is the name of one of covey's own terms."""
+    if isinstance(fn, RewardTerm):
+        return fn
+    if isinstance(fn, str):
+        spec, weight = parse_function(fn.strip())
+        term = RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight, source=spec)
+    elif callable(fn):
+        term = RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0)
+    else:
+        raise ValueError(f"reward function {fn!r} is neither a callable nor a 'module:function[:weight]' string")
+    if term.name in BUILT_IN_NAMES:
+        term.name = f"user:{term.name}"
+    term.keywords = accepted_keywords(term.fn)
+    return term
+
+
+def user_terms(funcs, weights: Iterable[float] | None = None) -> list[RewardTerm]:
     """Reward terms of Python callables (weight 1) and "module:function[:weight]" or "file.py:function[:weight]"
-    strings, each named by its function's name (metrics reward/<name>, as TRL names them)."""
-    terms = []
-    for fn in funcs:
-        if isinstance(fn, str):
-            spec, weight = parse_function(fn.strip())
-            terms.append(RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight, source=spec))
-        elif callable(fn):
-            terms.append(RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0))
-        else:
-            raise ValueError(f"reward function {fn!r} is neither a callable nor a 'module:function[:weight]' string")
+    strings; `weights` (TRL's reward_weights) gives each its weight, one per function, in order."""
+    funcs = function_list(funcs)
+    terms = [user_term(fn) for fn in funcs]
+    if weights is None:
+        return terms
+    try:
+        weights = [float(w) for w in function_list(weights)]
+    except (TypeError, ValueError):
+        raise ValueError(f"reward_weights must be numbers, one per reward function, not {weights!r}") from None
+    if len(weights) != len(terms) or not all(map(math.isfinite, weights)):
+        raise ValueError(f"reward_weights {weights} must hold one finite number for each of the {len(terms)} "
+                         "reward_funcs, in their order (as TRL's reward_weights)")
+    for fn, term, weight in zip(funcs, terms, weights):
+        if isinstance(fn, str) and fn.count(":") == 2:
+            raise ValueError(f"reward function '{fn}' has a weight in its name and one in reward_weights: give it once")
+        term.weight = weight
     return terms
 
 
-def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math") -> Rewarder:
-    """Rule terms, user callables (reward.functions, then `extra`), learned RM / PRM (`learned`, loaded
-    from cfg if None) and a remote service. `verifier` (covey/tasks/verifiers.py, resolved from
-    eval.metric) is what the correctness term checks with.
+def user_reward_terms(cfg, extra=()) -> list[RewardTerm]:
+    """The functions of reward.functions, then `extra` (reward_funcs of the Python API)."""
+    return user_terms([*filter(None, (s.strip() for s in cfg.reward.functions.split(","))), *function_list(extra)])
+
+
+def check_user_rewards(cfg, extra, data, run_dir: Path | None = None) -> list[RewardTerm]:
+    """The user's reward functions (reward.functions, then `extra`) loaded and checked before any model
+    loads: each imports, takes only keywords that exist (or **kwargs), and one call on the first
+    training example with a placeholder completion returns a list of one number or None. A failure is
+    one line naming the function; an exception's traceback goes to the run folder's reward_errors.log."""
+    terms = user_reward_terms(cfg, extra)
+    if not terms or not data.train:
+        return terms
+    example = data.train[0]
+    prompts, completions, columns = placeholder_inputs(example, cfg.train.steps)
+    for term in terms:
+        check_signature(term, sorted({"prompts", "completions", *columns}))
+    rewarder = Rewarder(terms, on_error="raise", timeout_s=cfg.reward.timeout_s,
+                        errors_log=run_dir / ERRORS_LOG if run_dir else None)
+    for term in terms:
+        values, faults = rewarder.run_term(term, prompts, completions, columns)
+        fault = next((f for f in faults if f and f not in ("returned nan", "returned inf", "returned -inf")), None)
+        if fault:
+            text = completions[0] if isinstance(completions[0], str) else completions[0][0]["content"]
+            raise RewardError(f"reward function '{term.source or term.name}' {fault}, called before training on "
+                              f"the first training prompt ({str(prompts[0])[:60]!r}) with the completion {text!r}")
+    return terms
+
+
+def check_signature(term: RewardTerm, keywords: list[str]) -> None:
+    """Every parameter without a default is a keyword covey passes: a dataset column or one of TRL's."""
+    try:
+        params = inspect.signature(term.fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    name = term.source or term.name
+    for p in params:
+        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind is p.POSITIONAL_ONLY:
+            raise ValueError(f"reward function '{name}' takes '{p.name}' by position only; reward functions are "
+                             "called with keyword arguments (TRL's convention): drop the '/' from its signature")
+        if p.name not in keywords:
+            raise ValueError(f"reward function '{name}' takes '{p.name}', which is not a column of the training data "
+                             f"nor a keyword covey passes ({', '.join(keywords)}): rename it, give it a default, "
+                             "or read it from **kwargs")
+
+
+def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math",
+                   user: list[RewardTerm] | None = None, run_dir: Path | None = None) -> Rewarder:
+    """Rule terms, user callables (reward.functions, then `extra`; or `user`, as check_user_rewards loaded
+    them), learned RM / PRM (`learned`, loaded from cfg if None) and a remote service. `verifier`
+    (covey/tasks/verifiers.py, resolved from eval.metric) is what the correctness term checks with;
+    `run_dir` holds reward_errors.log.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
@@ -62,11 +218,14 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), veri
     if r.language:
         fn = functools.partial(language_consistency, language=r.language_target)
         terms.append(RewardTerm("language", fn, r.language))
-    terms += user_terms([*filter(None, (s.strip() for s in r.functions.split(","))), *extra])
+    terms += user if user is not None else user_reward_terms(cfg, extra)
     if learned.outcome is not None:
         terms.append(RewardTerm("rm", learned.outcome, r.model_weight, formatted_prompts=True))
     if learned.process is not None and r.prm_weight:
         terms.append(RewardTerm("prm", learned.process, r.prm_weight, formatted_prompts=True))
     if r.remote_url:
         terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
-    return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s)
+    if r.max_failed_steps < 0:
+        raise ValueError(f"reward.max_failed_steps={r.max_failed_steps}: set 0 (never stop) or a number of steps")
+    return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s, errors_log=run_dir / ERRORS_LOG if run_dir
+                    else None, max_failed_steps=r.max_failed_steps)

@@ -1,4 +1,4 @@
-"""The Python API of a training run: `covey.train(config, reward_funcs=None) -> TrainResult`.
+"""The Python API of a training run: `covey.train(config, reward_funcs=None, reward_weights=None) -> TrainResult`.
 
     import covey
     cfg = covey.load_config("grpo", ["train.steps=20", "rollout.group_size=8"])
@@ -15,22 +15,27 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from covey.config import Config
+from covey.rewards.build import user_terms
 from covey.train import loop
 from covey.train.setup import TrainResult
 
 __all__ = ["TrainResult", "train"]
 
 
-def train(config: Config, reward_funcs: Iterable[Callable | str] | None = None) -> TrainResult:
+def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | str | None = None,
+          reward_weights: Iterable[float] | None = None) -> TrainResult:
     """Train a policy as `config` says; returns the run folder, the saved model and held-out accuracies.
 
-    reward_funcs: Python callables and/or "module:function[:weight]" / "file.py:function[:weight]"
-    strings, added to the configured rewards (reward.functions) with weight 1 unless given. Each
-    is called with keyword arguments, TRL's convention: fn(prompts=[...], completions=[...],
-    completion_ids=[...], trainer_state=..., answer=[...], completion_lengths=[...], **every other
-    dataset column) -> one float (or None: not scored) per completion, and is reported as
-    reward/<function name> in metrics.jsonl (docs/your-task.md).
+    reward_funcs: Python callables (`def` or `async def`) and/or "module:function[:weight]" /
+    "file.py:function[:weight]" strings, or one of them alone, added to the configured rewards
+    (reward.functions) with weight 1 unless given. Each is called with keyword arguments, TRL's
+    convention: fn(prompts=[...], completions=[...], completion_ids=[...], trainer_state=...,
+    answer=[...], completion_lengths=[...], **every other dataset column) -> one float (or None: not
+    scored) per completion, and is reported as reward/<function name> in metrics.jsonl
+    (reward/user:<name> where covey has a term of that name; docs/your-task.md).
+    reward_weights: one weight per function of reward_funcs, in order (TRL's reward_weights).
+    Each function is checked, and called once, before any model loads.
     """
     if not isinstance(config, Config):
         raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
-    return loop.train(config, list(reward_funcs or ()))
+    return loop.train(config, user_terms(reward_funcs, reward_weights))

@@ -48,7 +48,7 @@ def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dic
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     state = TrainerState(global_step=run.step, max_steps=schedule.steps)
-    metrics = score(rollout, rewarder, examples, prompts, state)
+    metrics = score(rollout, rewarder, examples, prompts, state, watch=True)  # reward.max_failed_steps counts it
     if run.plan.traits.greedy_baseline:
         t1 = time.perf_counter()
         greedy = engine.generate([prompts[i] for i in ids], 1, greedy=True)

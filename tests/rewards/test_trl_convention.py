@@ -3,7 +3,8 @@
 Unit tests on the Rewarder (keyword-only calls, None as "not scored"), on what the loop passes
 (`reward_inputs`: prompts as given, conversational completions, every column under its own name,
 completion_ids, trainer_state), then one run on the tiny model with TRL-style functions on a
-chat-format dataset whose answer column is `solution`.
+chat-format dataset whose answer column is `solution`, and one with TRL's math_verify accuracy reward
+weighted by `reward_weights`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def format_reward(completions, **kwargs):
     return [1.0 if re.match(pattern, content, re.S) else 0.0 for content in contents]
 
 
-def accuracy_reward(completions, solution, **kwargs):
-    """TRL's accuracy example, on a dataset column named `solution`; None where there is no solution."""
+def solution_reward(completions, solution, **kwargs):
+    """TRL's accuracy idea on a dataset column named `solution`, by substring; None where there is no solution."""
     out = []
     for completion, sol in zip(completions, solution):
         if sol == "":
@@ -47,6 +48,23 @@ def accuracy_reward(completions, solution, **kwargs):
         else:
             out.append(1.0 if sol.lower() in completion[0]["content"].lower() else 0.0)
     return out
+
+
+def accuracy_reward(completions, solution, **kwargs):
+    """TRL's math accuracy reward as its documentation writes it: math_verify's parse and verify with
+    their default timeouts, which use signal.alarm and so work only in the main thread."""
+    from math_verify import parse, verify
+    rewards = []
+    for completion, sol in zip(completions, solution):
+        gold = parse(sol)
+        answer = parse(completion[0]["content"])
+        rewards.append(float(verify(gold, answer)))
+    return rewards
+
+
+def correctness(completions, **kwargs):
+    """A user function named like covey's correctness term: reported as reward/user:correctness."""
+    return [1.0] * len(completions)
 
 
 def recording_reward(prompts, completions, completion_ids, trainer_state, **kwargs):
@@ -67,9 +85,9 @@ def test_functions_are_called_with_keywords_only():
 def test_none_is_not_scored_and_adds_nothing():
     # accuracy: sample 0 right (1), sample 1 wrong (0), sample 2 None; length: -(|20 - n|)
     completions = [[{"role": "assistant", "content": c}] for c in ("Paris is it", "Rome", "Berlin?")]
-    terms = [RewardTerm("accuracy_reward", accuracy_reward, 1.0), RewardTerm("reward_len", reward_len, 0.5)]
+    terms = [RewardTerm("solution_reward", solution_reward, 1.0), RewardTerm("reward_len", reward_len, 0.5)]
     out = Rewarder(terms)(["q"] * 3, completions, {"solution": ["paris", "paris", ""]})
-    acc = out.parts["accuracy_reward"]
+    acc = out.parts["solution_reward"]
     assert acc[:2].tolist() == [1.0, 0.0] and math.isnan(acc[2])
     # totals: 1 + 0.5*(-9) = -3.5; 0 + 0.5*(-16) = -8; (None) + 0.5*(-13) = -6.5
     assert out.total.tolist() == [-3.5, -8.0, -6.5]
@@ -77,7 +95,7 @@ def test_none_is_not_scored_and_adds_nothing():
 
 
 def test_a_sample_no_function_scores_gets_0_and_is_counted():
-    out = Rewarder([RewardTerm("accuracy_reward", accuracy_reward, 2.0)])(
+    out = Rewarder([RewardTerm("solution_reward", solution_reward, 2.0)])(
         ["q"] * 2, [[{"role": "assistant", "content": "Paris"}]] * 2, {"solution": ["paris", ""]})
     assert out.total.tolist() == [2.0, 0.0] and out.unscored == 1 and out.errors == 0
 
@@ -142,7 +160,7 @@ def test_trl_style_functions_train_unchanged(tiny_model_dir, tmp_path):
     cfg = covey.load_config("grpo", tiny_overrides(tiny_model_dir, tmp_path, **{
         "task.name": "file", "task.path": str(data), "task.eval_size": 2, "reward.correctness": 0,
         "eval.metric": "reward", "eval.reward_threshold": 0.5, "train.samples_every": 1}))
-    result = covey.train(cfg, reward_funcs=[reward_len, format_reward, accuracy_reward, recording_reward])
+    result = covey.train(cfg, reward_funcs=[reward_len, format_reward, solution_reward, recording_reward])
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert len(steps) == 2 and all("accuracy" not in r for r in steps)  # no verifier in the reward: no accuracy
@@ -156,3 +174,20 @@ def test_trl_style_functions_train_unchanged(tiny_model_dir, tmp_path):
     assert first["completions"][0][0]["role"] == "assistant"
     assert all(isinstance(i, int) for ids in first["ids"] for i in ids)
     assert {"solution", "answer", "completion_lengths"} <= set(first["columns"])
+
+
+def test_trls_math_verify_accuracy_reward_scores_without_errors(tiny_model_dir, tmp_path):
+    pytest.importorskip("math_verify")
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                        "answer": str(a + b), "solution": f"${a + b}$"}) + "\n"
+                            for a, b in [(2, 3), (4, 4), (7, 1), (5, 6), (9, 9), (3, 8)]))
+    cfg = covey.load_config("grpo", tiny_overrides(tiny_model_dir, tmp_path, **{
+        "task.name": "file", "task.path": str(data), "task.eval_size": 2, "train.steps": 1}))
+    result = covey.train(cfg, reward_funcs=[accuracy_reward, correctness], reward_weights=[1.0, 0.5])
+    step = [r for r in (json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines())
+            if "reward/mean" in r][0]
+    assert step["reward/errors"] == 0 and step["reward/user:correctness"] == 1.0
+    assert 0.0 <= step["reward/accuracy_reward"] <= 1.0
+    # the built-in correctness (weight 1), TRL's accuracy reward (weight 1), the user's correctness (weight 0.5)
+    assert step["reward/mean"] == pytest.approx(step["reward/correctness"] + step["reward/accuracy_reward"] + 0.5)

@@ -1,9 +1,11 @@
-"""Reward faults: raises, NaN/inf, non-number, wrong count, timeout; under raise | zero | drop.
+"""Reward faults: raises (sys.exit included), NaN/inf, non-number, wrong count, timeout; under raise | zero | drop.
 (None is not a fault: it is TRL's "not scored", tested in tests/rewards/test_trl_convention.py.)
 
-Unit tests on `Rewarder`, then the training loop: the error names the function
-and the first bad sample, the counters land in metrics.jsonl, and the previous
-checkpoint stays intact.
+Unit tests on `Rewarder` (the call runs in the main thread, where a watchdog stops it at
+reward.timeout_s; the first line of an error whole, its traceback in the errors log), then the
+training loop: the error names the function and the first bad sample, the counters land in
+metrics.jsonl, the previous checkpoint stays intact, and a run whose rewards fail on every step
+stops non-zero after reward.max_failed_steps steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from tests.helpers import tiny_overrides
 
 COMPLETIONS = ["ok one", "bad two\nsecond line", "ok three", "ok four"]
-STATE = {"calls": 0}
+STATE = {"broken": True}
 
 
 def good(prompts, completions, **_):
@@ -47,13 +49,14 @@ def one_short(prompts, completions, **_):
 
 
 FAULTS = {
-    "raises": (raises, "raised ValueError: remote scorer said no with a traceback line", "all"),
+    "raises": (raises, "raised ValueError: remote scorer said no", "all"),
+    "exits": (lambda prompts, completions, **_: sys.exit(0), "called sys.exit(0)", "all"),
     "nan": (_per_sample(float("nan")), "returned nan", "one"),
     "inf": (_per_sample(float("inf")), "returned inf", "one"),
     "text": (_per_sample("high"), "returned non-number 'high'", "one"),
     "count": (one_short, "returned 3 values for 4 samples", "all"),
     "scalar": (lambda prompts, completions, **_: 1.0, "returned float, not a list of 4 values", "all"),
-    "timeout": (sleeps, "timed out after 0.2s", "all"),
+    "timeout": (sleeps, "timed out after 0.2s (reward.timeout_s)", "all"),
 }
 
 
@@ -114,10 +117,9 @@ def test_hung_reward_function_does_not_block_process_exit():
 # --------------------------------------------------------------------------- in the training loop
 
 
-def fails_from_step_2(prompts, completions, **_):
-    """Fine on the first call, raises on the second (one call per step)."""
-    STATE["calls"] += 1
-    if STATE["calls"] >= 2:
+def fails_from_step_2(prompts, completions, trainer_state, **_):
+    """Fine before training and on step 1, raises from step 2 on while STATE says it is broken."""
+    if STATE["broken"] and trainer_state.global_step >= 1:
         raise RuntimeError("verifier crashed")
     return [float(len(c) % 2) for c in completions]
 
@@ -132,7 +134,7 @@ def always_raises(prompts, completions, **_):
 
 @pytest.fixture(autouse=True)
 def reset_calls():
-    STATE["calls"] = 0
+    STATE["broken"] = True
 
 
 def train(model_dir, out, fn: str, on_error: str, **extra) -> int:
@@ -146,10 +148,11 @@ def test_raise_stops_with_one_line_and_keeps_the_checkpoint(tiny_model_dir, tmp_
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
     assert err.startswith("covey train: error: reward function 'tests.train.test_faults_reward:fails_from_step_2' "
-                          "raised RuntimeError: verifier crashed (first bad sample #0: ")
+                          f"raised RuntimeError: verifier crashed (traceback in {tmp_path / 't' / 'reward_errors.log'}) "
+                          "(first bad sample #0: ")
     assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step-000001"]
     assert [r["step"] for r in read_metrics(tmp_path / "t")] == [0, 1]
-    STATE["calls"] = -100  # the function works again: the run continues from step 1
+    STATE["broken"] = False  # the function works again: the run continues from step 1
     assert train(tiny_model_dir, tmp_path, "fails_from_step_2", "raise",
                  **{"train.steps": 3, "train.resume": "auto"}) == 0
 
@@ -166,13 +169,80 @@ def test_zero_and_drop_are_counted_in_metrics(tiny_model_dir, tmp_path, on_error
         assert all(r["reward/dropped"] == 0 for r in steps)
 
 
-def test_every_sample_dropped_skips_the_step_then_aborts(tiny_model_dir, tmp_path, capsys):
-    code = train(tiny_model_dir, tmp_path, "always_raises", "drop",
-                 **{"train.steps": 5, "optim.max_skipped_steps": 3})
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+def fails_in_batches(prompts, completions, **_):
+    """Passes the one-completion call made before training, then raises on every training batch."""
+    if len(completions) > 1:
+        raise ConnectionError("reward server down")
+    return [1.0] * len(completions)
+
+
+def nan_at_even(prompts, completions, **_):
+    return [float("nan") if i % 2 == 0 else 1.0 for i in range(len(completions))]
+
+
+def nan_at_odd(prompts, completions, **_):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+
+
+def never_scores(prompts, completions, **_):
+    return [None] * len(completions)
+
+
+def exits_in_batches(prompts, completions, **_):
+    if len(completions) > 1:
+        sys.exit(0)
+    return [1.0] * len(completions)
+
+
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_every_sample_dropped_skips_the_step_then_stops(tiny_model_dir, tmp_path, capsys):
+    """Two functions that fault on alternate samples: neither fails on every sample, every sample is dropped."""
+    code = train(tiny_model_dir, tmp_path, "nan_at_even,tests.train.test_faults_reward:nan_at_odd", "drop",
+                 **{"train.steps": 5, "reward.max_failed_steps": 2})
     assert code == 2
-    assert err == ("covey train: error: policy: 3 consecutive updates skipped (every sample dropped by "
-                   "reward faults); aborting (optim.max_skipped_steps); lower optim.lr or check the rewards")
+    assert last_error(capsys) == (
+        "covey train: error: every sample was dropped by reward faults for 2 steps in a row (reward.on_error=drop; "
+        "reward/errors in metrics.jsonl): fix the reward functions, or set reward.max_failed_steps higher "
+        "(0 = never stop)")
     steps = [r for r in read_metrics(tmp_path / "t") if r["step"] > 0]
-    assert [(r["step"], r["optim/skipped_steps"], r["reward/dropped"]) for r in steps] == [(1, 1, 8), (2, 2, 8)]
-    assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step-000001", "step-000002"]
+    assert [(r["step"], r["optim/skipped_steps"], r["reward/dropped"]) for r in steps] == [(1, 1, 8)]
+    assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step-000001"]
+
+
+@pytest.mark.parametrize("on_error", ["zero", "drop"])
+def test_a_function_failing_on_every_sample_stops_the_run(tiny_model_dir, tmp_path, capsys, on_error):
+    code = train(tiny_model_dir, tmp_path, "fails_in_batches", on_error,
+                 **{"train.steps": 5, "reward.max_failed_steps": 2})
+    assert code == 2
+    log = tmp_path / "t" / "reward_errors.log"
+    assert last_error(capsys) == (
+        "covey train: error: reward function 'tests.train.test_faults_reward:fails_in_batches' failed on every "
+        f"sample for 2 steps in a row (reward.on_error={on_error}; last: raised ConnectionError: reward server "
+        f"down (traceback in {log})): fix it, or set reward.max_failed_steps higher (0 = never stop)")
+    trace = log.read_text()
+    assert trace.count("Traceback (most recent call last)") == 1  # the same error is logged once
+    assert 'in fails_in_batches\n    raise ConnectionError("reward server down")' in trace
+    assert [r["reward/errors"] for r in read_metrics(tmp_path / "t") if r["step"] > 0] == [8]
+
+
+def test_no_sample_scored_for_k_steps_stops_the_run(tiny_model_dir, tmp_path, capsys):
+    code = train(tiny_model_dir, tmp_path, "never_scores", "raise",
+                 **{"train.steps": 5, "reward.max_failed_steps": 2, "reward.correctness": 0})
+    assert code == 2
+    assert last_error(capsys) == (
+        "covey train: error: no reward function scored any sample for 2 steps in a row (each returned None): "
+        "nothing to learn from; check when the functions return None, or set reward.max_failed_steps higher "
+        "(0 = never stop)")
+
+
+def test_sys_exit_in_a_reward_is_a_reward_error_not_exit_0(tiny_model_dir, tmp_path, capsys):
+    code = train(tiny_model_dir, tmp_path, "exits_in_batches", "raise")
+    assert code == 2
+    log = tmp_path / "t" / "reward_errors.log"
+    assert last_error(capsys).startswith(
+        "covey train: error: reward function 'tests.train.test_faults_reward:exits_in_batches' called sys.exit(0) "
+        f"(traceback in {log}) (first bad sample #0: ")
+    assert "SystemExit: 0" in log.read_text()
