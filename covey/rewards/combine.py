@@ -16,8 +16,9 @@ watchdog thread that interrupts the main thread with SIGURG (`Watchdog`): not wi
 one timer a nested `signal.alarm` (math_verify's) replaces and then cancels. Measured on a 2-core
 EPYC (1000 calls of a trivial reward, four runs, dev/LOG.md 2026-11-26): 7.4-12.5 us a call, as
 with a SIGALRM timer (6.5-11.5 us), against 82-120 us in a fresh worker thread (how calls ran
-before) and 200-370 us through a process pool; a bare call costs 0.5-0.9 us. Outside the main thread (the reward server's
-handlers) the function runs in a daemon thread that is abandoned at the timeout.
+before) and 200-370 us through a process pool; a bare call costs 0.5-0.9 us. Outside the main
+thread (the reward server's handlers) the function runs in a daemon thread that is abandoned at
+the timeout.
 
 A function may return None for a sample it does not score (TRL's convention): that sample's
 value for that function is missing (NaN in `Scores.parts`, left out of the function's mean) and

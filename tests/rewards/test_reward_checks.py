@@ -38,6 +38,11 @@ def verified(completions, answer, **kwargs):
     return [float(math_verify.verify(math_verify.parse(a), math_verify.parse(c))) for c, a in zip(completions, answer)]
 
 
+def hang(completions, **kwargs):
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
 def parse_then_hang(completions, **kwargs):
     math_verify.parse("$1$")  # sets and then cancels its own SIGALRM
     time.sleep(30)
@@ -67,6 +72,16 @@ def test_a_hung_call_is_stopped_even_after_math_verify_cancelled_its_alarm():
     assert time.perf_counter() - t0 < 3
 
 
+def test_outside_the_main_thread_a_hung_call_is_left_behind_at_the_timeout():
+    """As in the reward server's handler threads, where no signal handler can be installed."""
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(result=score_one(hang, timeout_s=0.3)))
+    t0 = time.perf_counter()
+    worker.start()
+    worker.join(10)
+    assert out["result"] == ([0.0], ["timed out after 0.3s (reward.timeout_s)"]) and time.perf_counter() - t0 < 3
+
+
 def test_async_functions_are_run_also_under_a_running_event_loop():
     assert score_one(async_reward) == ([18.0], [None])
 
@@ -86,7 +101,8 @@ def test_the_first_line_is_whole_and_the_traceback_is_in_the_log(tmp_path):
     _, faults = score_one(long_error, errors_log=log)
     assert faults == [f"raised ValueError: {first} (traceback in {log})"]
     text = log.read_text()
-    assert text.startswith(f"reward function 'long_error' raised ValueError: {first}\nTraceback (most recent call last)")
+    assert text.startswith(f"reward function 'long_error' raised ValueError: {first}\n"
+                           "Traceback (most recent call last)")
     assert "in long_error\n    raise ValueError(first" in text and text.rstrip().endswith("second line")
 
 
@@ -124,7 +140,8 @@ def test_a_parameter_that_is_no_column_is_one_line():
         "reward function 'needs_solution' takes 'solution', which is not a column of the training data nor a keyword "
         "covey passes (answer, completion_ids, completion_lengths, completions, prompts, topic, trainer_state): "
         "rename it, give it a default, or read it from **kwargs")
-    assert check_user_rewards(load_config(None, []), [needs_solution], data_with(solution="5"))[0].name == "needs_solution"
+    terms = check_user_rewards(load_config(None, []), [needs_solution], data_with(solution="5"))
+    assert terms[0].name == "needs_solution"
 
 
 def test_a_positional_only_parameter_is_one_line():

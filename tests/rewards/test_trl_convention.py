@@ -143,7 +143,8 @@ def test_chat_prompts_without_a_chat_template_fail_in_one_line(tmp_path, tiny_to
 def test_bad_chat_prompts_name_file_and_line(tmp_path, prompt, problem):
     from covey.tasks.files import DataError
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n" + json.dumps({"prompt": prompt, "answer": "1"}) + "\n")
+    data.write_text(json.dumps({"prompt": "ok", "answer": "1"}) + "\n"
+                    + json.dumps({"prompt": prompt, "answer": "1"}) + "\n")
     with pytest.raises(DataError, match=f"chat.jsonl:2: field 'prompt'.*{re.escape(problem)}"):
         load_file(data)
 

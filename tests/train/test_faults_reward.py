@@ -103,7 +103,8 @@ def test_tensor_and_array_results_are_accepted():
 
 
 def test_hung_reward_function_does_not_block_process_exit():
-    """A thread-pool worker would be joined at exit; the daemon thread is not."""
+    """The sleep is interrupted in the main thread (a hung call elsewhere is left in a daemon thread, which
+    does not keep the process alive; a thread-pool worker would be joined at exit)."""
     code = ("from covey.rewards.combine import Rewarder, RewardTerm; import time\n"
             "hang = RewardTerm('hang', lambda prompts, completions, **_: time.sleep(600), 1.0)\n"
             "r = Rewarder([hang], on_error='zero', timeout_s=0.1)\n"
@@ -147,9 +148,9 @@ def test_raise_stops_with_one_line_and_keeps_the_checkpoint(tiny_model_dir, tmp_
     code = train(tiny_model_dir, tmp_path, "fails_from_step_2", "raise", **{"train.steps": 3})
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
+    log = tmp_path / "t" / "reward_errors.log"
     assert err.startswith("covey train: error: reward function 'tests.train.test_faults_reward:fails_from_step_2' "
-                          f"raised RuntimeError: verifier crashed (traceback in {tmp_path / 't' / 'reward_errors.log'}) "
-                          "(first bad sample #0: ")
+                          f"raised RuntimeError: verifier crashed (traceback in {log}) (first bad sample #0: ")
     assert [p.name for p in list_checkpoints(tmp_path / "t")] == ["step-000001"]
     assert [r["step"] for r in read_metrics(tmp_path / "t")] == [0, 1]
     STATE["broken"] = False  # the function works again: the run continues from step 1
