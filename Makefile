@@ -9,6 +9,7 @@ train: $(VENV)/.installed
 	$(PY) -m covey.cli train $(ARGS)
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -ra $(ARGS)
 
 # The fast tier, under a minute on two cores: the maths, the config, the rewards and the house rules.

@@ -1,8 +1,9 @@
 """`covey train [PRESET] [FILE.yaml] [key=value ...]`: train a policy.
 
 PRESET is a packaged preset's name (grpo, ppo, rloo, ...; none = the defaults, which are grpo's);
-a FILE.yaml has the same shape and is applied on top of the preset, then the key=value overrides. `--print-config` prints the resolved config as YAML and exits
-without loading a model; `--help-config` lists every key with its default and meaning.
+a FILE.yaml has the same shape and is applied on top of the preset, then the key=value overrides.
+`--print-config` prints the resolved config as YAML and exits without loading a model; `--help-config`
+lists every key with its default and meaning.
 """
 
 from __future__ import annotations

@@ -171,7 +171,8 @@ def validate_multistep(t: TaskConfig) -> None:
     if not t.ops or set(t.ops) - set(MULTISTEP_OPS):
         raise ConfigError(f"task.ops={t.ops!r}: choose one or more of + - * (for example '+-')")
     if t.operand_max < 2:
-        raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, so it must be >= 2")
+        raise ConfigError(f"task.operand_max={t.operand_max}: operands are drawn from 2..operand_max, "
+                          "so it must be >= 2")
     if t.start_digits < 1:
         raise ConfigError(f"task.start_digits={t.start_digits}: must be >= 1")
     if t.max_value < 10 ** t.start_digits - 1:

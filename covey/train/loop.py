@@ -25,9 +25,7 @@ Deviations from the papers, on purpose:
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -52,36 +50,16 @@ from covey.train.checkpoint import (check_resume_request, load_checkpoint, resol
                                     save_final)
 from covey.train.dpo import dpo_update
 from covey.train.evaluate import Judge, eval_settings, evaluate, read_cached_eval, settings_key, write_cached_eval
-from covey.train.global_batch import decorrelate_ranks, global_advantages, global_batch_view, save_on_main, whole_tensors
+from covey.train.global_batch import (decorrelate_ranks, global_advantages, global_batch_view, save_on_main,
+                                      whole_tensors)
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
-from covey.train.setup import (Feed, Run, TrainResult, attach_reward_models, build_run, choose_verifier, open_feed,
-                               open_world, prepare_run_dir, print_header, print_precision, seed_everything,
-                               size_update)
+from covey.train.setup import (Feed, Run, Session, TrainResult, attach_reward_models, build_run, choose_verifier,
+                               open_feed, open_world, prepare_run_dir, print_header, print_precision,
+                               seed_everything, size_update)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.train.update import record_skip, update_critic, update_policy
-
-
-@dataclass
-class Session:
-    """An open run: what `open_run` built, what `steps` advances and what `finish` closes. `run` holds the models, optimizers and typed state (a checkpoint restores it); `feed` the
-    data, prompts, rewarder and engines; `before` the untrained policy's held-out metrics (or the
-    resumed run's); `last` the metrics of the newest step. A caller reads `run.policy` to attach
-    module hooks (a FLOP counter, a profiler), and stops early with `break`.
-    """
-    run: Run
-    feed: Feed
-    before: dict
-    eval_cache: tuple[str, dict] | None = None  # train.eval_before_cache and the settings it is keyed by
-    last: dict = field(default_factory=dict)
-    last_saved: int | None = None
-    stop: StopFlag = field(default_factory=StopFlag)
-    signals: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-
-    def close(self) -> None:
-        """Give the stop-signal handlers back (finish calls it; so does a caller that never finishes)."""
-        self.signals.close()
 
 
 def train(cfg: Config, reward_funcs=None) -> TrainResult:

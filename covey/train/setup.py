@@ -8,6 +8,7 @@ The Config is read here, at the top, and nowhere below: the run holds the Plan.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import time
@@ -31,6 +32,7 @@ from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_objec
 from covey.runtime.fsdp import shard_model
 from covey.runtime.memory import MicroBatchSizes, on_gpu, size_no_grad_passes, size_update_pass
 from covey.runtime.metrics import MetricsLogger
+from covey.runtime.signals import StopFlag
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
@@ -87,6 +89,28 @@ class Feed:
     engine: object
     eval_engine: object
     judge: object = None  # covey.train.evaluate.Judge: how held-out answers are scored
+
+
+@dataclass
+class Session:
+    """An open run: what `open_run` built, what `steps` advances and what `finish` closes. `run` holds
+    the models, optimizers and typed state (a checkpoint restores it); `feed` the data, prompts,
+    rewarder and engines; `before` the untrained policy's held-out metrics (or the resumed run's);
+    `last` the newest step's metrics. A caller attaches module hooks to `run.policy` (a FLOP counter,
+    a profiler) and stops early with `break`.
+    """
+    run: Run
+    feed: Feed
+    before: dict
+    eval_cache: tuple[str, dict] | None = None  # train.eval_before_cache and the settings it is keyed by
+    last: dict = field(default_factory=dict)
+    last_saved: int | None = None
+    stop: StopFlag = field(default_factory=StopFlag)
+    signals: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def close(self) -> None:
+        """Give the stop-signal handlers back (finish calls it; so does a caller that never finishes)."""
+        self.signals.close()
 
 
 @dataclass

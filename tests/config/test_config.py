@@ -26,7 +26,8 @@ def test_overrides_and_short_keys():
     ("rollout.group_size=1", "rollout.group_size must be >= 2"),
     ("algo.minibatches=3", "must divide prompts_per_step*group_size=64"),
     ("task.template=What is {a} {op}?", "must contain {a}, {op}, {b}"),
-    ("task.multistep_template=Start with {start}.", "task.multistep_template='Start with {start}.' must contain {start}, {steps}"),
+    ("task.multistep_template=Start with {start}.",
+     "task.multistep_template='Start with {start}.' must contain {start}, {steps}"),
     ("task.multistep_template=Start with {x}.", "is not a valid template"),
     ("algo.beta=[0.1", "config key 'algo.beta': cannot read '[0.1'"),
     ("reward.process_outcome_weight=1", "reward.process_outcome_weight adds the outcome to the last step"),
@@ -60,7 +61,8 @@ def test_normalisation_and_token_credit_follow_the_estimator_traits():
             if mode in est.allowed_normalize:
                 plan_of(*base, f"algo.normalize={mode}")
             else:
-                with pytest.raises(ConfigError, match=f"algo: normalize='{mode}' is not defined for estimator '{name}'"):
+                message = f"algo: normalize='{mode}' is not defined for estimator '{name}'"
+                with pytest.raises(ConfigError, match=message):
                     plan_of(*base, f"algo.normalize={mode}")
         if not est.sequence_level:
             with pytest.raises(ConfigError, match="algo: token_credit='uniform' applies to sequence-level estimators"):

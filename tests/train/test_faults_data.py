@@ -20,7 +20,8 @@ GOOD = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6
 BAD_LINES = {
     "invalid JSON": ('{"prompt": "1+1?"', "invalid JSON"),
     "missing answer": ('{"prompt": "1+1?"}', "missing field 'answer'"),
-    "prompt not text": ('{"prompt": 5, "answer": "5"}', "field 'prompt' must be a string or a list of chat messages, got int"),
+    "prompt not text": ('{"prompt": 5, "answer": "5"}',
+                        "field 'prompt' must be a string or a list of chat messages, got int"),
     "empty answer": ('{"prompt": "1+1?", "answer": " "}', "field 'answer' is empty"),
     "not an object": ('["1+1?", "2"]', "expected a JSON object, got list"),
 }

@@ -31,9 +31,9 @@ def signalling_reward(prompts, completions, **_):
     if PLAN["calls"] == 2:
         for signum in PLAN["signals"]:
             installed = signal.getsignal(signum)
-            # Reward functions run in a worker thread; a process-directed signal may land on that
-            # thread and wake the main thread only when the reward returns. Ctrl-C from a terminal
-            # reaches the main thread, so deliver there.
+            # A process-directed signal may land on any thread (the reward timeout's watchdog is one)
+            # and wake the main thread only later. Ctrl-C from a terminal reaches the main thread, so
+            # deliver there.
             signal.pthread_kill(threading.main_thread().ident, signum)
             # Two signals sent at once would merge into one: wait until covey's handler ran
             # (it puts the previous handler back), as a person pressing Ctrl-C twice does.
