@@ -202,8 +202,14 @@ def test_a_hub_id_without_cache_or_hub_fails_at_once_in_one_line(monkeypatch):
 
 
 def test_load_policy_bad_folder_is_model_error(tmp_path):
-    with pytest.raises(ModelError, match="could not load model"):
+    with pytest.raises(ModelError, match="has no config.json"):
         models.load_policy(str(tmp_path))  # exists, but holds no model
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="has config.json but no weights"):
+        models.load_policy(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(ModelError, match="could not load model"):
+        models.load_policy(str(tmp_path))  # looks like a model, but is not one
 
 
 def test_gguf_spec_is_converted_once_and_keyed_by_mtime(tmp_path, monkeypatch):

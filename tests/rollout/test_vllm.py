@@ -19,6 +19,7 @@ from covey.models.load import load_policy
 from covey.rollout.vllm import (SampledRollout, VLLMEngine, WeightSyncTimeout, lora_rank_for_vllm,
                                 outputs_to_rollout, run_with_timeout, weight_buckets)
 from covey.train.loop import correct_sampler_mismatch
+from covey.train.plan import make_plan
 from tests.helpers import tiny_overrides
 
 
@@ -153,7 +154,7 @@ def test_lora_adapters_reach_vllm_as_a_new_request(fake_vllm, monkeypatch, tiny_
 
 def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.engine": "vllm", "algo.tis_cap": 2}))
-    run = SimpleNamespace(cfg=cfg)
+    run = SimpleNamespace(plan=make_plan(cfg))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     rollout = SampledRollout(
         prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
