@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from covey.models.attention import sampling_attention
 from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
+from covey.rollout.base import Prompt, encode_prompts
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 from covey.rollout.static_decode import StaticDecoder
@@ -165,10 +166,10 @@ class FastEngine:
         return sample_inverse_cdf(self.next_token_probs(logits), uniforms)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str], group_size: int, *, greedy: bool = False,
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = encode_prompts(tok, prompts)
         index = torch.arange(len(prompts)).repeat_interleave(group_size)
         was_training = self.model.training
         self.model.eval()

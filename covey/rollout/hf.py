@@ -10,6 +10,7 @@ import torch
 
 from covey.models.attention import sampling_attention
 from covey.batch import Rollout
+from covey.rollout.base import Prompt, encode_prompts
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -55,10 +56,10 @@ class HFEngine:
         self.model = model
 
     @torch.inference_mode()
-    def generate(self, prompts: list[str], group_size: int, *, greedy: bool = False,
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None) -> Rollout:
         tok = self.tokenizer
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = encode_prompts(tok, prompts)
         sampling = {} if greedy else {
             "do_sample": True, "temperature": self.temperature,
             "top_p": self.top_p, "top_k": self.top_k or None,

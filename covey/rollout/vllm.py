@@ -43,6 +43,7 @@ from torch import Tensor
 from covey.batch import Rollout
 from covey.config import ModelConfig, RolloutConfig
 from covey.models.load import resolve_model_path
+from covey.rollout.base import Prompt, encode_prompts
 from covey.rollout.hf import eos_ids
 from covey.runtime.fsdp import full_state_dict
 
@@ -256,12 +257,13 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[str], group_size: int, *, greedy: bool = False,
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, seeds: list[int] | None = None) -> SampledRollout:
         from vllm import SamplingParams
 
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        token_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        enc = encode_prompts(self.tokenizer, prompts)
+        token_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+                     for p in prompts]
         base = dict(n=group_size, max_tokens=max_new_tokens or self.max_new_tokens, logprobs=0,
                     stop_token_ids=self.eos, temperature=0.0 if greedy else self.temperature,
                     top_p=1.0 if greedy else self.top_p, top_k=-1 if greedy or self.top_k <= 0 else self.top_k)

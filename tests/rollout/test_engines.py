@@ -63,3 +63,55 @@ def test_informative_groups_keeps_only_groups_with_reward_spread():
                 scores=torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]))
     # group 7 all 1.0 and group 9 all 0.5 carry no signal; group 3 has 0 and 1
     assert informative_groups(r).tolist() == [3]
+
+
+def chat(tok, question: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+def engines(tiny_model_dir, max_new_tokens: int):
+    from covey.models.load import load_policy
+    from covey.rollout.fast import FastEngine
+    model, tok = load_policy(tiny_model_dir)
+    return tok, {"hf": HFEngine(model, tok, max_new_tokens=max_new_tokens),
+                 "fast": FastEngine(model, tok, max_new_tokens=max_new_tokens)}
+
+
+def test_token_ids_are_prompts_as_their_text_is(tiny_model_dir):
+    """A prompt given as its ids (a row to continue) samples what its text does: the same padded prompt
+    rows, the same greedy tokens, and with per-prompt seeds the same sampled tokens."""
+    tok, by_name = engines(tiny_model_dir, 6)
+    texts = [chat(tok, "What is 7 * 8?"), chat(tok, "Name a colour, then a much longer list of animals.")]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for name, engine in by_name.items():
+        a, b = engine.generate(texts, 1, greedy=True), engine.generate(ids, 1, greedy=True)
+        assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask), name
+        assert torch.equal(a.response_ids, b.response_ids) and a.completions == b.completions, name
+    fast = by_name["fast"]
+    a, b = fast.generate(texts, 3, seeds=[11, 12]), fast.generate(ids, 3, seeds=[11, 12])
+    assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_a_row_continues_after_appended_ids(tiny_model_dir):
+    """Greedy decoding from the prompt's ids plus the first 3 tokens it sampled gives the rest of the
+    same reply: continuing a row re-reads its ids (prompt, the model's tokens, anything appended)
+    and never decodes them to text."""
+    tok, by_name = engines(tiny_model_dir, 8)
+    prompt = tok(chat(tok, "What is 12 + 30?"), add_special_tokens=False)["input_ids"]
+    for name, engine in by_name.items():
+        whole = engine.generate([prompt], 1, greedy=True)
+        n = int(whole.response_mask.sum())
+        sampled = whole.response_ids[0, :n].tolist()
+        assert n > 3, f"{name}: the tiny model ended its reply after {n} tokens"
+        rest = engine.generate([prompt + sampled[:3]], 1, greedy=True, max_new_tokens=n - 3)
+        assert rest.response_ids[0, :n - 3].tolist() == sampled[3:], name
+
+
+def test_texts_and_ids_are_not_mixed(tiny_model_dir):
+    import pytest
+
+    from covey.rollout.base import encode_prompts
+    tok, _ = engines(tiny_model_dir, 2)
+    with pytest.raises(TypeError, match="all texts or all token-id lists"):
+        encode_prompts(tok, ["text", [1, 2]])
