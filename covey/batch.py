@@ -1,8 +1,20 @@
 """The Rollout: the typed batch that travels between the stages of a step.
 
 Shapes follow docs/design.md: N = B*G sequences, P prompt tokens (left-padded),
-L response tokens (right-padded). `response_mask` is 1 on the response tokens
-up to and including EOS; tokens after EOS are padding and carry 0.
+L response tokens (right-padded). Two response masks, both (N, L):
+
+- `response_mask`: the trained tokens, those the model sampled (up to and including
+  EOS). They alone carry loss, KL, entropy, advantages and every token count.
+- `response_attention`: the attended tokens, every real token of the response. In a
+  multi-turn episode the response is the model's turns with the environment's messages
+  (tool results, rendered by the chat template) between them: the environment's tokens
+  are attended by every forward pass (they condition the model) but carry 0 in
+  `response_mask`. It is 1 on a prefix of each row (the padding comes after the last
+  real token). None means equal to `response_mask` (a single-turn response).
+
+In a single-turn response both are 1 up to and including EOS; tokens after EOS are
+padding and carry 0. docs/algorithms.md ("Episodes: model tokens only") says how each
+estimator treats the environment's tokens.
 """
 
 from __future__ import annotations
@@ -32,14 +44,21 @@ class Rollout:
     returns: Tensor | None = None      # (N, L)
     baseline_scores: Tensor | None = None  # (N,) ReMax greedy rewards
     valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
+    messages: list | None = None       # (N,) an episode's chat messages (assistant and tool); None: one turn
+    response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
 
     @property
     def input_ids(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
+    def response_attended(self) -> Tensor:
+        """(N, L) the attended response tokens: `response_attention`, or `response_mask` where it is None."""
+        return self.response_mask if self.response_attention is None else self.response_attention
+
+    @property
     def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        return torch.cat([self.prompt_mask, self.response_attended.to(self.prompt_mask.dtype)], dim=1)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -66,7 +85,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
 
     Group ids are offset so groups of different parts stay distinct; `example_index`
     values are kept (they index the task's example list, shared by all parts).
-    Per-row scores are carried; per-token fields (log-probs, values) are not.
+    Per-row scores are carried; per-token fields (log-probs, values) are not. `response_attention`
+    is carried where a part has it (a part without it contributes its `response_mask`).
     """
     p_len = max(r.prompt_ids.shape[1] for r in parts)
     l_len = max(r.response_ids.shape[1] for r in parts)
@@ -88,6 +108,10 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         values = [getattr(r, name) for r in parts]
         return torch.cat(values) if all(v is not None for v in values) else None
 
+    attention = None
+    if any(r.response_attention is not None for r in parts):
+        dtype = next(r.response_attention.dtype for r in parts if r.response_attention is not None)
+        attention = torch.cat([pad(r.response_attended.to(dtype), l_len, False, 0) for r in parts])
     return Rollout(
         prompt_ids=torch.cat([pad(r.prompt_ids, p_len, True, pad_token_id) for r in parts]),
         prompt_mask=torch.cat([pad(r.prompt_mask, p_len, True, 0) for r in parts]),
@@ -100,5 +124,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         scores=per_row("scores"),
         baseline_scores=per_row("baseline_scores"),
         valid=per_row("valid"),
+        messages=[m for r in parts for m in r.messages] if all(r.messages is not None for r in parts) else None,
         reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
+        response_attention=attention,
     )

@@ -4,6 +4,12 @@ Position ids are derived from the attention mask so a left-padded prompt sees
 the same positions as during generation. Only the last L+1 positions are
 projected to the vocabulary (`logits_to_keep`): prompt logits are never built.
 Each micro-batch is trimmed to its own longest prompt and response first.
+
+Every pass attends over `Rollout.response_attended`: in a multi-turn episode the
+environment's tokens between the model's turns are attended and counted in the
+positions, and log-probs, entropy and values come out at every response position;
+the losses keep the model's tokens (`response_mask`). The no-grad passes
+(`batched_logprobs`, `batched_values`) return 0 outside `response_mask`.
 """
 
 from __future__ import annotations
@@ -48,14 +54,24 @@ def first_prompt_column(prompt_mask: Tensor) -> int:
 
 
 def trim(part: Rollout) -> tuple[Tensor, Tensor, int]:
-    """(input_ids, attention_mask, L') with all-padding prompt/response columns removed."""
+    """(input_ids, attention_mask, L') with all-padding prompt/response columns removed.
+
+    The mask is over the attended tokens (`Rollout.response_attended`: an episode's environment
+    tokens too); L' ends at the last attended column of any row (at least 1).
+    """
     first = first_prompt_column(part.prompt_mask)
-    lengths = part.response_mask.sum(dim=1)
-    resp_len = max(int(lengths.max()) if len(lengths) else 1, 1)
+    attended = part.response_attended
+    columns = attended.bool().any(dim=0).nonzero()
+    resp_len = int(columns.max()) + 1 if len(columns) else 1
     ids = torch.cat([part.prompt_ids[:, first:], part.response_ids[:, :resp_len]], dim=1)
-    mask = torch.cat([part.prompt_mask[:, first:],
-                      part.response_mask[:, :resp_len].to(part.prompt_mask.dtype)], dim=1)
+    mask = torch.cat([part.prompt_mask[:, first:], attended[:, :resp_len].to(part.prompt_mask.dtype)], dim=1)
     return ids, mask, resp_len
+
+
+def prefixes(mask: Tensor) -> bool:
+    """Every row of an (n, L) mask is 1 up to some column and 0 after it: no hole for the packed pass,
+    which feeds a response's first `sum` tokens at consecutive positions."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
 def on_device(part: Rollout, device: torch.device) -> Rollout:
@@ -79,7 +95,7 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     device = model_device(model)
     ids, mask = ids.to(device), mask.to(device)
     # Under FSDP every rank must run the same number of forward passes (each all-gathers).
-    if distributed.on_all_ranks(packs(model) and resp_len > 1):
+    if distributed.on_all_ranks(packs(model) and resp_len > 1 and prefixes(mask[:, -resp_len:])):
         width = ids.shape[1] - resp_len
         view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
         shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
@@ -198,7 +214,8 @@ def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none
 @torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
 def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
                      precision: str = "none") -> Tensor:
-    """No-grad log-probs for the whole rollout (old policy or reference), (N, L); its prompts encoded once."""
+    """No-grad log-probs for the whole rollout (old policy or reference), (N, L), 0 outside
+    `response_mask`; its prompts encoded once."""
     width = rollout.response_ids.shape[1]
     rows = torch.arange(len(rollout))
     encoded = encode_prompts(model, rollout, rows, precision)
@@ -212,6 +229,7 @@ def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_si
 
 @torch.no_grad()
 def batched_values(critic, rollout: Rollout, micro_batch_size: int, precision: str = "none") -> Tensor:
+    """No-grad critic values for the whole rollout, (N, L), 0 outside `response_mask`."""
     width = rollout.response_ids.shape[1]
     chunks = []
     for index in torch.arange(len(rollout)).split(micro_batch_size):

@@ -105,7 +105,9 @@ class GatheredGeneration:
 
 
 def global_normalizer(mode: str, step_mask: Tensor, max_len: int) -> algos.Normalizer:
-    """The optimizer step's normaliser over every rank's sequences (all-reduced totals).
+    """The optimizer step's normaliser over every rank's sequences (all-reduced totals). `step_mask`
+    is the step's `response_mask`: tokens are counted where they are trained (the model's tokens,
+    never an episode's environment tokens).
 
     Multiplied by the number of processes inside `aggregate`, because FSDP averages
     the gradients of the ranks: the average of W scaled shares is the global loss.

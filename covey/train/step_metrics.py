@@ -13,7 +13,10 @@ from covey.runtime.metrics import current_rss_mb, peak_rss_mb
 
 
 def rollout_metrics(rollout: Rollout) -> dict:
-    """Rewards (total and per function), response lengths and truncation over the step's samples."""
+    """Rewards (total and per function), response lengths and truncation over the step's samples.
+
+    Lengths count the model's tokens (`response_mask`): in a multi-turn episode the environment's
+    tokens between the model's turns are not counted (covey/batch.py)."""
     lengths = rollout.response_mask.sum(1)
     return {
         "reward/mean": float(rollout.scores.mean()),
