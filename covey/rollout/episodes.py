@@ -1,0 +1,162 @@
+"""Multi-turn episodes: the model's turns and the tools' replies as one row of token ids.
+
+An episode starts from a prompt and alternates: the model samples a turn; the turn's text is read
+for tool calls (the text is only read: the model's ids are kept as sampled); the calls run and
+their replies, rendered by the chat template, are appended as token ids; the model continues from
+every id so far (engines take token ids as prompts, covey/rollout/base.py). It ends when a turn
+calls no tool, at `max_turns`, or when the token budget is spent.
+
+The result is a Rollout whose response is the whole episode after the prompt: `response_mask`
+is 1 on the tokens the model sampled (what is trained) and `response_attention` 1 on every token
+of the episode (the model's and the environment's: what every pass attends to). `messages`
+holds the episode as chat messages (assistant and tool), the completion TRL passes reward
+functions; `completions` the assistant text.
+
+What the runner needs from the tools side is an `EpisodeHost` per episode (covey/rollout/
+agents.py builds them from tools or an environment); the sampling itself is a callable, so that
+the caller keeps its seeding and out-of-memory policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from covey.batch import Rollout
+from covey.rollout.base import Prompt
+
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    """Turns and token budgets of an episode (rollout.max_turns, rollout.max_turn_tokens,
+    rollout.max_episode_tokens)."""
+    max_turns: int
+    """Model turns at most; a turn that calls no tool ends the episode sooner."""
+    max_turn_tokens: int
+    """New tokens the model may sample in one turn."""
+    max_episode_tokens: int
+    """Response tokens of the whole episode, the model's and the environment's."""
+
+
+class EpisodeHost(Protocol):
+    """The tools side of one episode."""
+
+    def calls_in(self, text: str) -> list:
+        """The tool calls a model turn's text makes (empty: the episode ends)."""
+
+    def reply(self, calls: list) -> list[dict]:
+        """The tool messages answering `calls` ({"role": "tool", "name": ..., "content": ...})."""
+
+    def append_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids the chat template writes after the model's last turn for `messages` (the tool
+        messages) and the start of the next assistant turn."""
+
+
+Sampler = Callable[[list[Prompt], int, int], Rollout]
+"""sample(prompts, group_size, max_new_tokens) -> Rollout of len(prompts) * group_size rows."""
+
+
+@dataclass
+class Episode:
+    """One episode as it grows: ids after the prompt, which of them the model sampled, its messages."""
+    prompt: list[int]
+    host: EpisodeHost
+    ids: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)  # 1: the model's token, 0: the environment's
+    messages: list[dict] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    cut: bool = False  # ended by a budget (the turn limit with calls pending, or the token budget)
+    done: bool = False
+
+    def add(self, ids: list[int], by_model: bool) -> None:
+        self.ids += ids
+        self.sampled += [int(by_model)] * len(ids)
+
+
+def run_episodes(sample: Sampler, tokenizer, prompts: list[Prompt], group_size: int, hosts: list[EpisodeHost],
+                 options: EpisodeOptions) -> tuple[Rollout, dict]:
+    """len(prompts) x group_size episodes (hosts: one per episode, in rollout row order); returns the
+    Rollout of whole episodes and the episode metrics of the batch."""
+    first = sample(prompts, group_size, min(options.max_turn_tokens, options.max_episode_tokens))
+    if len(hosts) != len(first):
+        raise ValueError(f"run_episodes: {len(hosts)} hosts for {len(first)} episodes")
+    episodes = [Episode(prompt=first.prompt_ids[i][first.prompt_mask[i].bool()].tolist(), host=h)
+                for i, h in enumerate(hosts)]
+    take_turn(episodes, range(len(episodes)), first, options, tokenizer)
+    while active := [i for i, ep in enumerate(episodes) if not ep.done]:
+        budgets = [min(options.max_turn_tokens, options.max_episode_tokens - len(episodes[i].ids)) for i in active]
+        turn = sample([episodes[i].prompt + episodes[i].ids for i in active], 1, max(budgets))
+        take_turn(episodes, active, turn, options, tokenizer, budgets)
+    return episode_rollout(first, episodes, tokenizer), episode_metrics(episodes)
+
+
+def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOptions, tokenizer,
+              budgets: list[int] | None = None) -> None:
+    """Append each active episode's sampled turn (cut to its own budget), then its tools' replies."""
+    for j, i in enumerate(rows):
+        ep = episodes[i]
+        n = int(turn.response_mask[j].sum())
+        cut = budgets is not None and n > budgets[j]
+        if cut:  # the batch sampled up to the largest budget; this episode had less left
+            n = budgets[j]
+        ids = turn.response_ids[j, :n].tolist()
+        # The text is read for tool calls and shown to rewards; the ids stay as sampled.
+        text = tokenizer.decode(ids, skip_special_tokens=True) if cut else turn.completions[j]
+        ep.add(ids, by_model=True)
+        ep.turns += 1
+        ep.messages.append({"role": "assistant", "content": text})
+        ep.cut = cut or bool(turn.truncated[j])
+        answer_tools(ep, text, options)
+
+
+def answer_tools(ep: Episode, text: str, options: EpisodeOptions) -> None:
+    """The tools' replies to a finished model turn, or the end of the episode."""
+    calls = [] if ep.cut else ep.host.calls_in(text)
+    if not calls:
+        ep.done = True
+        return
+    if ep.turns >= options.max_turns:
+        ep.done = ep.cut = True  # the model asked for a tool it has no turn left to read
+        return
+    replies = ep.host.reply(calls)
+    appended = ep.host.append_ids(replies)
+    ep.tool_calls += len(calls)
+    ep.messages += replies
+    if len(ep.ids) + len(appended) >= options.max_episode_tokens:
+        ep.done = ep.cut = True  # no room left for the model to read the reply and answer
+        return
+    ep.add(appended, by_model=False)
+
+
+def episode_rollout(first: Rollout, episodes: list[Episode], tokenizer) -> Rollout:
+    """The Rollout of whole episodes: the first turn's prompt rows, the episode as the response."""
+    width = max((len(ep.ids) for ep in episodes), default=0)
+    ids = torch.full((len(episodes), width), tokenizer.pad_token_id, dtype=torch.long)
+    trained = torch.zeros((len(episodes), width))
+    attended = torch.zeros((len(episodes), width))
+    for row, ep in enumerate(episodes):
+        n = len(ep.ids)
+        ids[row, :n] = torch.tensor(ep.ids, dtype=torch.long)
+        trained[row, :n] = torch.tensor(ep.sampled, dtype=torch.float)
+        attended[row, :n] = 1.0
+    return Rollout(prompt_ids=first.prompt_ids, prompt_mask=first.prompt_mask, response_ids=ids,
+                   response_mask=trained, response_attention=attended, group_ids=first.group_ids,
+                   truncated=torch.tensor([ep.cut for ep in episodes], dtype=torch.bool),
+                   completions=["".join(m["content"] for m in ep.messages if m["role"] == "assistant")
+                                for ep in episodes],
+                   example_index=list(first.example_index), messages=[ep.messages for ep in episodes])
+
+
+def episode_metrics(episodes: list[Episode]) -> dict:
+    """Per batch: model turns and tool calls per episode, the environment's share of the episode
+    tokens, and the share of episodes a budget cut off."""
+    n = max(len(episodes), 1)
+    tokens = sum(len(ep.ids) for ep in episodes)
+    env = sum(len(ep.ids) - sum(ep.sampled) for ep in episodes)
+    return {"episode/turns_mean": sum(ep.turns for ep in episodes) / n,
+            "episode/tool_calls_mean": sum(ep.tool_calls for ep in episodes) / n,
+            "episode/env_token_frac": env / tokens if tokens else 0.0,
+            "episode/cut_off_frac": sum(ep.cut for ep in episodes) / n}
