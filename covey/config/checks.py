@@ -59,7 +59,9 @@ AT_LEAST = {
     "algo.kl_horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.value_clip": (0.0, True),
     "algo.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
     "algo.max_resample_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
-    "reward.timeout_s": (0.0, True), "reward.overlong_buffer": (0, True), "model.threads": (0, True),
+    "reward.timeout_s": (0.0, True), "rollout.max_turns": (1, True), "rollout.max_turn_tokens": (0, True),
+    "rollout.max_episode_tokens": (0, True), "rollout.tool_timeout_s": (0.0, False),
+    "reward.overlong_buffer": (0, True), "model.threads": (0, True),
     "train.eval_every": (0, True), "train.save_every": (0, True), "train.keep_checkpoints": (1, True),
     "train.samples_every": (0, True), "train.eval_pass_k": (0, True), "task.train_size": (1, True),
     "task.eval_size": (0, True),  # 0: every row trains, no held-out evaluation
@@ -282,6 +284,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
     unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
                                        ("train.grad_var_every", cfg.train.grad_var_every),
                                        ("reward.iterative_every", cfg.reward.iterative_every),
+                                       ("rollout.tools (episodes of different turns per rank)", cfg.rollout.tools),
                                        ("rollout.precision=bfloat16 (a copy of a sharded policy)",
                                         cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
                   if on]

@@ -126,6 +126,16 @@ class RolloutConfig:
     """Weights pushed to vLLM after each update in buckets of about this many MiB."""
     vllm_sync_timeout_s: float = 600.0
     """Raise instead of hanging if pushing the weights to vLLM takes longer than this."""
+    tools: str = ""
+    """Tools the model may call over several turns (docs/agents.md): calculator (built in) and/or module:function or file.py:function, comma-separated; empty = single-turn answers."""
+    max_turns: int = 4
+    """With tools: model turns per episode at most (a turn that calls no tool ends it sooner)."""
+    max_turn_tokens: int = 0
+    """With tools: new tokens per model turn (0 = rollout.max_new_tokens)."""
+    max_episode_tokens: int = 0
+    """With tools: response tokens of a whole episode, the model's and the tools' (0 = 2 x max_turns x the turn's tokens)."""
+    tool_timeout_s: float = 10.0
+    """With tools: seconds a tool call may take; a slower one answers {"error": ...} to the model and is counted."""
 
 
 @dataclass

@@ -23,13 +23,17 @@ def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None)
     """(prompts, completions, columns) as TRL passes them to reward functions: the prompts as the
     dataset gives them, completions as strings for string prompts and as one assistant message for
     chat prompts, the sampled ids, the trainer state, and every dataset column under its name
-    (plus `answer`, the reference, and `completion_lengths`, in tokens)."""
+    (plus `answer`, the reference, and `completion_lengths`, in tokens). An episode's completion is
+    its messages (assistant and tool turns), its ids every id after the prompt (the tools' too), its
+    length the tokens the model sampled."""
     picked = [examples[i] for i in rollout.example_index]
     lengths = rollout.response_mask.sum(1).long().tolist()
+    spans = rollout.response_attended.sum(1).long().tolist()
     columns = example_columns(picked)
     columns.update(completion_lengths=lengths, trainer_state=state or TrainerState(),
-                   completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), lengths)])
-    return [ex.given_prompt for ex in picked], as_completions(picked, rollout.completions), columns
+                   completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), spans)])
+    completions = rollout.messages if rollout.messages is not None else as_completions(picked, rollout.completions)
+    return [ex.given_prompt for ex in picked], completions, columns
 
 
 def placeholder_inputs(example, max_steps: int) -> tuple[list, list, dict]:

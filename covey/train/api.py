@@ -23,7 +23,7 @@ __all__ = ["TrainResult", "train"]
 
 
 def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | str | None = None,
-          reward_weights: Iterable[float] | None = None) -> TrainResult:
+          reward_weights: Iterable[float] | None = None, tools: Iterable[Callable] | None = None) -> TrainResult:
     """Train a policy as `config` says; returns the run folder, the saved model and held-out accuracies.
 
     reward_funcs: Python callables (`def` or `async def`) and/or "module:function[:weight]" /
@@ -35,7 +35,9 @@ def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | st
     (reward/user:<name> where covey has a term of that name; docs/your-task.md).
     reward_weights: one weight per function of reward_funcs, in order (TRL's reward_weights).
     Each function is checked, and called once, before any model loads.
+    tools: plain Python functions (sync or async, type hints and a Google-style docstring) the model
+    may call over several turns, as TRL's `tools=` (added to rollout.tools; docs/agents.md).
     """
     if not isinstance(config, Config):
         raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
-    return loop.train(config, user_terms(reward_funcs, reward_weights))
+    return loop.train(config, user_terms(reward_funcs, reward_weights), tools=list(tools or ()))

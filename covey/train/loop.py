@@ -62,14 +62,14 @@ from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_row
 from covey.train.update import record_skip, update_critic, update_policy
 
 
-def train(cfg: Config, reward_funcs=None) -> TrainResult:
+def train(cfg: Config, reward_funcs=None, tools=None) -> TrainResult:
     """Train a policy; `covey train` and the Python API `covey.train(...)` both run this.
 
     reward_funcs: Python callables and/or "module:function[:weight]" strings, scored on top of
     the configured rewards (reward.functions) with weight 1 unless given; each is called with
     keyword arguments, TRL's convention, and reported as reward/<function name>.
     """
-    session = open_run(cfg, reward_funcs)
+    session = open_run(cfg, reward_funcs, tools=tools)
     try:
         for _ in steps(session):
             pass
@@ -78,11 +78,11 @@ def train(cfg: Config, reward_funcs=None) -> TrainResult:
         session.close()
 
 
-def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) -> Session:
+def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True, tools=None) -> Session:
     """Everything before the first step: plan, data and model found, models built, the untrained policy
     evaluated (or a checkpoint restored). `evaluate_before=False` skips that evaluation (a caller that
     measures held-out accuracy itself); step 0's line then holds no eval/ figures."""
-    plan = make_plan(cfg)  # every option checked once; below the loop only plain options travel
+    plan = make_plan(cfg, with_tools=bool(tools))  # every option checked once; below, plain options travel
     check_resume_request(cfg)
     world = open_world(cfg)
     cfg, data = load_run_data(cfg, bool(reward_funcs))  # bad data fails before a model loads; cfg as recorded
@@ -100,7 +100,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True) ->
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)
-    feed = open_feed(run, data, rewarder, cfg)
+    feed = open_feed(run, data, rewarder, cfg, tools)
     feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
     session = Session(run=run, feed=feed, before={},
                       eval_cache=(cfg.train.eval_before_cache, eval_settings(cfg)) if cfg.train.eval_before_cache
@@ -390,6 +390,7 @@ def run_eval(run: Run, feed: Feed, stop: StopFlag | None = None) -> dict:
                    judge=feed.judge, batch_size=sampling.eval_batch_size, stop=stop if run.world.size == 1 else None,
                    max_new_tokens=sampling.eval_max_new_tokens, pass_k=schedule.eval_pass_k)
     out = reduce_eval(out)
+    out.update({f"eval/{k}": v for k, v in getattr(feed.eval_engine, "take_metrics", dict)().items()})  # episodes
     out["time/eval"] = time.perf_counter() - t0
     return record_gpu_peak(out, run.world.device, "eval")
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from covey import algos
 from covey.config import Config, ConfigError, validate
+from covey.rollout.episodes import EpisodeOptions
 from covey.train.plan_checks import check_against_registries
 
 
@@ -169,9 +170,11 @@ class Plan:
     schedule: Schedule
     update_memory_share: float
     """On one GPU, the share of free memory the update's micro-batches may take (0 = micro_batch_size)."""
+    episodes: EpisodeOptions | None = None
+    """Multi-turn episodes with tools (rollout.tools); None: single-turn answers."""
 
 
-def make_plan(cfg: Config) -> Plan:
+def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     """The run's plan; a combination that cannot work fails here with one line naming its key.
 
     The config's own checks run first (the ones load_config runs: a Config built or changed in
@@ -192,14 +195,15 @@ def make_plan(cfg: Config) -> Plan:
                                                   or a.tis_cap > 0),
         advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
-        update=update_options(cfg),
+        update=update_options(cfg, with_tools),
         kl=KLOptions(beta=a.beta, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator,
                      placement=a.kl_in),
         sampling=sampling_options(cfg), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
         tis_cap=a.tis_cap, schedule=schedule(cfg), update_memory_share=a.update_memory_share,
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
-                                 outcome_weight=cfg.reward.process_outcome_weight))
+                                 outcome_weight=cfg.reward.process_outcome_weight),
+        episodes=episode_options(cfg, with_tools))
     for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage)):
         try:
             check()  # the estimator's entry: normalize and token_credit against its traits
@@ -225,6 +229,16 @@ def sampling_options(cfg: Config) -> SamplingOptions:
                            max_resample_rounds=a.max_resample_rounds)
 
 
+def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | None:
+    """Turns and budgets of a multi-turn episode when tools are given (rollout.tools, or Python's tools=)."""
+    r = cfg.rollout
+    if not (r.tools or with_tools):
+        return None
+    turn = r.max_turn_tokens or r.max_new_tokens
+    return EpisodeOptions(max_turns=r.max_turns, max_turn_tokens=turn,
+                          max_episode_tokens=r.max_episode_tokens or 2 * r.max_turns * turn)
+
+
 def schedule(cfg: Config) -> Schedule:
     t = cfg.train
     return Schedule(steps=t.steps, max_minutes=t.max_minutes, seed=t.seed, eval_every=t.eval_every,
@@ -233,7 +247,7 @@ def schedule(cfg: Config) -> Schedule:
                     grad_var_batches=t.grad_var_batches, resume_force=t.resume_force)
 
 
-def update_options(cfg: Config) -> UpdateOptions:
+def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
     a, o = cfg.algo, cfg.optim
     loss = algos.PolicyLossOptions(clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
                                    dual_clip=a.dual_clip or None, ratio_level=a.ratio_level,
@@ -242,9 +256,16 @@ def update_options(cfg: Config) -> UpdateOptions:
         epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
         max_grad_norm=o.max_grad_norm, max_skipped_steps=o.max_skipped_steps,
         temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=a.loss_agg,
-        max_len=cfg.rollout.max_new_tokens, policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
+        max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
         value_coef=a.value_coef, dpo_beta=a.dpo_beta)
+
+
+def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:
+    """The most tokens the model samples for one answer (the constant of loss_agg=constant): one
+    response, or every turn of an episode."""
+    r = cfg.rollout
+    return r.max_turns * (r.max_turn_tokens or r.max_new_tokens) if r.tools or with_tools else r.max_new_tokens
 
 
 def print_plan(plan: Plan) -> None:
@@ -267,6 +288,10 @@ def print_plan(plan: Plan) -> None:
               f"truncated IS cap {plan.tis_cap:g}" if plan.tis_cap else "",
               (f"step scores from {plan.step_scoring.source}" + (f" + outcome x {plan.step_scoring.outcome_weight:g}"
                if plan.step_scoring.outcome_weight else "")) if plan.step_scoring.enabled else ""]
+    if plan.episodes is not None:
+        e = plan.episodes
+        extras.append(f"episodes of up to {e.max_turns} turns x {e.max_turn_tokens} tokens, "
+                      f"{e.max_episode_tokens} in all")
     if any(extras):
         print("covey: " + "; ".join(e for e in extras if e))
     print(f"covey: schedule steps={sc.steps} max_minutes={sc.max_minutes:g} eval_every={sc.eval_every} "

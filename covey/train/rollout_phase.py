@@ -33,7 +33,8 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
         rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
                                                              timings)
     rollout = drop_invalid(rollout)
-    return rollout, {**metrics, **timings}
+    episodes = getattr(engine, "take_metrics", dict)()  # an engine of tool-calling episodes: turns, calls, errors
+    return rollout, {**metrics, **episodes, **timings}
 
 
 def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dict) -> tuple[Rollout, dict]:

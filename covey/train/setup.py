@@ -26,6 +26,8 @@ from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
+from covey.rewards.build import load_callable
+from covey.rollout.agents import BUILTIN_TOOLS, Agent, EpisodeEngine
 from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
 from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
@@ -278,14 +280,22 @@ def print_precision(run: Run, cfg: Config) -> None:
 # --------------------------------------------------------------------------- logger, prompts, engines
 
 
-def open_feed(run: Run, data, rewarder, cfg: Config) -> Feed:
-    """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines."""
+def open_feed(run: Run, data, rewarder, cfg: Config, tools=None) -> Feed:
+    """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines; with
+    tools (rollout.tools, Python's tools=), engines that sample whole episodes (covey/rollout/agents.py)."""
     run.logger = (MetricsLogger(run.run_dir, tensorboard=cfg.train.logger == "tensorboard") if run.world.is_main
                   else SilentLogger())
     if run.world.is_main:
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
-    prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
-    eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
+    agents = None
+    if run.plan.episodes is not None:  # one Agent for training, one for evaluation: their tool counts apart
+        functions = resolve_tools(cfg.rollout.tools, tools)
+        agents = [Agent(run.tokenizer, functions, cfg.rollout.tool_timeout_s) for _ in range(2)]
+        prompts = agents[0].prompts(data.train, cfg.task.system_prompt)
+        eval_prompts = agents[1].prompts(data.eval, cfg.task.system_prompt)
+    else:
+        prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
+        eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
     context = getattr(run.policy.config, "max_position_embeddings", 2048)
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
@@ -294,13 +304,29 @@ def open_feed(run: Run, data, rewarder, cfg: Config) -> Feed:
         s = run.plan.sampling
         size_no_grad_passes(run.micro_batches, run.policy.config, longest + s.max_new_tokens, s.prompts_per_step
                             * s.group_size, run.world.device)
+    engine, eval_engine = open_engines(run, cfg)
+    if agents is not None:
+        engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.hosts, run.plan.episodes, a.metrics)
+                               for e, a in zip((engine, eval_engine), agents))
+    return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
+                eval_engine=eval_engine)
+
+
+def open_engines(run: Run, cfg: Config) -> tuple:
+    """The sampling engine and the held-out one (the same engine where it samples the policy's own weights)."""
     engine = make_engine(cfg.rollout, cfg.model, run.policy, run.tokenizer, world_size=run.world.size,
                          device=run.world.device, seed=cfg.train.seed)
     if cfg.rollout.engine != "vllm":  # a local engine reads the policy module itself (whole parameters under FSDP)
         engine = GatheredGeneration(engine, run.policy)
     eval_engine = make_eval_engine(cfg.rollout, run.policy, run.tokenizer, engine)
-    return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
-                eval_engine=engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy))
+    return engine, engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy)
+
+
+def resolve_tools(spec: str, extra=None) -> list:
+    """rollout.tools (built-in names such as calculator, module:function, file.py:function), then the
+    Python API's tools."""
+    named = [item.strip() for item in spec.split(",") if item.strip()]
+    return [BUILTIN_TOOLS[item] if item in BUILTIN_TOOLS else load_callable(item) for item in named] + list(extra or ())
 
 
 def size_update(run: Run, rollout) -> None:

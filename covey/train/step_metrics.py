@@ -49,5 +49,6 @@ def sample_rows(rollout: Rollout, examples, limit: int = 8) -> list[dict]:
     for i in range(min(limit, len(rollout))):
         ex = examples[rollout.example_index[i]]
         rows.append({"prompt": ex.prompt, "answer": ex.answer, "completion": rollout.completions[i],
-                     "reward": float(rollout.scores[i]), "advantage": float(rollout.advantages[i][0])})
+                     "reward": float(rollout.scores[i]), "advantage": float(rollout.advantages[i][0]),
+                     **({"messages": rollout.messages[i]} if rollout.messages is not None else {})})
     return rows

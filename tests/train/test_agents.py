@@ -1,0 +1,97 @@
+"""Tool-calling episodes through covey.train on the tiny model. A random tiny model never writes a tool
+call, so each episode's first turn is scripted (the call a trained model would write, as sampled ids);
+everything after it is covey's: the call parsed and run, the reply rendered by the chat template and
+appended as ids, the model's second turn sampled from those ids, rewards, the update."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import covey
+from covey.batch import Rollout
+from covey.config import load_config
+from covey.rollout.fast import FastEngine
+from tests.helpers import tiny_overrides
+
+SEEN: list = []
+REAL_GENERATE = FastEngine.generate
+
+
+def get_weather(city: str) -> str:
+    """Get the current weather of a city.
+
+    Args:
+        city: The name of the city.
+    """
+    return f"Sunny in {city}, 21 degrees"
+
+
+def messages_reward(completions, **kwargs):
+    """Records what TRL passes a reward function for an episode: its messages."""
+    SEEN.append(completions)
+    return [float(len(c)) for c in completions]
+
+
+def scripted_first_turn(real_generate, call: str):
+    """FastEngine.generate with every first turn (text prompts) answered by `call`, ended by EOS."""
+
+    def generate(self, prompts, group_size, **kwargs):
+        if not isinstance(prompts[0], str):  # a continuation: the model samples it
+            return real_generate(self, prompts, group_size, **kwargs)
+        tok = self.tokenizer
+        ids = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        index = torch.arange(len(prompts)).repeat_interleave(group_size)
+        n = len(index)
+        return Rollout(prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index],
+                       response_ids=torch.tensor([ids] * n), response_mask=torch.ones(n, len(ids)),
+                       group_ids=index.clone(), truncated=torch.zeros(n, dtype=torch.bool),
+                       completions=[call] * n, example_index=index.tolist())
+    return generate
+
+
+def test_a_trl_tool_function_runs_unchanged_through_covey_train(tiny_model_dir, tmp_path, monkeypatch):
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    SEEN.clear()
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "train.steps": 1, "rollout.max_turns": 2, "rollout.max_new_tokens": 96, "reward.correctness": 0.0,
+        "train.samples_every": 1, "task.eval_size": 2}))
+    result = covey.train(cfg, reward_funcs=[messages_reward], tools=[get_weather])
+    step = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    # 2 prompts x 4 samples: every episode called the tool once, and read its reply in a second turn
+    assert step["tools/calls"] == 8 and step["tools/errors"] == 0 and step["episode/tool_calls_mean"] == 1.0
+    assert step["episode/turns_mean"] == 2.0 and 0 < step["episode/env_token_frac"] < 1
+    assert torch.isfinite(torch.tensor(step["optim/grad_norm"]))
+    episode = SEEN[1][0]  # TRL's shape: the episode's messages, assistant and tool (SEEN[0]: the check call)
+    assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
+    assert episode[0]["content"] == call
+    assert episode[1] == {"role": "tool", "name": "get_weather", "content": "Sunny in Paris, 21 degrees"}
+    sample = json.loads((result.run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert [m["role"] for m in sample["messages"]] == ["assistant", "tool", "assistant"]
+
+
+def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_crash(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    SEEN.clear()
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "ok", **{
+        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    covey.train(cfg, reward_funcs=[messages_reward])
+    assert SEEN[1][0][1] == {"role": "tool", "name": "calculator", "content": "42"}
+    bad = '<tool_call>{"name": "calculator", "arguments": {"formula": "6 * 7"}}</tool_call>'  # no such argument
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, bad))
+    SEEN.clear()
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "bad", **{
+        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    result = covey.train(cfg, reward_funcs=[messages_reward])
+    reply = SEEN[1][0][1]
+    assert reply["role"] == "tool" and "error" in json.loads(reply["content"])
+    step = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["tools/calls"] == 8 and step["tools/errors"] == 8
+
