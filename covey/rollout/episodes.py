@@ -19,6 +19,7 @@ the caller keeps its seeding and out-of-memory policy.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -26,6 +27,10 @@ import torch
 
 from covey.batch import Rollout
 from covey.rollout.base import Prompt
+
+
+MAX_EPISODES_AT_ONCE = 64
+"""Episodes whose tool calls run at the same time (each call in a thread of its own)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,10 @@ def run_episodes(sample: Sampler, tokenizer, prompts: list[Prompt], group_size: 
 
 def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOptions, tokenizer,
               budgets: list[int] | None = None) -> None:
-    """Append each active episode's sampled turn (cut to its own budget), then its tools' replies."""
+    """Append each active episode's sampled turn (cut to its own budget), then its tools' replies: the
+    calls of every episode run at once (each episode's own calls concurrently too, under the tool
+    timeout), so a slow tool holds its episode only, for at most its timeout."""
+    asking = []
     for j, i in enumerate(rows):
         ep = episodes[i]
         n = int(turn.response_mask[j].sum())
@@ -109,19 +117,31 @@ def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOpti
         ep.turns += 1
         ep.messages.append({"role": "assistant", "content": text})
         ep.cut = cut or bool(turn.truncated[j])
-        answer_tools(ep, text, options)
+        calls = tool_calls(ep, text, options)
+        if calls:
+            asking.append((ep, calls))
+    if not asking:
+        return
+    with ThreadPoolExecutor(max_workers=min(len(asking), MAX_EPISODES_AT_ONCE)) as pool:
+        replies = list(pool.map(lambda pair: pair[0].host.reply(pair[1]), asking))
+    for (ep, calls), messages in zip(asking, replies):
+        append_replies(ep, calls, messages, options)
 
 
-def answer_tools(ep: Episode, text: str, options: EpisodeOptions) -> None:
-    """The tools' replies to a finished model turn, or the end of the episode."""
+def tool_calls(ep: Episode, text: str, options: EpisodeOptions) -> list:
+    """The calls of a finished model turn to run, or none and the end of the episode."""
     calls = [] if ep.cut else ep.host.calls_in(text)
     if not calls:
         ep.done = True
-        return
+        return []
     if ep.turns >= options.max_turns:
         ep.done = ep.cut = True  # the model asked for a tool it has no turn left to read
-        return
-    replies = ep.host.reply(calls)
+        return []
+    return calls
+
+
+def append_replies(ep: Episode, calls: list, replies: list[dict], options: EpisodeOptions) -> None:
+    """The tools' replies as the chat template writes them, unless they leave no room to answer."""
     appended = ep.host.append_ids(replies)
     ep.tool_calls += len(calls)
     ep.messages += replies

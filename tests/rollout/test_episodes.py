@@ -112,3 +112,26 @@ def test_budgets_cut_episodes_and_say_so():
     rollout, _ = run_episodes(ScriptedSampler([[[21, 22, 23]]]), TOK, [[11]], 1, [ScriptedHost([1])],
                               options(turn_tokens=3))
     assert rollout.response_ids[0].tolist() == [21, 22, 23] and rollout.truncated.tolist() == [True]
+
+
+class SlowHost(ScriptedHost):
+    """Calls a tool after turn 1 whose reply takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        super().__init__([1])
+        self.seconds = seconds
+
+    def reply(self, calls) -> list[dict]:
+        import time
+        time.sleep(self.seconds)
+        return super().reply(calls)
+
+
+def test_the_tools_of_every_episode_run_at_once():
+    """Four episodes whose tool takes 0.6 s each: the turn's replies take about 0.6 s, not 2.4 s."""
+    import time
+    sampler = ScriptedSampler([[[21, EOS]] * 4, [[31, EOS]] * 4])
+    started = time.perf_counter()
+    rollout, metrics = run_episodes(sampler, TOK, [[11]], 4, [SlowHost(0.6) for _ in range(4)], options())
+    assert time.perf_counter() - started < 1.5
+    assert metrics["episode/tool_calls_mean"] == 1.0 and rollout.response_ids[:, -2:].tolist() == [[31, EOS]] * 4
