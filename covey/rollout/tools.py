@@ -1,10 +1,7 @@
-"""Tools for multi-turn episodes in TRL's conventions, so a TRL user's tool functions and environment classes run
-unchanged (docs/agents.md): ``Toolbox`` (functions and/or an environment, their JSON schemas from transformers'
-``get_json_schema``, the ``ToolStats`` counters); the environment protocol of TRL's ``environment_factory``
-(``start_episode``); tool calls in the model's own format (``find_tool_calls``, with transformers' response
-parser); running one turn's calls under timeouts where every failure is a tool message (``run_tool_calls``); and
-the ids a turn's tool messages append after the sampled ids, from the chat template (``tool_messages_ids``).
-"""
+"""Tools for multi-turn episodes in TRL's conventions (docs/agents.md): ``Toolbox`` (functions and/or a TRL
+environment, their schemas, ``ToolStats``), ``start_episode``, tool calls in the model's format
+(``find_tool_calls``), running them where every failure is a tool message (``run_tool_calls``), and the ids the
+tool messages append after the sampled ids, from the chat template (``tool_messages_ids``)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from transformers.utils import DocstringParsingException, TypeHintParsingException, get_json_schema
-from transformers.utils.chat_parsing import parse_response
-from transformers.utils.chat_parsing.response_templates import load_response_template
+
+try:  # transformers' response parsing (response_template), from transformers 5.13
+    from transformers.utils.chat_parsing import parse_response
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+except ImportError:  # an older transformers 5: covey reads the <tool_call> tags itself
+    parse_response = load_response_template = None
 
 from covey.rewards.combine import describe_exception, run_to_end
 from covey.runtime.errors import first_line
@@ -28,13 +29,9 @@ TOOL_CALL_FORMATS = ("qwen", "tags")
 MAX_TOOL_CHARS = 4000       # a tool result longer than this is cut, and the cut is said in the message
 MAX_CALLS_PER_TURN = 16     # calls after these in one turn are answered with an error, not run
 ENVIRONMENT_RESERVED = ("reset", "get_reward")
-_TAGS_TEMPLATE = {  # transformers' response_template for <tool_call>{json}</tool_call>; each call's text kept raw
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "text"},
-        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>)", "content": "text"},
-    },
-}
+_TAGS_TEMPLATE = {"start_anchor": "<|im_start|>assistant\n", "fields": {  # a transformers response_template
+    "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "text"},  # kept raw
+    "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>)", "content": "text"}}}
 _PROBE = {"type": "function", "function": {"name": "covey_probe", "description": "Probe.", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer", "description": "A number."}}, "required": ["x"]}}}
 
@@ -119,16 +116,14 @@ class Toolbox:
                 raise ToolError(f"two tools are named {name!r}; give each tool its own name")
             self.functions[name] = function
             self.schemas.append(schema)
-        self.in_order = set(list(self.functions)[:len(own)])
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.functions)
+        self.names = list(self.functions)
+        self.in_order = set(self.names[:len(own)])
 
     def reward(self) -> float | None:
         """The environment's ``get_reward()`` for the finished episode; None without an environment or method."""
         get_reward = getattr(self.environment, "get_reward", None)
-        return None if get_reward is None else float(run_to_end(get_reward()))
+        value = None if get_reward is None else run_to_end(get_reward())
+        return None if value is None else float(value)
 
 
 def start_episode(factory: Callable[[], object], row: dict, tools: Sequence[Callable] = ()) -> tuple[Toolbox, str]:
@@ -166,6 +161,8 @@ def find_tool_calls(text: str, format: str | dict = "tags", *, prefix: str = "")
     (``prefix``: the prompt text before the turn, which such a template may need). A call whose text cannot be
     read is a ToolCall with ``error`` set; text without calls gives []."""
     if isinstance(format, dict):
+        if load_response_template is None:
+            raise ToolError("a response_template format needs transformers >= 5.13 (its response parsing)")
         template = load_response_template(format)
         try:
             items = parse_response(text, template, prefix=prefix).get("tool_calls") or []
@@ -176,7 +173,10 @@ def find_tool_calls(text: str, format: str | dict = "tags", *, prefix: str = "")
     if format not in TOOL_CALL_FORMATS:
         raise ToolError(f"unknown tool-call format {format!r}; choose one of {', '.join(TOOL_CALL_FORMATS)} "
                         "or pass a transformers response_template dict")
-    raw = parse_response(text, _TAGS_TEMPLATE, prefix="").get("tool_calls") or []
+    if parse_response is None:
+        raw = [m.strip() for m in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, flags=re.DOTALL)]
+    else:
+        raw = parse_response(text, _TAGS_TEMPLATE, prefix="").get("tool_calls") or []
     return [_call_from_text(r) for r in raw]
 
 
@@ -271,12 +271,10 @@ def run_tool_calls(toolbox: Toolbox, calls: Sequence[ToolCall], timeout_s: float
                    max_chars: int = MAX_TOOL_CHARS, max_calls: int = MAX_CALLS_PER_TURN,
                    stats: ToolStats | None = None) -> list[dict]:
     """One tool message ``{"role": "tool", "name": ..., "content": ...}`` per call, in order. Each call runs in a
-    daemon thread given ``timeout_s`` seconds from its start; one still running then is answered as timed out and
-    left behind (Python cannot stop a thread). Calls to plain functions run concurrently; calls to the
-    environment's methods share its state, so they run one after another in the order written (after one times
-    out, the environment's later calls are not run). Never raises for a call's sake: an unreadable call, an
-    unknown tool, bad arguments, an exception or a timeout give ``{"error": ...}`` content; a result longer than
-    ``max_chars`` is cut and says so. Counts go to ``stats`` (default: the toolbox's own)."""
+    daemon thread with ``timeout_s`` seconds from its start (one still running then is left behind); plain
+    functions concurrently, an environment's methods one after another in the order written (they share its
+    state). Every failure is ``{"error": ...}`` content, never an exception; a result over ``max_chars`` is cut
+    and says so. Counts go to ``stats`` (default: the toolbox's own)."""
     if not timeout_s or timeout_s <= 0:
         raise ToolError(f"the tool timeout must be a positive number of seconds, not {timeout_s!r}")
     slots: list[dict] = [{} for _ in calls]

@@ -284,6 +284,19 @@ def test_find_tool_calls_in_the_qwen_format():
         find_tool_calls(text, "json")
 
 
+@pytest.mark.parametrize("text, count", [
+    ('a <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n<tool_call>\n{"name": "g"}\n</tool_call> b', 2),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1}}', 1),  # cut off at the token limit: the call is still read
+    ("<tool_call>{oops}</tool_call> <tool_call></tool_call>", 2), ("no calls", 0), ("", 0),
+])
+def test_without_transformers_response_parsing_the_tags_read_the_same(text, count, monkeypatch):
+    import covey.rollout.tools as tools
+
+    with_transformers = find_tool_calls(text, "tags")
+    monkeypatch.setattr(tools, "parse_response", None)  # as on a transformers older than 5.13
+    assert find_tool_calls(text, "tags") == with_transformers and len(with_transformers) == count
+
+
 def test_find_tool_calls_with_a_response_template():
     template = {"start_anchor": "<|im_start|>assistant\n", "fields": {
         "tool_calls": {"open": "[CALL]", "close": "[/CALL]", "repeats": True, "content": "json",
