@@ -45,6 +45,7 @@ class Rollout:
     baseline_scores: Tensor | None = None  # (N,) ReMax greedy rewards
     valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
     messages: list | None = None       # (N,) an episode's chat messages (assistant and tool); None: one turn
+    environment_rewards: Tensor | None = None  # (N,) an episode's environment get_reward() (NaN: none)
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
 
     @property
@@ -124,6 +125,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         scores=per_row("scores"),
         baseline_scores=per_row("baseline_scores"),
         valid=per_row("valid"),
+        environment_rewards=per_row("environment_rewards"),
         messages=[m for r in parts for m in r.messages] if all(r.messages is not None for r in parts) else None,
         reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
         response_attention=attention,

@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A one-line, user-facing configuration error."""
+from covey.config.errors import ConfigError  # noqa: F401  (re-exported: covey.config.schema.ConfigError)
 
 
 @dataclass
@@ -128,8 +126,10 @@ class RolloutConfig:
     """Raise instead of hanging if pushing the weights to vLLM takes longer than this."""
     tools: str = ""
     """Tools the model may call over several turns (docs/agents.md): calculator (built in) and/or module:function or file.py:function, comma-separated; empty = single-turn answers."""
+    environment: str = ""
+    """A TRL-style environment class for multi-turn episodes (module:Class or file.py:Class; docs/agents.md): one instance per episode, reset(**row), its public methods as tools, get_reward() scoring the episode."""
     max_turns: int = 4
-    """With tools: model turns per episode at most (a turn that calls no tool ends it sooner)."""
+    """With tools or an environment: model turns per episode at most (a turn that calls no tool ends it sooner)."""
     max_turn_tokens: int = 0
     """With tools: new tokens per model turn (0 = rollout.max_new_tokens)."""
     max_episode_tokens: int = 0

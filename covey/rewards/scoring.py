@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from covey.batch import Rollout
 from covey.rewards.combine import TrainerState
 
@@ -53,6 +55,10 @@ def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | N
     given, completions, columns = reward_inputs(rollout, examples, state)
     scores = rewarder(given, completions, columns, formatted_prompts=[prompts[i] for i in rollout.example_index])
     rollout.scores, rollout.reward_parts, rollout.valid = scores.total, scores.parts, scores.valid
+    env = rollout.environment_rewards
+    if env is not None:  # the episode's environment scored it (get_reward): a term of weight 1, as in TRL
+        rollout.scores = rollout.scores + torch.nan_to_num(env.to(rollout.scores.dtype))
+        rollout.reward_parts = {**rollout.reward_parts, "environment": env.to(rollout.scores.dtype)}
     if watch:
         rewarder.streaks.record(scores, (state or TrainerState()).global_step, rewarder)
     return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum()),

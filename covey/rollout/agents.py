@@ -13,14 +13,18 @@ renders the replies with the chat template into the ids appended after the model
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
+import torch
+
 from covey.batch import Rollout
 from covey.rollout.base import Prompt
-from covey.rollout.episodes import EpisodeHost, EpisodeOptions, run_episodes
-from covey.rollout.tools import (Toolbox, ToolStats, add_tool_system_prompt, chat_template_supports_tools,
-                                 find_tool_calls, run_tool_calls, tool_call_format, tool_messages_ids)
+from covey.rollout.episodes import EpisodeOptions, run_episodes
+from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_prompt, append_to_last_user,
+                                 chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
+                                 tool_call_format, tool_messages_ids)
 from covey.tasks.base import Example, build_messages
 from covey.tasks.tools import calculator
 
@@ -30,18 +34,34 @@ BUILTIN_TOOLS = {"calculator": calculator}
 METRIC_KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/env_token_frac", "episode/cut_off_frac")
 
 
-class ToolHost:
-    """The tools side of one episode: its messages so far (for the chat template), the tools, the format."""
+class EpisodePrompt(str):
+    """A chat-formatted prompt that carries its messages and its example: the text is what the engines
+    read; the messages and the row (an environment's reset(**row)) are what the episode's tools side
+    needs. Identical texts of different rows stay apart."""
 
-    def __init__(self, agent: "Agent", messages: list[dict]):
+    messages: list[dict]
+    example: Example
+
+    def __new__(cls, text: str, messages: list[dict], example: Example):
+        prompt = super().__new__(cls, text)
+        prompt.messages, prompt.example = messages, example
+        return prompt
+
+
+class ToolHost:
+    """The tools side of one episode: its messages so far (for the chat template), its tools (the run's,
+    or its own environment's), the format."""
+
+    def __init__(self, agent: "Agent", messages: list[dict], toolbox: Toolbox | None = None):
         self.agent, self.history = agent, list(messages)
+        self.toolbox = toolbox or agent.toolbox
 
     def calls_in(self, text: str) -> list:
         self.history.append({"role": "assistant", "content": text})
         return find_tool_calls(text, self.agent.format)
 
     def reply(self, calls: list) -> list[dict]:
-        return run_tool_calls(self.agent.toolbox, calls, self.agent.timeout_s)
+        return run_tool_calls(self.toolbox, calls, self.agent.timeout_s, stats=self.agent.toolbox.stats)
 
     def append_ids(self, messages: list[dict]) -> list[int]:
         self.history += messages
@@ -54,29 +74,46 @@ class Agent:
     tools itself; one that does not (SmolLM2-135M-Instruct's) gets a system prompt teaching the
     <tool_call>{json}</tool_call> format (covey/rollout/tools.py, tool_system_prompt)."""
 
-    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float):
-        self.tokenizer, self.timeout_s = tokenizer, timeout_s
-        self.toolbox = Toolbox(tools)
+    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float, environment_factory=None):
+        self.tokenizer, self.timeout_s, self.tools = tokenizer, timeout_s, list(tools)
+        self.environment_factory = environment_factory
+        # The run's toolbox: the tools' schemas (an environment's methods first, read off one instance) and the
+        # run's call counters; an episode with an environment calls its own instance's methods.
+        self.toolbox = Toolbox(tools, environment=environment_factory() if environment_factory else None)
         self.format = tool_call_format(tokenizer)
         self.template_tools = self.toolbox.schemas if chat_template_supports_tools(tokenizer) else None
-        self.messages_of: dict[str, list[dict]] = {}
         self.seen = ToolStats()
 
-    def prompts(self, examples: list[Example], system_prompt: str = "") -> list[str]:
-        """The examples' chat prompts with the tools shown, remembered with their messages."""
+    def prompts(self, examples: list[Example], system_prompt: str = "") -> list[EpisodePrompt]:
+        """The examples' chat prompts with the tools shown, each carrying its messages and example."""
         out = []
         for ex in examples:
             messages = build_messages(ex, system_prompt or None)
             if self.template_tools is None:
                 messages = add_tool_system_prompt(messages, self.toolbox.schemas)
-            text = self.tokenizer.apply_chat_template(messages, tools=self.template_tools, tokenize=False,
-                                                      add_generation_prompt=True)
-            self.messages_of[text] = messages
-            out.append(text)
+            out.append(EpisodePrompt(self.render(messages), messages, ex))
         return out
 
-    def hosts(self, prompts: list[Prompt], group_size: int) -> list[EpisodeHost]:
-        return [ToolHost(self, self.messages_of[p]) for p in prompts for _ in range(group_size)]
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.template_tools, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def episodes(self, prompts: list[Prompt], group_size: int) -> tuple[list[str] | None, list[ToolHost]]:
+        """The tools side of each of the prompts' episodes (group_size each, in rollout order), and with an
+        environment each episode's own prompt: its instance's reset(**row) text appended to the last user
+        message (None when no reset wrote any: the group then shares its prompt)."""
+        if self.environment_factory is None:
+            return None, [ToolHost(self, p.messages) for p in prompts for _ in range(group_size)]
+        hosts, own = [], []
+        for p in prompts:
+            row = {**p.example.meta, "prompt": p.example.given_prompt, "answer": p.example.answer}
+            for _ in range(group_size):
+                toolbox, text = start_episode(self.environment_factory, row, self.tools)
+                messages = append_to_last_user(p.messages, text)
+                hosts.append(ToolHost(self, messages, toolbox))
+                own.append(self.render(messages) if text else p)
+        return (own if any(o != p for o, p in zip(own, (p for p in prompts for _ in range(group_size)))) else None,
+                hosts)
 
     def metrics(self) -> dict:
         """Tool calls since the last call: tools/calls, tools/errors, tools/timeouts, tools/truncated."""
@@ -85,12 +122,26 @@ class Agent:
         return {f"tools/{k}": now[k] - before[k] for k in now}
 
 
-class EpisodeEngine:
-    """An engine that samples whole episodes; `make_hosts(prompts, G)` gives the tools side of each."""
+def environment_rewards(hosts: list[ToolHost]) -> torch.Tensor | None:
+    """(N,) each finished episode's environment get_reward() (NaN where it has none); None without any."""
+    rewards = []
+    for host in hosts:
+        try:
+            value = host.toolbox.reward()
+        except Exception as e:  # noqa: BLE001 - one line naming the environment
+            name = type(host.toolbox.environment).__name__
+            raise ToolError(f"environment {name}: get_reward() raised {type(e).__name__}: {e}") from e
+        rewards.append(float("nan") if value is None else value)
+    return None if all(math.isnan(r) for r in rewards) else torch.tensor(rewards)
 
-    def __init__(self, engine, tokenizer, make_hosts: Callable[[list[Prompt], int], list[EpisodeHost]],
+
+class EpisodeEngine:
+    """An engine that samples whole episodes; `episodes(prompts, G)` gives the tools side of each episode
+    (and, with an environment, each episode's own prompt: Agent.episodes)."""
+
+    def __init__(self, engine, tokenizer, episodes: Callable[[list[Prompt], int], tuple[list | None, list]],
                  options: EpisodeOptions, tool_metrics: Callable[[], dict] | None = None):
-        self.engine, self.tokenizer, self.make_hosts, self.options = engine, tokenizer, make_hosts, options
+        self.engine, self.tokenizer, self.episodes, self.options = engine, tokenizer, episodes, options
         self.tool_metrics = tool_metrics or dict
         self.pending: list[dict] = []
 
@@ -111,8 +162,16 @@ class EpisodeEngine:
             first_call.clear()  # later turns continue from the global stream (seeds start an episode)
             return self.engine.generate(batch, g, greedy=greedy, max_new_tokens=budget, **kwargs)
 
-        rollout, metrics = run_episodes(sample, self.tokenizer, prompts, group_size,
-                                        self.make_hosts(prompts, group_size), options)
+        own, hosts = self.episodes(prompts, group_size)
+        if own is None:
+            rollout, metrics = run_episodes(sample, self.tokenizer, prompts, group_size, hosts, options)
+        else:  # each episode its own prompt (an environment's reset text): one row each, then grouped back
+            if seeds is not None:
+                first_call["seeds"] = [s * 1_000_003 + g for s in seeds for g in range(group_size)]
+            rollout, metrics = run_episodes(sample, self.tokenizer, own, 1, hosts, options)
+            index = torch.arange(len(prompts)).repeat_interleave(group_size)
+            rollout.group_ids, rollout.example_index = index, index.tolist()
+        rollout.environment_rewards = environment_rewards(hosts)
         self.pending.append({**metrics, "episodes": len(rollout)})
         return rollout
 

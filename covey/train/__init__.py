@@ -18,9 +18,10 @@ import types
 class CallablePackage(types.ModuleType):
     """The `covey.train` package, callable as covey.train.api.train."""
 
-    def __call__(self, config, reward_funcs=None, reward_weights=None, tools=None):
+    def __call__(self, config, reward_funcs=None, reward_weights=None, tools=None, environment_factory=None):
         """Train a policy as `config` says (covey.train.api.train)."""
-        return importlib.import_module("covey.train.api").train(config, reward_funcs, reward_weights, tools)
+        return importlib.import_module("covey.train.api").train(config, reward_funcs, reward_weights, tools,
+                                                                environment_factory)
 
 
 sys.modules[__name__].__class__ = CallablePackage

@@ -23,7 +23,8 @@ __all__ = ["TrainResult", "train"]
 
 
 def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | str | None = None,
-          reward_weights: Iterable[float] | None = None, tools: Iterable[Callable] | None = None) -> TrainResult:
+          reward_weights: Iterable[float] | None = None, tools: Iterable[Callable] | None = None,
+          environment_factory: Callable | None = None) -> TrainResult:
     """Train a policy as `config` says; returns the run folder, the saved model and held-out accuracies.
 
     reward_funcs: Python callables (`def` or `async def`) and/or "module:function[:weight]" /
@@ -37,7 +38,10 @@ def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | st
     Each function is checked, and called once, before any model loads.
     tools: plain Python functions (sync or async, type hints and a Google-style docstring) the model
     may call over several turns, as TRL's `tools=` (added to rollout.tools; docs/agents.md).
+    environment_factory: a class as TRL's `environment_factory=`: one instance per episode,
+    `reset(**row)`, its public methods as tools, an optional `get_reward()` (instead of rollout.environment).
     """
     if not isinstance(config, Config):
         raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
-    return loop.train(config, user_terms(reward_funcs, reward_weights), tools=list(tools or ()))
+    return loop.train(config, user_terms(reward_funcs, reward_weights),
+                      agent={"tools": list(tools or ()), "environment_factory": environment_factory})

@@ -62,14 +62,14 @@ from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_row
 from covey.train.update import record_skip, update_critic, update_policy
 
 
-def train(cfg: Config, reward_funcs=None, tools=None) -> TrainResult:
+def train(cfg: Config, reward_funcs=None, agent: dict | None = None) -> TrainResult:
     """Train a policy; `covey train` and the Python API `covey.train(...)` both run this.
 
     reward_funcs: Python callables and/or "module:function[:weight]" strings, scored on top of
     the configured rewards (reward.functions) with weight 1 unless given; each is called with
     keyword arguments, TRL's convention, and reported as reward/<function name>.
     """
-    session = open_run(cfg, reward_funcs, tools=tools)
+    session = open_run(cfg, reward_funcs, agent=agent)
     try:
         for _ in steps(session):
             pass
@@ -78,14 +78,17 @@ def train(cfg: Config, reward_funcs=None, tools=None) -> TrainResult:
         session.close()
 
 
-def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True, tools=None) -> Session:
+def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
+             agent: dict | None = None) -> Session:
     """Everything before the first step: plan, data and model found, models built, the untrained policy
     evaluated (or a checkpoint restored). `evaluate_before=False` skips that evaluation (a caller that
-    measures held-out accuracy itself); step 0's line then holds no eval/ figures."""
-    plan = make_plan(cfg, with_tools=bool(tools))  # every option checked once; below, plain options travel
+    measures held-out accuracy itself); step 0's line then holds no eval/ figures. `agent`: the Python API's
+    {"tools": [...], "environment_factory": cls} for tool-calling episodes (docs/agents.md)."""
+    plan = make_plan(cfg, with_tools=any((agent or {}).values()))  # every option checked once, here
     check_resume_request(cfg)
     world = open_world(cfg)
-    cfg, data = load_run_data(cfg, bool(reward_funcs))  # bad data fails before a model loads; cfg as recorded
+    scorers = bool(reward_funcs) or bool(cfg.rollout.environment or (agent or {}).get("environment_factory"))
+    cfg, data = load_run_data(cfg, scorers)  # bad data fails before a model loads; cfg as recorded
     run_dir = prepare_run_dir(cfg, plan.label)
     user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir)  # and a broken reward function (build.py)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
@@ -100,7 +103,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True, to
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)
-    feed = open_feed(run, data, rewarder, cfg, tools)
+    feed = open_feed(run, data, rewarder, cfg, agent)
     feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
     session = Session(run=run, feed=feed, before={},
                       eval_cache=(cfg.train.eval_before_cache, eval_settings(cfg)) if cfg.train.eval_before_cache

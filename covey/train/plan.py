@@ -230,9 +230,10 @@ def sampling_options(cfg: Config) -> SamplingOptions:
 
 
 def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | None:
-    """Turns and budgets of a multi-turn episode when tools are given (rollout.tools, or Python's tools=)."""
+    """Turns and budgets of a multi-turn episode when tools or an environment are given (rollout.tools,
+    rollout.environment, or Python's tools= / environment_factory=)."""
     r = cfg.rollout
-    if not (r.tools or with_tools):
+    if not (r.tools or r.environment or with_tools):
         return None
     turn = r.max_turn_tokens or r.max_new_tokens
     return EpisodeOptions(max_turns=r.max_turns, max_turn_tokens=turn,
@@ -265,7 +266,8 @@ def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:
     """The most tokens the model samples for one answer (the constant of loss_agg=constant): one
     response, or every turn of an episode."""
     r = cfg.rollout
-    return r.max_turns * (r.max_turn_tokens or r.max_new_tokens) if r.tools or with_tools else r.max_new_tokens
+    episodes = r.tools or r.environment or with_tools
+    return r.max_turns * (r.max_turn_tokens or r.max_new_tokens) if episodes else r.max_new_tokens
 
 
 def print_plan(plan: Plan) -> None:

@@ -280,17 +280,20 @@ def print_precision(run: Run, cfg: Config) -> None:
 # --------------------------------------------------------------------------- logger, prompts, engines
 
 
-def open_feed(run: Run, data, rewarder, cfg: Config, tools=None) -> Feed:
+def open_feed(run: Run, data, rewarder, cfg: Config, agent: dict | None = None) -> Feed:
     """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines; with
-    tools (rollout.tools, Python's tools=), engines that sample whole episodes (covey/rollout/agents.py)."""
+    tools or an environment (rollout.tools / rollout.environment, or the Python API's `tools` and
+    `environment_factory` in `agent`), engines that sample whole episodes (covey/rollout/agents.py)."""
     run.logger = (MetricsLogger(run.run_dir, tensorboard=cfg.train.logger == "tensorboard") if run.world.is_main
                   else SilentLogger())
     if run.world.is_main:
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
     agents = None
     if run.plan.episodes is not None:  # one Agent for training, one for evaluation: their tool counts apart
-        functions = resolve_tools(cfg.rollout.tools, tools)
-        agents = [Agent(run.tokenizer, functions, cfg.rollout.tool_timeout_s) for _ in range(2)]
+        functions = resolve_tools(cfg.rollout.tools, (agent or {}).get("tools"))
+        factory = (agent or {}).get("environment_factory") or (
+            load_callable(cfg.rollout.environment) if cfg.rollout.environment else None)
+        agents = [Agent(run.tokenizer, functions, cfg.rollout.tool_timeout_s, factory) for _ in range(2)]
         prompts = agents[0].prompts(data.train, cfg.task.system_prompt)
         eval_prompts = agents[1].prompts(data.eval, cfg.task.system_prompt)
     else:
@@ -306,7 +309,7 @@ def open_feed(run: Run, data, rewarder, cfg: Config, tools=None) -> Feed:
                             * s.group_size, run.world.device)
     engine, eval_engine = open_engines(run, cfg)
     if agents is not None:
-        engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.hosts, run.plan.episodes, a.metrics)
+        engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.episodes, run.plan.episodes, a.metrics)
                                for e, a in zip((engine, eval_engine), agents))
     return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
                 eval_engine=eval_engine)

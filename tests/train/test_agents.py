@@ -16,6 +16,7 @@ from covey.rollout.fast import FastEngine
 from tests.helpers import tiny_overrides
 
 SEEN: list = []
+SECRETS: list = []
 REAL_GENERATE = FastEngine.generate
 
 
@@ -31,6 +32,7 @@ def get_weather(city: str) -> str:
 def messages_reward(completions, **kwargs):
     """Records what TRL passes a reward function for an episode: its messages."""
     SEEN.append(completions)
+    SECRETS.append(kwargs.get("secret"))
     return [float(len(c)) for c in completions]
 
 
@@ -56,6 +58,7 @@ def test_a_trl_tool_function_runs_unchanged_through_covey_train(tiny_model_dir, 
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
     SEEN.clear()
+    SECRETS.clear()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
         "train.steps": 1, "rollout.max_turns": 2, "rollout.max_new_tokens": 96, "reward.correctness": 0.0,
         "train.samples_every": 1, "task.eval_size": 2}))
@@ -78,6 +81,7 @@ def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_c
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
     SEEN.clear()
+    SECRETS.clear()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "ok", **{
         "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
         "rollout.max_new_tokens": 96, "task.eval_size": 2}))
@@ -86,6 +90,7 @@ def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_c
     bad = '<tool_call>{"name": "calculator", "arguments": {"formula": "6 * 7"}}</tool_call>'  # no such argument
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, bad))
     SEEN.clear()
+    SECRETS.clear()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "bad", **{
         "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
         "rollout.max_new_tokens": 96, "task.eval_size": 2}))
@@ -95,3 +100,26 @@ def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_c
     step = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()][1]
     assert step["tools/calls"] == 8 and step["tools/errors"] == 8
 
+
+
+def test_a_trl_environment_runs_unchanged_and_its_reward_scores_the_episode(tiny_model_dir, tmp_path, monkeypatch):
+    """examples/number_guess: one GuessEnv per episode, reset(**row) reads the row's secret and its text
+    joins the prompt, `guess` is the tool, get_reward() is the episode's reward (reward/environment)."""
+    from examples.number_guess.guess_env import GuessEnv
+    call = '<tool_call>{"name": "guess", "arguments": {"number": 50}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    SEEN.clear()
+    SECRETS.clear()
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "task.name": "file", "task.path": "examples/number_guess/train.jsonl", "train.steps": 1,
+        "rollout.max_turns": 2, "rollout.max_new_tokens": 96, "task.eval_size": 2, "train.samples_every": 1}))
+    result = covey.train(cfg, reward_funcs=[messages_reward], environment_factory=GuessEnv)
+    step = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["tools/calls"] == 8 and step["tools/errors"] == 0
+    expected = ["correct" if s == 50 else "higher" if s > 50 else "lower" for s in SECRETS[1]]
+    assert [episode[1]["content"] for episode in SEEN[1]] == expected  # each episode reset with its row
+    # guessed 50 at once: 1.0 where the secret was 50, else 0 (not found); the mean over the 8 episodes
+    found = sum(episode[1]["content"] == "correct" for episode in SEEN[1])
+    assert step["reward/environment"] == found / 8
+    sample = json.loads((result.run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["messages"][1]["name"] == "guess"
