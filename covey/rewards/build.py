@@ -193,12 +193,19 @@ def check_signature(term: RewardTerm, keywords: list[str]) -> None:
                              "or read it from **kwargs")
 
 
+def environment_reward(completions, environment_reward=None, **kwargs) -> list:
+    """The reward term `environment`: each episode's environment get_reward() (None where it has none)."""
+    return list(environment_reward) if environment_reward is not None else [None] * len(completions)
+
+
 def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math",
-                   user: list[RewardTerm] | None = None, run_dir: Path | None = None) -> Rewarder:
+                   user: list[RewardTerm] | None = None, run_dir: Path | None = None,
+                   environment: bool = False) -> Rewarder:
     """Rule terms, user callables (reward.functions, then `extra`; or `user`, as check_user_rewards loaded
     them), learned RM / PRM (`learned`, loaded from cfg if None) and a remote service. `verifier`
     (covey/tasks/verifiers.py, resolved from eval.metric) is what the correctness term checks with;
-    `run_dir` holds reward_errors.log.
+    `run_dir` holds reward_errors.log; `environment` (or rollout.environment): the episodes' environment
+    scores them through its get_reward(), the term `environment` of weight 1, as in TRL.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
@@ -225,6 +232,8 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), veri
         terms.append(RewardTerm("prm", learned.process, r.prm_weight, formatted_prompts=True))
     if r.remote_url:
         terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
+    if environment or cfg.rollout.environment:
+        terms.append(RewardTerm("environment", environment_reward, 1.0))
     if r.max_failed_steps < 0:
         raise ValueError(f"reward.max_failed_steps={r.max_failed_steps}: set 0 (never stop) or a number of steps")
     return Rewarder(terms, on_error=r.on_error, timeout_s=r.timeout_s, errors_log=run_dir / ERRORS_LOG if run_dir

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import math
 
 from covey.batch import Rollout
 from covey.rewards.combine import TrainerState
@@ -34,6 +34,8 @@ def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None)
     columns = example_columns(picked)
     columns.update(completion_lengths=lengths, trainer_state=state or TrainerState(),
                    completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), spans)])
+    if rollout.environment_rewards is not None:  # each episode's environment get_reward(), read by the term
+        columns["environment_reward"] = [None if math.isnan(v) else v for v in rollout.environment_rewards.tolist()]
     completions = rollout.messages if rollout.messages is not None else as_completions(picked, rollout.completions)
     return [ex.given_prompt for ex in picked], completions, columns
 
@@ -55,10 +57,6 @@ def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | N
     given, completions, columns = reward_inputs(rollout, examples, state)
     scores = rewarder(given, completions, columns, formatted_prompts=[prompts[i] for i in rollout.example_index])
     rollout.scores, rollout.reward_parts, rollout.valid = scores.total, scores.parts, scores.valid
-    env = rollout.environment_rewards
-    if env is not None:  # the episode's environment scored it (get_reward): a term of weight 1, as in TRL
-        rollout.scores = rollout.scores + torch.nan_to_num(env.to(rollout.scores.dtype))
-        rollout.reward_parts = {**rollout.reward_parts, "environment": env.to(rollout.scores.dtype)}
     if watch:
         rewarder.streaks.record(scores, (state or TrainerState()).global_step, rewarder)
     return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum()),

@@ -99,7 +99,8 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     print_plan(plan)
     seed_everything(cfg.train.seed)
     learned = load_learned_rewards(cfg.reward, world.device)
-    rewarder = build_rewarder(cfg, learned, verifier=verifier, user=user_rewards, run_dir=run_dir)
+    rewarder = build_rewarder(cfg, learned, verifier=verifier, user=user_rewards, run_dir=run_dir,
+                              environment=bool((agent or {}).get("environment_factory")))
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)

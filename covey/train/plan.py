@@ -204,6 +204,9 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
         episodes=episode_options(cfg, with_tools))
+    if plan.episodes is not None and traits.step_scores:
+        raise ConfigError(f"algo.estimator={a.estimator} scores the reasoning steps of one answer; tool-calling "
+                          "episodes (rollout.tools, rollout.environment) have no step scores yet: use grpo")
     for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage)):
         try:
             check()  # the estimator's entry: normalize and token_credit against its traits
