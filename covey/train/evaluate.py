@@ -90,8 +90,10 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         hits += passed
         values += scored
         if replies is not None:
-            replies += [reply_record(examples[batch][i], out.completions[j], passed[j], scored[j],
-                                     bool(out.truncated[j])) for j, i in enumerate(out.example_index)]
+            replies += [{**reply_record(examples[batch][i], out.completions[j], passed[j], scored[j],
+                                        bool(out.truncated[j])),
+                         **({"messages": out.messages[j]} if out.messages is not None else {})}
+                        for j, i in enumerate(out.example_index)]
     n = max(len(hits), 1)
     if judge.by_reward:
         result = {"eval/reward_mean": sum(values) / n, "eval/reward_pass": sum(hits) / n, "eval/n": len(hits)}

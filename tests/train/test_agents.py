@@ -133,3 +133,23 @@ def test_process_supervision_with_tools_is_refused_at_start():
     with pytest.raises(ConfigError, match="algo.estimator=grpo_process scores the reasoning steps of one answer"):
         make_plan(load_config(None, ["rollout.tools=calculator", "algo.estimator=grpo_process",
                                      "reward.step_source=exact", "task.name=multistep"]))
+
+
+def test_covey_eval_of_a_tool_run_runs_its_episodes(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`covey eval RUN_DIR --replies` of a run with rollout.tools evaluates whole episodes with the run's
+    tools, and each reply record holds the episode's messages."""
+    from covey.cli.main import main
+    from covey.rollout.hf import HFEngine
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    monkeypatch.setattr(HFEngine, "generate", scripted_first_turn(HFEngine.generate, call))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 96, "rollout.eval_max_new_tokens": 96, "task.eval_size": 2}))
+    result = covey.train(cfg)
+    replies = tmp_path / "replies.jsonl"
+    assert main(["eval", str(result.run_dir), "--replies", str(replies)]) == 0
+    records = [json.loads(line) for line in replies.read_text().splitlines()]
+    assert len(records) == 2 and all(r["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"}
+                                     for r in records)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval/n"] == 2
