@@ -79,14 +79,7 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     prompts = format_prompts(tokenizer, data.eval, cfg.task.system_prompt)
     if cfg.rollout.tools or cfg.rollout.environment:  # whole episodes with the run's tools, as the run evaluated
-        from covey.rollout.agents import Agent, EpisodeEngine
-        from covey.rewards.build import load_callable
-        from covey.train.plan import make_plan
-        from covey.train.setup import resolve_tools
-        factory = load_callable(cfg.rollout.environment) if cfg.rollout.environment else None
-        agent = Agent(tokenizer, resolve_tools(cfg.rollout.tools), cfg.rollout.tool_timeout_s, factory)
-        prompts = agent.prompts(data.eval, cfg.task.system_prompt)
-        engine = EpisodeEngine(engine, tokenizer, agent.episodes, make_plan(cfg).episodes, agent.metrics)
+        engine, prompts = with_tools(cfg, engine, tokenizer, data.eval)
     replies = [] if replies_path else None
     result = evaluate(engine, prompts, data.eval, judge=judge, batch_size=cfg.rollout.eval_batch_size,
                       max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=pass_k or cfg.train.eval_pass_k,
@@ -97,3 +90,15 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
         print(f"replies: {replies_path}; " + ", ".join(f"{k} {v}" for k, v in reply_breakdown(replies).items()))
     print(json.dumps({"model": cfg.model.path, "metric": judge.describe(), **result}))
     return result
+
+
+def with_tools(cfg, engine, tokenizer, examples) -> tuple:
+    """The engine of whole episodes with rollout.tools / rollout.environment, and the prompts that show the tools."""
+    from covey.rewards.build import load_callable
+    from covey.rollout.agents import Agent, EpisodeEngine
+    from covey.train.plan import make_plan
+    from covey.train.setup import resolve_tools
+    factory = load_callable(cfg.rollout.environment) if cfg.rollout.environment else None
+    agent = Agent(tokenizer, resolve_tools(cfg.rollout.tools), cfg.rollout.tool_timeout_s, factory)
+    prompts = agent.prompts(examples, cfg.task.system_prompt)
+    return EpisodeEngine(engine, tokenizer, agent.episodes, make_plan(cfg).episodes, agent.metrics), prompts
