@@ -153,3 +153,26 @@ def test_covey_eval_of_a_tool_run_runs_its_episodes(tiny_model_dir, tmp_path, mo
     assert len(records) == 2 and all(r["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"}
                                      for r in records)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval/n"] == 2
+
+
+def test_a_tool_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """Two steps in one go, and one step then a resume to two: the same second step (timings aside)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+
+    def run(folder, steps: int, *extra: str) -> list[dict]:
+        cfg = load_config(None, [*tiny_overrides(tiny_model_dir, tmp_path / folder, **{
+            "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": steps, "rollout.max_turns": 2,
+            "rollout.max_new_tokens": 96, "task.eval_size": 2, "train.save_every": 1}), *extra])
+        result = covey.train(cfg)
+        return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def steady(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
+
+    whole = run("whole", 2)
+    run("parts", 1)
+    resumed = run("parts", 2, "train.resume=auto")
+    second = [r for r in resumed if r["step"] == 2 and "final" not in r]
+    assert steady(second[0]) == steady([r for r in whole if r["step"] == 2 and "final" not in r][0])
+    assert second[0]["tools/calls"] == 8
