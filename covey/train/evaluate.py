@@ -92,7 +92,7 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         if replies is not None:
             replies += [{**reply_record(examples[batch][i], out.completions[j], passed[j], scored[j],
                                         bool(out.truncated[j])),
-                         **({"messages": out.messages[j]} if out.messages is not None else {})}
+                         **({"messages": out.messages[j]} if getattr(out, "messages", None) is not None else {})}
                         for j, i in enumerate(out.example_index)]
     n = max(len(hits), 1)
     if judge.by_reward:
