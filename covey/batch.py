@@ -46,6 +46,7 @@ class Rollout:
     valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
     messages: list | None = None       # (N,) an episode's chat messages (assistant and tool); None: one turn
     environment_rewards: Tensor | None = None  # (N,) an episode's environment get_reward() (NaN: none)
+    sample_logp: Tensor | None = None  # (N, L) the sampler's log-prob of each token it drew, 0 on padding
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
 
     @property
@@ -81,23 +82,26 @@ class Rollout:
         return Rollout(**out)
 
 
+def pad(t: Tensor, width: int, left: bool, value) -> Tensor:
+    """(N, w) -> (N, width) filled with `value` on the left or the right."""
+    extra = width - t.shape[1]
+    if extra == 0:
+        return t
+    filler = torch.full((t.shape[0], extra), value, dtype=t.dtype)
+    return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """Stack scored rollouts of different widths (prompts left-padded, responses right-padded).
 
     Group ids are offset so groups of different parts stay distinct; `example_index`
     values are kept (they index the task's example list, shared by all parts).
-    Per-row scores are carried; per-token fields (log-probs, values) are not. `response_attention`
+    Per-row scores and the sampler's log-probs are carried; per-token fields of the train-time passes
+    (log-probs, values) are not. `response_attention`
     is carried where a part has it (a part without it contributes its `response_mask`).
     """
     p_len = max(r.prompt_ids.shape[1] for r in parts)
     l_len = max(r.response_ids.shape[1] for r in parts)
-
-    def pad(t: Tensor, width: int, left: bool, value) -> Tensor:
-        extra = width - t.shape[1]
-        if extra == 0:
-            return t
-        filler = torch.full((t.shape[0], extra), value, dtype=t.dtype)
-        return torch.cat([filler, t] if left else [t, filler], dim=1)
 
     offset = 0
     groups = []
@@ -126,6 +130,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         baseline_scores=per_row("baseline_scores"),
         valid=per_row("valid"),
         environment_rewards=per_row("environment_rewards"),
+        sample_logp=(torch.cat([pad(r.sample_logp, l_len, False, 0.0) for r in parts])  # the sampler's, per token
+                     if all(r.sample_logp is not None for r in parts) else None),
         messages=[m for r in parts for m in r.messages] if all(r.messages is not None for r in parts) else None,
         reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
         response_attention=attention,

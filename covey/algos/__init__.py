@@ -29,7 +29,7 @@ from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOpti
 from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
-from covey.algos.tis import truncated_is_weights
+from covey.algos.tis import sampler_mismatch, truncated_is_weights
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
@@ -41,5 +41,5 @@ __all__ = [
     "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss", "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
     "step_totals",
-    "steps_to_tokens", "token_rewards", "truncated_is_weights", "value_loss", "whiten",
+    "steps_to_tokens", "token_rewards", "sampler_mismatch", "truncated_is_weights", "value_loss", "whiten",
 ]

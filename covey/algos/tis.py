@@ -16,6 +16,8 @@ sampler had (pi_old); the loss term of token t is multiplied by w_t.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -49,3 +51,21 @@ def truncated_is_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask
         "tis/mismatch_kl": float(masked_mean((torch.expm1(log_ratio) - log_ratio).to(wide), mask)),
     }
     return weights, metrics
+
+
+def sampler_mismatch(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor, cap: float) -> dict:
+    """How far the sampler's log-probs are from the trainer's on the sampled tokens, over valid tokens:
+
+      sampler/log_ratio_mean    mean of log pi_train(y_t) - log mu(y_t)
+      sampler/log_ratio_max     largest |log pi_train(y_t) - log mu(y_t)|
+      sampler/beyond_cap_frac   share of tokens whose ratio pi_train / mu exceeds `cap` (what TIS would truncate)
+
+    Logged for every engine that returns its log-probs, whether or not a correction is applied.
+    """
+    mask = as_bool_mask(response_mask)
+    log_ratio = masked_fill_zero((train_logp.detach() - sampler_logp.detach()).double(), mask)
+    if not bool(mask.any()):
+        return {}
+    return {"sampler/log_ratio_mean": float(masked_mean(log_ratio, mask)),
+            "sampler/log_ratio_max": float(log_ratio.abs().max()),
+            "sampler/beyond_cap_frac": float(masked_mean((log_ratio > math.log(cap)).double(), mask))}

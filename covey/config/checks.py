@@ -255,9 +255,9 @@ def validate_scale(cfg: Config) -> None:
     if a.tis_cap and a.dynamic_sampling:
         raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
                           "lose their sampling log-probs)")
-    if a.tis_cap and r.engine != "vllm":
-        raise ConfigError("algo.tis_cap corrects vLLM's sampling log-probs: it needs rollout.engine=vllm "
-                          "(the hf engine samples from the trained weights themselves)")
+    if a.tis_cap and r.engine == "fast" and r.decode in ("static", "graphs", "compile"):
+        raise ConfigError(f"algo.tis_cap needs the sampler's log-probs, which rollout.decode={r.decode} does not "
+                          "record yet: set rollout.decode=plain (or auto on a CPU)")
     if r.engine != "fast" and r.decode not in ("auto", "plain"):
         raise ConfigError(f"rollout.decode={r.decode} sets the fast engine's decoding: "
                           f"rollout.engine={r.engine} does not use it")

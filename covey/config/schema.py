@@ -304,7 +304,7 @@ class AlgoConfig:
     ref_ema: float = 0.0
     """Mix the policy into the reference every step with this weight (0 = off)."""
     tis_cap: float = 0.0
-    """Truncated IS: policy loss per token times min(pi_train/pi_sampler, cap); 0 = off (needs engine=vllm)."""
+    """Truncated IS: policy loss per token times min(pi_train/pi_sampler, cap); 0 = off (every engine but the fast engine's CUDA graphs)."""
     dpo_beta: float = 0.1
     """algo.learner=dpo: beta of the DPO loss -log sigmoid(beta * margin) (Rafailov et al. 2023, arXiv:2305.18290; the implicit KL strength)."""
 

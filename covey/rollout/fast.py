@@ -140,6 +140,7 @@ class FastEngine:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.warpers = hf_warpers(temperature, top_k, top_p)
+        self.temperature = temperature
         self.share_prefix = share_prefix  # False: encode G copies like `generate` (for tests)
         self.lean = lean  # False: every step through the model's forward (for tests)
         self.eos = eos_ids(model, tokenizer)
@@ -178,18 +179,23 @@ class FastEngine:
                 decode = self._decode
                 if self.static is not None and supports_static_decode(self.model):
                     decode = functools.partial(self.static.decode, self)
-                tokens = decode(enc["input_ids"], enc["attention_mask"], index, max_new_tokens or self.max_new_tokens,
-                                greedy, Uniforms(len(index), group_size, seeds)).cpu()
+                out = decode(enc["input_ids"], enc["attention_mask"], index, max_new_tokens or self.max_new_tokens,
+                             greedy, Uniforms(len(index), group_size, seeds))
+                tokens, logps = out if isinstance(out, tuple) else (out, None)  # the static path: no log-probs yet
+                tokens = tokens.cpu()
         finally:
             self.model.train(was_training)
         mask, truncated = response_mask_from_ids(tokens, self.eos)
         longest = max(int(mask.sum(1).max()), 1) if len(mask) else tokens.shape[1]
         tokens, mask = tokens[:, :longest], mask[:, :longest]  # a static decode runs to its next check
         tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, tok.pad_token_id))
+        if logps is not None:
+            logps = logps.cpu()[:, :longest] * mask
         return Rollout(
             prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index],
             response_ids=tokens, response_mask=mask, group_ids=index.clone(), truncated=truncated,
             completions=tok.batch_decode(tokens, skip_special_tokens=True), example_index=index.tolist(),
+            sample_logp=logps,
         )
 
     def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, capacity: int):
@@ -208,8 +214,10 @@ class FastEngine:
         return cache, logits
 
     def _decode(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, max_new: int, greedy: bool,
-                uniforms: Uniforms) -> Tensor:
-        """(N, steps) new tokens; pad after a row's EOS; stops when every row has finished."""
+                uniforms: Uniforms) -> tuple[Tensor, Tensor]:
+        """(N, steps) new tokens, pad after a row's EOS, and each token's log-prob under the sampler's
+        logits / temperature (the trainer's quantity, at the sampler's precision); stops when every row
+        has finished."""
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask, index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
         n, width = len(index), prompt_ids.shape[1]
@@ -219,21 +227,23 @@ class FastEngine:
         mask = torch.cat([prompt_mask[index], prompt_mask.new_ones(n, max_new)], dim=1)
         start = prompt_mask[index].sum(-1)         # position of each row's first new token
         tokens = torch.full((n, max_new), pad, dtype=torch.long, device=device)
+        logps = torch.zeros((n, max_new), dtype=torch.float32, device=device)
         rows = torch.arange(n, device=device)      # batch rows still in the cache, in cache order
         alive = torch.ones(n, dtype=torch.bool, device=device)
         for t in range(max_new):
             step = torch.where(alive[rows], self.pick(logits, uniforms.draw().to(device)[rows], greedy), pad)
             tokens[rows, t] = step
+            logps[rows, t] = torch.log_softmax(logits / self.temperature, -1).gather(1, step[:, None]).squeeze(1)
             alive[rows] &= ~torch.isin(step, eos)
             if t == max_new - 1 or not bool(alive.any()):
-                return tokens[:, :t + 1].cpu()
+                return tokens[:, :t + 1].cpu(), logps[:, :t + 1].cpu()
             done = ~alive[rows]
             if DROP_FINISHED and bool(done.any()):
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 rows, mask, start, step = rows[keep], mask[keep], start[keep], step[keep]
             logits = self._next_logits(step, start + t, mask[:, :width + t + 1], cache, lean)
-        return tokens.cpu()
+        return tokens.cpu(), logps.cpu()
 
     def _next_logits(self, step: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache, lean: bool) -> Tensor:
         """(n, V) float32 logits after one new token per row."""

@@ -39,6 +39,16 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos: list[int]) -> tuple[
     return mask, ~has_eos
 
 
+def sampled_logprobs(step_logits, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(N, L) log-prob of each generated token under the model's raw logits / temperature (the trainer's
+    quantity; `generate`'s own scores are after top-k / top-p), at the precision the logits came in."""
+    out = torch.zeros(tokens.shape, dtype=torch.float32)
+    for t, logits in enumerate(step_logits[:tokens.shape[1]]):
+        logp = torch.log_softmax(logits.float().cpu() / temperature, -1)
+        out[:, t] = logp.gather(1, tokens[:, t:t + 1]).squeeze(1)
+    return out
+
+
 class HFEngine:
     """Samples G completions per prompt with `model.generate` (left padding)."""
 
@@ -72,18 +82,19 @@ class HFEngine:
                 input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
                 max_new_tokens=max_new_tokens or self.max_new_tokens,
                 num_return_sequences=group_size, do_sample=not greedy,
-                pad_token_id=tok.pad_token_id, eos_token_id=self.eos,
-                **{k: v for k, v in sampling.items() if k != "do_sample"},
+                pad_token_id=tok.pad_token_id, eos_token_id=self.eos, output_logits=True,
+                return_dict_in_generate=True, **{k: v for k, v in sampling.items() if k != "do_sample"},
             )
         self.model.train(was_training)
         prompt_len = enc["input_ids"].shape[1]
-        response_ids = out[:, prompt_len:].cpu()
+        response_ids = out.sequences[:, prompt_len:].cpu()
         mask, truncated = response_mask_from_ids(response_ids, self.eos)
+        logps = sampled_logprobs(out.logits, response_ids, self.temperature) * mask
         response_ids = torch.where(mask.bool(), response_ids, torch.full_like(response_ids, tok.pad_token_id))
         index = torch.arange(len(prompts)).repeat_interleave(group_size)
         texts = tok.batch_decode(response_ids, skip_special_tokens=True)
         return Rollout(
             prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index],
             response_ids=response_ids, response_mask=mask, group_ids=index.clone(),
-            truncated=truncated, completions=texts, example_index=index.tolist(),
+            truncated=truncated, completions=texts, example_index=index.tolist(), sample_logp=logps,
         )

@@ -30,15 +30,12 @@ could not be run where it was written (no GPU): see docs/scale.md for what is ve
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from covey.batch import Rollout
 from covey.config import ModelConfig, RolloutConfig
@@ -55,15 +52,8 @@ class WeightSyncTimeout(RuntimeError):
     """Pushing the policy's weights to vLLM took longer than rollout.vllm_sync_timeout_s."""
 
 
-@dataclass
-class SampledRollout(Rollout):
-    """A Rollout that also carries the sampler's log-probs of its tokens (for truncated IS)."""
-    sample_logp: Tensor | None = None  # (N, L) log mu(y_t), 0 on padding
-
-    def select(self, index: Tensor) -> "SampledRollout":
-        plain = Rollout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Rollout)})
-        logp = self.sample_logp[index] if self.sample_logp is not None else None
-        return SampledRollout(**vars(plain.select(index)), sample_logp=logp)
+SampledRollout = Rollout
+"""vLLM's batches: a Rollout with the sampler's log-probs of its tokens (`sample_logp`, for truncated IS)."""
 
 
 # --------------------------------------------------------------------------- pure helpers (tested on CPU)

@@ -316,7 +316,8 @@ def correct_sampler_mismatch(run: Run, rollout: Rollout) -> dict:
         return {}
     sampler_logp = getattr(rollout, "sample_logp", None)
     if sampler_logp is None:
-        raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs")
+        raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs (the fast engine's "
+                           "CUDA-graph decoding does not record them yet: set rollout.decode=plain)")
     weights, metrics = algos.truncated_is_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
                                                   run.plan.tis_cap)
     rollout.advantages = rollout.advantages * weights

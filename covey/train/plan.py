@@ -64,6 +64,8 @@ class UpdateOptions:
     """Weight of the value loss in the critic's objective."""
     dpo_beta: float
     """Strength of the implicit KL of the DPO loss (learner=dpo)."""
+    mismatch_cap: float = 2.0
+    """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis_cap, or 2)."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,7 @@ def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
         temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=a.loss_agg,
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
-        value_coef=a.value_coef, dpo_beta=a.dpo_beta)
+        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0)
 
 
 def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:

@@ -62,25 +62,34 @@ def by_prompt(batch: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 
 class MetricAverager:
-    """Token-weighted mean of micro-batch metrics."""
+    """Token-weighted mean of micro-batch metrics; the largest value for the names in MAXIMA."""
+
+    MAXIMA = ("sampler/log_ratio_max",)
 
     def __init__(self):
         self.sums = defaultdict(float)
         self.weights = defaultdict(float)
+        self.maxima: dict[str, float] = {}
 
     def add(self, metrics: dict, weight: float) -> None:
         for k, v in metrics.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                self.sums[k] += v * weight
-                self.weights[k] += weight
+            if not (isinstance(v, (int, float)) and math.isfinite(v)):
+                continue
+            if k in self.MAXIMA:
+                self.maxima[k] = max(self.maxima.get(k, v), v)
+                continue
+            self.sums[k] += v * weight
+            self.weights[k] += weight
 
     def merge(self, other: "MetricAverager") -> None:
         for k in other.sums:
             self.sums[k] += other.sums[k]
             self.weights[k] += other.weights[k]
+        for k, v in other.maxima.items():
+            self.maxima[k] = max(self.maxima.get(k, v), v)
 
     def result(self) -> dict:
-        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+        return {**{k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}, **self.maxima}
 
 
 def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef: float,
@@ -94,10 +103,14 @@ def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef:
                                            precision=opts.autocast, prompts=prompts)
     old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
     ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
-    return algos.policy_objective(opts.policy_loss, logp, old, part.advantages[:, :width],
-                                  part.response_mask[:, :width], norm, opts.loss, ref_logp=ref,
-                                  kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
-                                  entropy=entropy, entropy_coef=opts.entropy_coef)
+    loss, metrics = algos.policy_objective(opts.policy_loss, logp, old, part.advantages[:, :width],
+                                           part.response_mask[:, :width], norm, opts.loss, ref_logp=ref,
+                                           kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
+                                           entropy=entropy, entropy_coef=opts.entropy_coef)
+    if part.sample_logp is not None:  # pi_old (the weights that sampled) against the sampler's own log-probs
+        metrics.update(algos.sampler_mismatch(old, part.sample_logp[:, :width], part.response_mask[:, :width],
+                                              opts.mismatch_cap))
+    return loss, metrics
 
 
 def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> None:

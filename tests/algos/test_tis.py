@@ -66,3 +66,16 @@ def test_weight_on_the_advantage_equals_weight_on_each_loss_term():
     g2, = torch.autograd.grad(by_hand, logp)
     assert torch.allclose(g1, g2, atol=1e-12)
     assert algos.truncated_is_weights is truncated_is_weights
+
+
+def test_sampler_mismatch_by_hand():
+    from covey.algos import sampler_mismatch
+    # log pi_train - log mu on the valid tokens: [0.5, -0.2, 1.0] (the 4th token is padding, garbage there)
+    train = torch.tensor([[0.0, -1.2, 0.0, 99.0]], dtype=torch.float64)
+    sampler = torch.tensor([[-0.5, -1.0, -1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    m = sampler_mismatch(train, sampler, mask, cap=2.0)
+    # mean (0.5 - 0.2 + 1.0) / 3 = 0.4333...; max |.| = 1.0; beyond log 2 = 0.693: only 1.0 -> 1/3
+    assert m["sampler/log_ratio_mean"] == pytest.approx(1.3 / 3)
+    assert m["sampler/log_ratio_max"] == pytest.approx(1.0)
+    assert m["sampler/beyond_cap_frac"] == pytest.approx(1 / 3)

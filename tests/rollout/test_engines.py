@@ -115,3 +115,25 @@ def test_texts_and_ids_are_not_mixed(tiny_model_dir):
     tok, _ = engines(tiny_model_dir, 2)
     with pytest.raises(TypeError, match="all texts or all token-id lists"):
         encode_prompts(tok, ["text", [1, 2]])
+
+
+def test_the_samplers_log_probs_are_the_models_at_its_temperature(tiny_model_dir):
+    """fast and hf return, for every token they drew, log softmax(logits / T) of the model that drew it:
+    the trainer's quantity, so on an fp32 model a teacher-forced pass gives the same numbers."""
+    from covey.passes.logprobs import batched_logprobs
+    tok, by_name = engines(tiny_model_dir, 6)
+    prompts = [chat(tok, "What is 7 * 8?"), chat(tok, "Name a colour.")]
+    for name, engine in by_name.items():
+        engine.temperature = 0.7
+        if name == "hf":
+            engine.top_p, engine.top_k = 1.0, 0
+        else:
+            from covey.rollout.fast import hf_warpers
+            engine.warpers = hf_warpers(0.7, 0, 1.0)
+        torch.manual_seed(3)
+        out = engine.generate(prompts, 2)
+        assert out.sample_logp is not None and out.sample_logp.shape == out.response_ids.shape, name
+        forced = batched_logprobs(engine.model, out, 0.7, 4)
+        mask = out.response_mask.bool()
+        assert torch.allclose(out.sample_logp[mask], forced[mask], atol=1e-4), name
+        assert bool((out.sample_logp[~mask] == 0).all()), name

@@ -1,0 +1,35 @@
+"""The sampler-trainer mismatch on the local engines: logged every step, and truncated IS available
+(algo.tis_cap) on fast and hf as on vLLM."""
+
+import json
+
+import pytest
+import torch
+
+import covey
+from covey.config import ConfigError, load_config
+from tests.helpers import tiny_overrides
+
+
+def step_one(run_dir) -> dict:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1]
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_the_mismatch_is_logged_and_truncated_is_runs_on_local_engines(tiny_model_dir, tmp_path, engine):
+    plain = covey.train(load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "plain", **{
+        "rollout.engine": engine, "train.steps": 1})))
+    m = step_one(plain.run_dir)
+    # fp32 sampling from the trained weights: the sampler's log-probs are the trainer's, up to kernel order
+    assert abs(m["sampler/log_ratio_mean"]) < 1e-4 and m["sampler/log_ratio_max"] < 1e-3
+    assert m["sampler/beyond_cap_frac"] == 0.0 and "tis/weight_mean" not in m
+    corrected = covey.train(load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "tis", **{
+        "rollout.engine": engine, "train.steps": 1, "algo.tis_cap": 2})))
+    m = step_one(corrected.run_dir)
+    assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["tis/capped_frac"] == 0.0
+    assert torch.isfinite(torch.tensor(m["optim/grad_norm"]))
+
+
+def test_graph_decoding_with_truncated_is_is_refused_at_start():
+    with pytest.raises(ConfigError, match="rollout.decode=graphs does not record yet"):
+        load_config(None, ["algo.tis_cap=2", "rollout.decode=graphs"])
