@@ -14,10 +14,14 @@ PANELS = [
     ("policy/clipfrac", "clip fraction"), ("response/len_mean", "response length (tokens)"),
     ("time/step", "seconds per step"),
 ]
-# Learned-reward panels, drawn only when some run logged them (covey/rm/).
+# Panels drawn only when some run logged them: learned rewards (covey/rm/), tool-calling episodes
+# (docs/agents.md) and the sampler-trainer mismatch.
 OPTIONAL_PANELS = [
     ("rm/agreement", "RM / verifier agreement"), ("prm/agreement", "PRM / verifier agreement"),
     ("prm/step_accuracy", "PRM step accuracy (exact labels)"), ("steps/score_mean", "mean step reward (PRM or exact)"),
+    ("episode/tool_calls_mean", "tool calls per episode"), ("tools/errors", "tool errors per step"),
+    ("episode/turns_mean", "model turns per episode"), ("episode/cut_off_frac", "episodes cut off by a budget"),
+    ("sampler/log_ratio_max", "largest |log pi_old - log mu| (sampler mismatch)"),
 ]
 
 

@@ -52,3 +52,11 @@ def test_plot_cli_errors_are_one_line(tmp_path, capsys):
     a, b = write_run(tmp_path / "one" / "run", [{"step": 1}]), write_run(tmp_path / "two" / "run", [{"step": 1}])
     assert main(["plot", str(a), str(b)]) == 2
     assert "runs are told apart by folder name" in capsys.readouterr().err
+
+
+def test_episode_and_mismatch_panels_appear_when_logged():
+    rows = [{"step": 1, "reward/mean": 0.5, "episode/tool_calls_mean": 1.5, "tools/errors": 2,
+             "episode/turns_mean": 2.0, "episode/cut_off_frac": 0.25, "sampler/log_ratio_max": 0.7}]
+    keys = [key for key, _ in panels_for({"agent": rows})]
+    assert keys[len(PANELS):] == ["episode/tool_calls_mean", "tools/errors", "episode/turns_mean",
+                                  "episode/cut_off_frac", "sampler/log_ratio_max"]
