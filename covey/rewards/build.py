@@ -150,7 +150,7 @@ def user_reward_terms(cfg, extra=()) -> list[RewardTerm]:
     return user_terms([*filter(None, (s.strip() for s in cfg.reward.functions.split(","))), *function_list(extra)])
 
 
-def check_user_rewards(cfg, extra, data, run_dir: Path | None = None) -> list[RewardTerm]:
+def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: bool = False) -> list[RewardTerm]:
     """The user's reward functions (reward.functions, then `extra`) loaded and checked before any model
     loads: each imports, takes only keywords that exist (or **kwargs), and one call on the first
     training example with a placeholder completion returns a list of one number or None. A failure is
@@ -159,7 +159,7 @@ def check_user_rewards(cfg, extra, data, run_dir: Path | None = None) -> list[Re
     if not terms or not data.train:
         return terms
     example = data.train[0]
-    prompts, completions, columns = placeholder_inputs(example, cfg.train.steps)
+    prompts, completions, columns = placeholder_inputs(example, cfg.train.steps, episodes)
     for term in terms:
         check_signature(term, sorted({"prompts", "completions", *columns}))
     rewarder = Rewarder(terms, on_error="raise", timeout_s=cfg.reward.timeout_s,

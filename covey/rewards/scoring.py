@@ -40,14 +40,16 @@ def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None)
     return [ex.given_prompt for ex in picked], completions, columns
 
 
-def placeholder_inputs(example, max_steps: int) -> tuple[list, list, dict]:
+def placeholder_inputs(example, max_steps: int, episodes: bool = False) -> tuple[list, list, dict]:
     """The inputs of one call on `example` before any model exists: the completion 'The answer is
-    <its reference answer>.', one id per word (there is no tokenizer yet), trainer_state at step 0."""
+    <its reference answer>.', one id per word (there is no tokenizer yet), trainer_state at step 0.
+    `episodes`: the run calls tools, so the completion is an episode's messages (one assistant turn)."""
     text = f"The answer is {example.answer}."
     columns = example_columns([example])
     columns.update(completion_lengths=[len(text.split())], completion_ids=[[0] * len(text.split())],
                    trainer_state=TrainerState(global_step=0, max_steps=max_steps))
-    return [example.given_prompt], as_completions([example], [text]), columns
+    completions = [[{"role": "assistant", "content": text}]] if episodes else as_completions([example], [text])
+    return [example.given_prompt], completions, columns
 
 
 def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | None = None,

@@ -90,7 +90,8 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     scorers = bool(reward_funcs) or bool(cfg.rollout.environment or (agent or {}).get("environment_factory"))
     cfg, data = load_run_data(cfg, scorers)  # bad data fails before a model loads; cfg as recorded
     run_dir = prepare_run_dir(cfg, plan.label)
-    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir)  # and a broken reward function (build.py)
+    # and a broken reward function (build.py), called once with a completion shaped as training will pass it
+    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     resolve_model_path(cfg.model.path)  # and a model that is not there, before anything is printed
     print(f"covey: device {describe_device(world.device)}")

@@ -176,3 +176,19 @@ def test_a_tool_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     second = [r for r in resumed if r["step"] == 2 and "final" not in r]
     assert steady(second[0]) == steady([r for r in whole if r["step"] == 2 and "final" not in r][0])
     assert second[0]["tools/calls"] == 8
+
+
+def last_turn_reward(completions, **kwargs):
+    """A reward written for episodes: it reads the last message of each completion."""
+    return [float("42" in c[-1]["content"]) for c in completions]
+
+
+def test_a_reward_written_for_episodes_passes_the_check_before_training(tiny_model_dir, tmp_path, monkeypatch):
+    """On string prompts (word problems) single-turn completions are strings, but with tools they are
+    messages: the call before training hands the function the shape training will."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    assert covey.train(cfg, reward_funcs=[last_turn_reward]).steps == 1
