@@ -16,7 +16,7 @@ from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std,
 from covey.algos.advantages import (
     ESTIMATORS, Estimator, compute_advantages, grpo, grpo_process, remax, rloo, spread_over_tokens, steps_to_tokens,
 )
-from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, step_totals
+from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, mask_truncated, step_totals
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
@@ -38,7 +38,8 @@ __all__ = [
     "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
-    "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss", "reinforce_pp",
+    "mask_truncated", "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss",
+    "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
     "step_totals",
     "steps_to_tokens", "token_rewards", "sampler_mismatch", "truncated_is_weights", "value_loss", "whiten",

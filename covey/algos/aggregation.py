@@ -104,3 +104,9 @@ def aggregate(per_token: Tensor, response_mask: Tensor, norm: Normalizer) -> Ten
     else:
         total = x.sum()
     return total * (norm.num_processes / norm.denominator)
+
+
+def mask_truncated(response_mask: Tensor, truncated: Tensor) -> Tensor:
+    """DAPO's overlong filtering (Yu et al. 2025, arXiv:2503.14476): the rows of responses cut at the
+    token budget (`truncated`, (N,) bool) set to 0, so they add nothing to the loss or its normaliser."""
+    return response_mask * (~truncated.bool()).to(response_mask.dtype)[:, None]

@@ -199,6 +199,8 @@ class AlgoConfig:
     """c1: weight of the value loss (critic has its own optimizer)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more prompts."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering (Yu et al. 2025, arXiv:2503.14476): responses cut at the token budget (no end token) count in their group's advantages but are left out of the loss, its normaliser and the token metrics."""
     max_resample_rounds: int = 3
     """Extra sampling rounds allowed by dynamic sampling."""
     ref_refresh_every: int = 0

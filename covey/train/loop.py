@@ -254,6 +254,8 @@ def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict
     metrics.update(add_logprobs(run, rollout))
     metrics.update(add_advantages(run, rollout, steps))
     metrics.update(correct_sampler_mismatch(run, rollout))
+    if run.plan.update.mask_truncated:  # DAPO's overlong filtering: in the advantages above, out of the loss below
+        rollout.response_mask = algos.mask_truncated(rollout.response_mask, rollout.truncated)
     metrics.update(update(run, rollout))
     return metrics
 

@@ -64,6 +64,8 @@ class UpdateOptions:
     """Weight of the value loss in the critic's objective."""
     dpo_beta: float
     """Strength of the implicit KL of the DPO loss (learner=dpo)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: truncated responses carry no loss (algo.mask_truncated)."""
     mismatch_cap: float = 2.0
     """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis_cap, or 2)."""
 
@@ -264,7 +266,7 @@ def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
         temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=a.loss_agg,
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
-        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0)
+        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated)
 
 
 def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:

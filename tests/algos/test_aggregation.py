@@ -129,3 +129,15 @@ def test_make_normalizer_with_num_processes_scales_local_totals():
     assert (norm.total_tokens, norm.num_seqs, norm.num_processes) == (12.0, 6.0, 3)
     # each process's loss is scaled by num_processes: 3 * 10 / 12 = 2.5, the local token mean
     assert aggregate(X, M, norm).item() == pytest.approx(2.5)
+
+
+def test_mask_truncated_leaves_truncated_rows_out_of_the_loss_and_its_normaliser():
+    from covey.algos import mask_truncated
+    # per-token terms 1 2 | 3 4 5 | 6 ; row 1 was cut at the token budget (no end token)
+    values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0], [6.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    kept = mask_truncated(mask, torch.tensor([False, True, False]))
+    assert kept.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
+    # token_mean: (1 + 2 + 6) / 3 tokens = 3.0, where all rows give 21 / 6 = 3.5
+    assert float(aggregate(values, kept, make_normalizer("token_mean", kept))) == pytest.approx(3.0)
+    assert float(aggregate(values, mask, make_normalizer("token_mean", mask))) == pytest.approx(3.5)

@@ -33,3 +33,17 @@ def test_the_mismatch_is_logged_and_truncated_is_runs_on_local_engines(tiny_mode
 def test_graph_decoding_with_truncated_is_is_refused_at_start():
     with pytest.raises(ConfigError, match="rollout.decode=graphs does not record yet"):
         load_config(None, ["algo.tis_cap=2", "rollout.decode=graphs"])
+
+
+def test_mask_truncated_takes_cut_responses_out_of_the_update(tiny_model_dir, tmp_path):
+    """4 new tokens: the tiny random model ends no reply that soon, so every response is truncated; with
+    algo.mask_truncated no token carries a loss and the gradient is 0, without it the step learns."""
+    def grad_norm(folder, *extra):
+        result = covey.train(load_config(None, [*tiny_overrides(tiny_model_dir, tmp_path / folder, **{
+            "train.steps": 1, "rollout.max_new_tokens": 4, "reward.functions": "tests.helpers:varied_reward",
+            "reward.correctness": 0.0}), *extra]))
+        m = step_one(result.run_dir)
+        assert m["response/truncated_frac"] == 1.0
+        return m["optim/grad_norm"]
+    assert grad_norm("masked", "algo.mask_truncated=true") == 0.0
+    assert grad_norm("plain") > 0.0
