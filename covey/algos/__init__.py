@@ -21,8 +21,8 @@ from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
 from covey.algos.losses import (
-    LOG_RATIO_CLAMP, POLICY_LOSSES, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss, ppo_clip_loss,
-    value_loss,
+    LOG_RATIO_CLAMP, POLICY_LOSSES, cispo_loss, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss,
+    ppo_clip_loss, value_loss,
 )
 from covey.algos.objective import policy_objective
 from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOptions
@@ -35,7 +35,7 @@ __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "Estimator", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLossOptions",
-    "aggregate", "best_worst_pairs", "compute_advantages", "discounted_returns", "dpo_loss",
+    "aggregate", "best_worst_pairs", "cispo_loss", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
     "mask_truncated", "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss",

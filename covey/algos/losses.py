@@ -122,9 +122,36 @@ def pg_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_
     return loss, metrics
 
 
+def cispo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
+               opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """CISPO (MiniMax 2025, MiniMax-M1, arXiv:2506.13585): the importance weight is clipped and detached,
+    never the token's gradient:
+
+        l = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp
+
+    so every token keeps a gradient (PPO's clip zeroes it outside the trust region); on the first
+    on-policy step (ratio = 1) it is `pg`'s. The paper aggregates over all tokens (loss_agg=token_mean).
+    """
+    opts.validate()
+    mask = as_bool_mask(response_mask)
+    base = old_logp if old_logp is not None else logp.detach()
+    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    ratio = torch.exp(log_ratio(logp, base, mask, opts.ratio_level)).detach()
+    weight = ratio.clamp(min=1.0 - opts.clip_eps_low, max=1.0 + opts.clip_eps_high)
+    loss = aggregate(-weight * adv * masked_fill_zero(logp, mask), mask, norm)
+    upper, lower = mask & (ratio > 1.0 + opts.clip_eps_high), mask & (ratio < 1.0 - opts.clip_eps_low)
+    metrics = {"policy/clipfrac": _mean((upper | lower).float(), mask),
+               "policy/clipfrac_upper": _mean(upper.float(), mask),
+               "policy/clipfrac_lower": _mean(lower.float(), mask), "policy/clipfrac_dual": 0.0,
+               "policy/ratio_mean": _mean(ratio, mask),
+               "policy/ratio_max": float(masked_fill_zero(ratio, mask).max()) if bool(mask.any()) else 0.0,
+               **_old_kl_metrics(logp, old_logp, mask), **_adv_metrics(adv, mask)}
+    return loss, metrics
+
+
 PolicyLoss = Callable[..., "tuple[Tensor, dict]"]
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "pg": pg_loss}
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "pg": pg_loss, "cispo": cispo_loss}
 
 
 def policy_loss(name: str, logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor,

@@ -146,7 +146,7 @@ class AlgoConfig:
     estimator: str = "grpo"
     """Advantage estimator (covey.algos.ESTIMATORS): grpo | grpo_process | rloo | remax | reinforce_pp | reinforce_pp_baseline | gae."""
     policy_loss: str = "ppo_clip"
-    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg."""
+    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg | cispo (MiniMax 2025, arXiv:2506.13585: the importance weight clipped and detached)."""
     loss_agg: str = "seq_mean_token_mean"
     """Aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | constant."""
     clip_eps_low: float = 0.2

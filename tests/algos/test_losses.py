@@ -157,8 +157,8 @@ def test_pg_and_ppo_agree_on_policy():
 
 
 def test_policy_loss_registry():
-    assert set(POLICY_LOSSES) == {"ppo_clip", "pg"}
-    with pytest.raises(ValueError, match="valid: ppo_clip, pg"):
+    assert set(POLICY_LOSSES) == {"ppo_clip", "pg", "cispo"}
+    with pytest.raises(ValueError, match="valid: ppo_clip, pg, cispo"):
         policy_loss("grpo", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
                     token_mean(torch.ones(1, 1)))
 
@@ -255,3 +255,38 @@ def test_entropy_and_kl_loss_terms():
     assert m["kl/ref"] == pytest.approx(0.5 + math.log(2) - 1)
     loss.backward()
     assert logp.grad.item() == pytest.approx(0.5 * (1 - 0.5))  # d k3 / d logp = 1 - e^-d
+
+
+def test_cispo_by_hand():
+    """CISPO (MiniMax 2025, arXiv:2506.13585): l = -sg(clip(r, 1 - 0.2, 1 + 0.28)) * A * logp, token mean.
+
+    logp = [-1.0, -2.0], old = [-1.5, -1.0]: r = [e^0.5, e^-1] = [1.6487, 0.3679], clipped to [1.28, 0.8];
+    A = [1, -1]: l = [-1.28 * 1 * -1.0, -0.8 * -1 * -2.0] = [1.28, -1.6]; mean = -0.16.
+    d l / d logp = -w A / 2 tokens = [-0.64, +0.4]: both tokens keep a gradient, though both ratios are
+    outside the clip range (PPO's clip would give both 0 here: A > 0 with r > 1.28, A < 0 with r < 0.8).
+    """
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    opts = PolicyLossOptions(clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, metrics = policy_loss("cispo", logp, old, adv, mask, token_mean(mask), opts)
+    assert float(loss) == pytest.approx(-0.16)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.64, 0.4])
+    assert metrics["policy/clipfrac"] == 1.0 and metrics["policy/clipfrac_upper"] == 0.5
+    ppo = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    policy_loss("ppo_clip", ppo, old, adv, mask, token_mean(mask), opts)[0].backward()
+    assert ppo.grad.tolist() == [[0.0, 0.0]]
+
+
+def test_cispo_on_policy_is_the_policy_gradient():
+    logp = torch.tensor([[-0.7, -1.3, -0.2]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([[0.5, -2.0, 1.5]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    norm = token_mean(mask)
+    cispo = policy_loss("cispo", logp, None, adv, mask, norm)[0]
+    grad_cispo, = torch.autograd.grad(cispo, logp)
+    pg = policy_loss("pg", logp, None, adv, mask, norm)[0]
+    grad_pg, = torch.autograd.grad(pg, logp)
+    assert torch.allclose(grad_cispo, grad_pg) and float(cispo) == pytest.approx(float(pg))
