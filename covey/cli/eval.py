@@ -94,11 +94,9 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
 
 def with_tools(cfg, engine, tokenizer, examples) -> tuple:
     """The engine of whole episodes with rollout.tools / rollout.environment, and the prompts that show the tools."""
-    from covey.rewards.build import load_callable
-    from covey.rollout.agents import Agent, EpisodeEngine
+    from covey.rollout.agents import EpisodeEngine
     from covey.train.plan import make_plan
-    from covey.train.setup import resolve_tools
-    factory = load_callable(cfg.rollout.environment) if cfg.rollout.environment else None
-    agent = Agent(tokenizer, resolve_tools(cfg.rollout.tools), cfg.rollout.tool_timeout_s, factory)
+    from covey.train.setup import make_agent
+    agent = make_agent(cfg, tokenizer)
     prompts = agent.prompts(examples, cfg.task.system_prompt)
     return EpisodeEngine(engine, tokenizer, agent.episodes, make_plan(cfg).episodes, agent.metrics), prompts

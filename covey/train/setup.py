@@ -290,10 +290,7 @@ def open_feed(run: Run, data, rewarder, cfg: Config, agent: dict | None = None) 
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
     agents = None
     if run.plan.episodes is not None:  # one Agent for training, one for evaluation: their tool counts apart
-        functions = resolve_tools(cfg.rollout.tools, (agent or {}).get("tools"))
-        factory = (agent or {}).get("environment_factory") or (
-            load_callable(cfg.rollout.environment) if cfg.rollout.environment else None)
-        agents = [Agent(run.tokenizer, functions, cfg.rollout.tool_timeout_s, factory) for _ in range(2)]
+        agents = [make_agent(cfg, run.tokenizer, agent) for _ in range(2)]
         prompts = agents[0].prompts(data.train, cfg.task.system_prompt)
         eval_prompts = agents[1].prompts(data.eval, cfg.task.system_prompt)
     else:
@@ -323,6 +320,15 @@ def open_engines(run: Run, cfg: Config) -> tuple:
         engine = GatheredGeneration(engine, run.policy)
     eval_engine = make_eval_engine(cfg.rollout, run.policy, run.tokenizer, engine)
     return engine, engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy)
+
+
+def make_agent(cfg: Config, tokenizer, agent: dict | None = None) -> Agent:
+    """The episodes' tools side (covey/rollout/agents.py): rollout.tools plus the Python API's `tools`, and
+    its `environment_factory` or else rollout.environment."""
+    factory = (agent or {}).get("environment_factory") or (
+        load_callable(cfg.rollout.environment) if cfg.rollout.environment else None)
+    return Agent(tokenizer, resolve_tools(cfg.rollout.tools, (agent or {}).get("tools")), cfg.rollout.tool_timeout_s,
+                 factory)
 
 
 def resolve_tools(spec: str, extra=None) -> list:
