@@ -4,7 +4,7 @@ No torch and no covey.algos: the algorithm names and what an estimator needs are
 registries' traits when the run's plan is made (covey/train/plan_checks.py)."""
 
 from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSITIVE, WORD_MAX_STEPS,  # noqa: F401
-                                 parse_corruptions, validate, validate_template,
+                                 check_choices, parse_corruptions, validate, validate_template,
                                  validate_world, value_of)
 from covey.config.load import (as_dict, config_yaml, from_dict, load_config, preset_file, preset_names,  # noqa: F401
                                preset_path, read_preset, set_value, split_config)

@@ -95,11 +95,16 @@ def validate(cfg: Config) -> None:
     validate_scale(cfg)
 
 
-def validate_choices(cfg: Config) -> None:
-    """Closed option sets and sizes that must be positive."""
-    for key, options in CHOICES.items():
+def check_choices(cfg: Config, choices: dict) -> None:
+    """Each key's value is one of its options ({dotted key: options}); else one line naming the key."""
+    for key, options in choices.items():
         if value_of(cfg, key) not in options:
             raise ConfigError(f"{key}={value_of(cfg, key)!r} is not one of: {', '.join(options)}")
+
+
+def validate_choices(cfg: Config) -> None:
+    """Closed option sets and sizes that must be positive."""
+    check_choices(cfg, CHOICES)
     for key, (least, allowed) in AT_LEAST.items():
         value = value_of(cfg, key)
         if value < least or (value == least and not allowed):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from covey import algos
 from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
-from covey.config import Config, ConfigError
+from covey.config import Config, ConfigError, check_choices
 
 REGISTRY_CHOICES = {
     "algo.estimator": tuple(algos.ESTIMATORS),
@@ -28,11 +28,7 @@ REGISTRY_CHOICES = {
 
 def check_against_registries(cfg: Config) -> None:
     """Registry names first (so a typo is named as such), then what the estimator needs."""
-    for key, options in REGISTRY_CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in options:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}")
+    check_choices(cfg, REGISTRY_CHOICES)
     check_estimator_needs(cfg)
     check_step_scores(cfg)
 
