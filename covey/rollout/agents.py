@@ -104,7 +104,7 @@ class Agent:
         message (None when no reset wrote any: the group then shares its prompt)."""
         if self.environment_factory is None:
             return None, [ToolHost(self, p.messages) for p in prompts for _ in range(group_size)]
-        hosts, own = [], []
+        hosts, own, changed = [], [], False
         for p in prompts:
             row = {**p.example.meta, "prompt": p.example.given_prompt, "answer": p.example.answer}
             for _ in range(group_size):
@@ -112,8 +112,8 @@ class Agent:
                 messages = append_to_last_user(p.messages, text)
                 hosts.append(ToolHost(self, messages, toolbox))
                 own.append(self.render(messages) if text else p)
-        return (own if any(o != p for o, p in zip(own, (p for p in prompts for _ in range(group_size)))) else None,
-                hosts)
+                changed = changed or bool(text)
+        return (own if changed else None), hosts
 
     def metrics(self) -> dict:
         """Tool calls since the last call: tools/calls, tools/errors, tools/timeouts, tools/truncated."""
