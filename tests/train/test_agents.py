@@ -36,6 +36,13 @@ def messages_reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def calculator_config(model_dir, out_dir, *extra: str, **keys):
+    """Word problems with the calculator on the tiny model: one step, two turns, room for a scripted call."""
+    return load_config(None, [*tiny_overrides(model_dir, out_dir, **{
+        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
+        "rollout.max_new_tokens": 96, "task.eval_size": 2, **keys}), *extra])
+
+
 def scripted_first_turn(real_generate, call: str):
     """FastEngine.generate with every first turn (text prompts) answered by `call`, ended by EOS."""
 
@@ -82,18 +89,14 @@ def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_c
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
     SEEN.clear()
     SECRETS.clear()
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "ok", **{
-        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
-        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    cfg = calculator_config(tiny_model_dir, tmp_path / "ok")
     covey.train(cfg, reward_funcs=[messages_reward])
     assert SEEN[1][0][1] == {"role": "tool", "name": "calculator", "content": "42"}
     bad = '<tool_call>{"name": "calculator", "arguments": {"formula": "6 * 7"}}</tool_call>'  # no such argument
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, bad))
     SEEN.clear()
     SECRETS.clear()
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "bad", **{
-        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
-        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    cfg = calculator_config(tiny_model_dir, tmp_path / "bad")
     result = covey.train(cfg, reward_funcs=[messages_reward])
     reply = SEEN[1][0][1]
     assert reply["role"] == "tool" and "error" in json.loads(reply["content"])
@@ -143,9 +146,7 @@ def test_covey_eval_of_a_tool_run_runs_its_episodes(tiny_model_dir, tmp_path, mo
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
     monkeypatch.setattr(HFEngine, "generate", scripted_first_turn(HFEngine.generate, call))
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
-        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
-        "rollout.max_new_tokens": 96, "rollout.eval_max_new_tokens": 96, "task.eval_size": 2}))
+    cfg = calculator_config(tiny_model_dir, tmp_path, **{"rollout.eval_max_new_tokens": 96})
     result = covey.train(cfg)
     replies = tmp_path / "replies.jsonl"
     assert main(["eval", str(result.run_dir), "--replies", str(replies)]) == 0
@@ -161,9 +162,8 @@ def test_a_tool_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
 
     def run(folder, steps: int, *extra: str) -> list[dict]:
-        cfg = load_config(None, [*tiny_overrides(tiny_model_dir, tmp_path / folder, **{
-            "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": steps, "rollout.max_turns": 2,
-            "rollout.max_new_tokens": 96, "task.eval_size": 2, "train.save_every": 1}), *extra])
+        cfg = calculator_config(tiny_model_dir, tmp_path / folder, *extra,
+                                **{"train.steps": steps, "train.save_every": 1})
         result = covey.train(cfg)
         return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -188,7 +188,5 @@ def test_a_reward_written_for_episodes_passes_the_check_before_training(tiny_mod
     messages: the call before training hands the function the shape training will."""
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
-        "task.name": "wordproblems", "rollout.tools": "calculator", "train.steps": 1, "rollout.max_turns": 2,
-        "rollout.max_new_tokens": 96, "task.eval_size": 2}))
+    cfg = calculator_config(tiny_model_dir, tmp_path)
     assert covey.train(cfg, reward_funcs=[last_turn_reward]).steps == 1
