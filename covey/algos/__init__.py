@@ -5,7 +5,8 @@ Formulas, option names, defaults and sources: docs/algorithms.md (its "API" sect
 everything exported here).
 
 Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
-losses (policy / value / entropy / KL loss terms), objective (policy loss + KL + entropy, masked first:
+losses (policy / value / entropy / KL loss terms), soft_losses (SAPO, GMPO, VESPO),
+loss_registry (every policy loss by name with its traits), objective (policy loss + KL + entropy, masked first:
 the micro-batch objective the trainer runs), aggregation (global normaliser),
 kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
 dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer),
@@ -20,21 +21,22 @@ from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_no
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
+from covey.algos.loss_registry import POLICY_LOSSES, PolicyLoss, policy_loss
 from covey.algos.losses import (
-    LOG_RATIO_CLAMP, POLICY_LOSSES, cispo_loss, entropy_loss, explained_variance, kl_loss, pg_loss, policy_loss,
-    ppo_clip_loss, value_loss,
+    LOG_RATIO_CLAMP, cispo_loss, entropy_loss, explained_variance, kl_loss, pg_loss, ppo_clip_loss, value_loss,
 )
 from covey.algos.objective import policy_objective
 from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOptions
 from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
+from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 from covey.algos.tis import sampler_mismatch, truncated_is_weights
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "Estimator", "FixedKLController", "GroupStats",
-    "Normalizer", "PolicyLossOptions",
+    "Normalizer", "PolicyLoss", "PolicyLossOptions", "gmpo_loss", "sapo_loss", "vespo_loss",
     "aggregate", "best_worst_pairs", "cispo_loss", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",

@@ -1,5 +1,6 @@
-"""Policy losses (PPO clip with dual-clip / GSPO / ratio-vs-ref options, plain PG), value loss,
-and the entropy / KL loss terms, all aggregated with a global ``Normalizer``.
+"""Policy losses (PPO clip with dual-clip / GSPO / ratio-vs-ref options, plain PG, CISPO), value loss,
+and the entropy / KL loss terms, all aggregated with a global ``Normalizer``. The policy losses are
+registered by name, with their traits, in covey.algos.loss_registry (SAPO, GMPO, VESPO: soft_losses).
 
 All policy losses share one signature::
 
@@ -9,8 +10,6 @@ Metrics are micro-batch-local plain floats (means over valid tokens).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -147,21 +146,6 @@ def cispo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respon
                "policy/ratio_max": float(masked_fill_zero(ratio, mask).max()) if bool(mask.any()) else 0.0,
                **_old_kl_metrics(logp, old_logp, mask), **_adv_metrics(adv, mask)}
     return loss, metrics
-
-
-PolicyLoss = Callable[..., "tuple[Tensor, dict]"]
-
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "pg": pg_loss, "cispo": cispo_loss}
-
-
-def policy_loss(name: str, logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor,
-                norm: Normalizer, opts: PolicyLossOptions | None = None,
-                ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
-    """Run policy loss `name` (POLICY_LOSSES): aggregated scalar loss of this micro-batch and its metrics."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name](logp, old_logp, advantages, response_mask, norm,
-                               opts if opts is not None else PolicyLossOptions(), ref_logp=ref_logp)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, norm: Normalizer,

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from covey.algos._stats import as_bool_mask, masked_fill_zero
 from covey.algos.aggregation import Normalizer
-from covey.algos.losses import entropy_loss, kl_loss, policy_loss
+from covey.algos.loss_registry import policy_loss
+from covey.algos.losses import entropy_loss, kl_loss
 from covey.algos.options import PolicyLossOptions
 
 

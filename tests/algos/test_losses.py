@@ -157,8 +157,8 @@ def test_pg_and_ppo_agree_on_policy():
 
 
 def test_policy_loss_registry():
-    assert set(POLICY_LOSSES) == {"ppo_clip", "pg", "cispo"}
-    with pytest.raises(ValueError, match="valid: ppo_clip, pg, cispo"):
+    assert {"ppo_clip", "pg", "cispo"} <= set(POLICY_LOSSES)
+    with pytest.raises(ValueError, match="valid: ppo_clip, pg, cispo, "):
         policy_loss("grpo", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
                     token_mean(torch.ones(1, 1)))
 
