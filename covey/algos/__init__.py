@@ -9,7 +9,9 @@ losses (policy / value / entropy / KL loss terms), soft_losses (SAPO, GMPO, VESP
 loss_registry (every policy loss by name with its traits), objective (policy loss + KL + entropy, masked first:
 the micro-batch objective the trainer runs), aggregation (global normaliser),
 kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
-dpo (DPO loss on best-vs-worst pairs), tis (truncated importance weights, sampler vs trainer),
+dpo (DPO loss on best-vs-worst pairs), tis (importance weights of the four TIS modes, sampler vs trainer),
+token_select (high-entropy tokens, Clip-Cov / KL-Cov selections), entropy_control (fixed or adaptive
+entropy coefficient),
 rm_losses (reward-model losses: Bradley-Terry pairs, labelled steps).
 """
 
@@ -31,10 +33,16 @@ from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
 from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
-from covey.algos.tis import sampler_mismatch, truncated_is_weights
+from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
+from covey.algos.tis import TIS_MODES, importance_weights, sampler_mismatch, truncated_is_weights
+from covey.algos.token_select import (
+    COV_CONTROLS, CovOptions, high_entropy_mask, select_cov_tokens, token_covariance,
+)
 
 __all__ = [
-    "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
+    "AGGREGATIONS", "COV_CONTROLS", "CovOptions", "ESTIMATORS", "TIS_MODES", "AdaptiveEntropyController",
+    "FixedEntropyController", "high_entropy_mask", "importance_weights", "select_cov_tokens", "token_covariance",
+    "KL_ESTIMATORS", "LOG_RATIO_CLAMP", "POLICY_LOSSES",
     "AdaptiveKLController", "AdvantageInput", "AdvantageOptions", "Estimator", "FixedKLController", "GroupStats",
     "Normalizer", "PolicyLoss", "PolicyLossOptions", "gmpo_loss", "sapo_loss", "vespo_loss",
     "aggregate", "best_worst_pairs", "cispo_loss", "compute_advantages", "discounted_returns", "dpo_loss",

@@ -1,17 +1,24 @@
-"""Truncated importance sampling (TIS) for a sampler whose log-probs differ from the trainer's.
+"""Importance sampling for a sampler whose log-probs differ from the trainer's (TIS and its masked forms).
 
-A fast inference engine (vLLM) samples with its own kernels and its own copy of the
-weights, so the behaviour policy mu that drew the tokens is not exactly the policy
-pi the trainer evaluates, even right after a weight sync. The policy gradient is then
-corrected per token by the importance weight pi/mu, truncated at a cap C so a few
-tokens the sampler found very unlikely cannot dominate the batch (Yao et al. 2025,
-"Your efficient RL framework secretly brings you off-policy RL training"; Ionides 2008
-for truncated IS):
+A fast inference engine (vLLM, or covey's own engine sampling from a bf16 copy) samples with its own
+kernels and its own copy of the weights, so the behaviour policy mu that drew the tokens is not exactly
+the policy pi the trainer evaluates, even right after a weight sync. The policy gradient is then
+corrected per token by the importance weight pi/mu, bounded at a cap C so a few tokens the sampler
+found very unlikely cannot dominate the batch (Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"; Ionides 2008 for truncated IS). Four modes (TRL's
+`vllm_importance_sampling_mode`), with r_t = pi_train(y_t) / pi_sampler(y_t) and, for a sequence,
+R = prod_t r_t over its valid tokens (exp of the summed log-ratios):
 
-    w_t = min( pi_train(y_t) / pi_sampler(y_t), C )          computed in log space, no gradient
+    token_truncate     w_t = min(r_t, C)                 (truncated IS; covey's algo.tis_cap alone)
+    token_mask         w_t = r_t if r_t <= C else 0      (the token leaves the policy loss)
+    sequence_truncate  w_t = min(R, C)                   every token of the sequence
+    sequence_mask      w_t = R if R <= C else 0          the whole sequence leaves the policy loss
 
-`pi_train` is the trainer's log-prob of the sampled token under the weights the
-sampler had (pi_old); the loss term of token t is multiplied by w_t.
+computed in log space, no gradient. `pi_train` is the trainer's log-prob of the sampled token under
+the weights the sampler had (pi_old); the loss term of token t is multiplied by w_t. A masked form
+drops a token (or sequence) that truncation would keep at weight C: its ratio says the sampler's
+tokens are too far from the trainer's policy to be corrected (TRL's definitions, on identical inputs
+in tests/algos/test_tis_modes.py).
 """
 
 from __future__ import annotations
@@ -25,32 +32,46 @@ from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean
 from covey.algos.losses import LOG_RATIO_CLAMP
 
 
-def truncated_is_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor,
-                         cap: float) -> tuple[Tensor, dict]:
-    """Per-token weights min(exp(train_logp - sampler_logp), cap), (N, L), 0 where masked; and metrics.
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor, cap: float,
+                       mode: str = "token_truncate") -> tuple[Tensor, dict]:
+    """Per-token weights (N, L) of `mode` (TIS_MODES), 0 where masked; and metrics.
 
     train_logp, sampler_logp: (N, L) log-probs of the sampled tokens; cap >= 1.
     Metrics (means over valid tokens, plain floats):
       tis/weight_mean    mean w
-      tis/capped_frac    share of tokens whose ratio exceeded the cap
-      tis/ratio_max      largest untruncated ratio
-      tis/mismatch_kl    k3 estimate of KL(mu || pi) from the sampler's tokens: r - 1 - log r, r = pi/mu
+      tis/capped_frac    share of tokens whose ratio (r_t, or their sequence's R) exceeded the cap
+      tis/ratio_max      largest ratio before the cap (r_t or R)
+      tis/mismatch_kl    k3 estimate of KL(mu || pi) from the sampler's tokens: r - 1 - log r, per token
     """
     if cap < 1:
-        raise ValueError(f"truncated IS cap must be >= 1, got {cap}")
+        raise ValueError(f"importance sampling cap must be >= 1, got {cap}")
+    if mode not in TIS_MODES:
+        raise ValueError(f"unknown tis_mode {mode!r}; valid: {', '.join(TIS_MODES)}")
     mask = as_bool_mask(response_mask)
-    log_ratio = masked_fill_zero((train_logp - sampler_logp).detach(), mask)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    weights = masked_fill_zero(ratio.clamp(max=cap), mask)
+    token = masked_fill_zero((train_logp - sampler_logp).detach(), mask)
+    log_ratio = token.sum(-1, keepdim=True).expand_as(token) if mode.startswith("sequence") else token
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    beyond = ratio > cap
+    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(beyond, 0.0)
+    weights = masked_fill_zero(weights, mask)
     wide = torch.float64 if ratio.dtype == torch.float64 else torch.float32
+    token = token.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics = {
         "tis/weight_mean": float(masked_mean(weights.to(wide), mask)),
-        "tis/capped_frac": float(masked_mean((ratio > cap).to(wide), mask)),
+        "tis/capped_frac": float(masked_mean(beyond.to(wide), mask)),
         "tis/ratio_max": float(masked_fill_zero(ratio, mask).max()) if bool(mask.any()) else 0.0,
-        "tis/mismatch_kl": float(masked_mean((torch.expm1(log_ratio) - log_ratio).to(wide), mask)),
+        "tis/mismatch_kl": float(masked_mean((torch.expm1(token) - token).to(wide), mask)),
     }
     return weights, metrics
+
+
+def truncated_is_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor,
+                         cap: float) -> tuple[Tensor, dict]:
+    """Per-token weights min(exp(train_logp - sampler_logp), cap): `importance_weights` in token_truncate."""
+    return importance_weights(train_logp, sampler_logp, response_mask, cap, "token_truncate")
 
 
 def sampler_mismatch(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor, cap: float) -> dict:

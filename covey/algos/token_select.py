@@ -1,0 +1,161 @@
+"""Which tokens carry the policy gradient: high-entropy token selection, and the covariance controls
+Clip-Cov and KL-Cov. Dimension legend: N sequences, L response tokens.
+
+High-entropy tokens (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv:2506.01939; TRL's
+`top_entropy_quantile`): only tokens whose entropy is at least the (1 - rho) quantile of the batch's
+token entropies keep their policy-gradient term; the others still count in the loss normaliser and
+carry KL and entropy terms (TRL multiplies the per-token policy loss by the mask, the normaliser
+unchanged; the paper's objective divides by every token of the batch).
+
+Covariance controls (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+Language Models", arXiv:2505.22617; verl's policy losses `clip_cov`, `kl_cov`): with the centred product
+
+    cov_t = (A_t - mean A) * (log pi(y_t) - mean log pi)        means over the batch's valid tokens
+
+Clip-Cov picks at random max(floor(r * T), 1) tokens among those with lb < cov_t < ub (T: valid tokens)
+and drops their policy term (value and gradient: their advantage is 0); KL-Cov picks the
+max(floor(k * T), 1) tokens of largest cov_t and adds coef * |log pi_theta(y_t) - log pi_old(y_t)| to
+their loss. verl's defaults: r = 2e-4, lb = 1, ub = 5, k = 2e-4, coef = 0.1.
+
+Every selection is a function of whole-batch tensors: the trainer calls it once per rollout on every
+rank's tokens (covey.train.token_weights), so it never depends on the micro-batch size or the process
+count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean
+from covey.algos.aggregation import Normalizer, aggregate
+
+
+def high_entropy_mask(entropy: Tensor, response_mask: Tensor, quantile: float) -> tuple[Tensor, dict]:
+    """(N, L) bool: valid tokens whose entropy is >= the (1 - quantile) quantile of the valid tokens'
+    entropies (torch.quantile, linear interpolation between order statistics); and metrics.
+
+    quantile in [0, 1]: the share of tokens kept (1 keeps all; 0 keeps the highest, and its ties).
+    Metrics: select/entropy_threshold, select/entropy_kept_frac (share of valid tokens kept).
+    """
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {quantile}")
+    mask = as_bool_mask(response_mask)
+    values = entropy.detach()[mask]
+    if values.numel() == 0 or quantile >= 1.0:
+        return mask.clone(), {"select/entropy_kept_frac": 1.0}
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()
+    threshold = torch.quantile(values, 1.0 - quantile)
+    kept = mask & (masked_fill_zero(entropy.detach(), mask) >= threshold)
+    return kept, {"select/entropy_threshold": float(threshold),
+                  "select/entropy_kept_frac": float(kept.sum()) / float(mask.sum())}
+
+
+def token_covariance(advantages: Tensor, logp: Tensor, response_mask: Tensor) -> Tensor:
+    """(N, L) float64 (A_t - mean A)(logp_t - mean logp), means over the valid tokens; 0 where masked."""
+    mask = as_bool_mask(response_mask)
+    adv = masked_fill_zero(advantages.detach().double(), mask)
+    lp = masked_fill_zero(logp.detach().double(), mask)
+    return masked_fill_zero((adv - masked_mean(adv, mask)) * (lp - masked_mean(lp, mask)), mask)
+
+
+@dataclass(frozen=True)
+class CovOptions:
+    """Options of the covariance controls (algo.cov_control and its keys)."""
+    control: str = "none"
+    """none | clip_cov | kl_cov (COV_CONTROLS)."""
+    clip_ratio: float = 2e-4
+    """Clip-Cov: share of the valid tokens whose policy term is dropped."""
+    clip_lb: float = 1.0
+    """Clip-Cov: a candidate's covariance is above this ..."""
+    clip_ub: float = 5.0
+    """... and below this."""
+    kl_ratio: float = 2e-4
+    """KL-Cov: share of the valid tokens (largest covariance) that carry the penalty."""
+    kl_coef: float = 0.1
+    """KL-Cov: weight of |log pi_theta - log pi_old| on those tokens."""
+
+    def validate(self) -> None:
+        if self.control not in COV_CONTROLS:
+            raise ValueError(f"unknown cov_control {self.control!r}; valid: {', '.join(COV_CONTROLS)}")
+        if not (0.0 <= self.clip_ratio <= 1.0 and 0.0 <= self.kl_ratio <= 1.0):
+            raise ValueError(f"clip_cov_ratio and kl_cov_ratio must be in [0, 1], got {self.clip_ratio}, "
+                             f"{self.kl_ratio}")
+        if not self.clip_lb < self.clip_ub:
+            raise ValueError(f"clip_cov_lb must be below clip_cov_ub, got {self.clip_lb}, {self.clip_ub}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_coef}")
+
+
+def clip_cov_select(cov: Tensor, response_mask: Tensor, opts: CovOptions, generator: torch.Generator) -> Tensor:
+    """(N, L) bool: max(floor(clip_ratio * T), 1) tokens drawn uniformly (by `generator`) among the
+    valid ones with clip_lb < cov < clip_ub; all of them when there are fewer."""
+    mask = as_bool_mask(response_mask)
+    count = max(int(opts.clip_ratio * int(mask.sum())), 1)
+    candidates = (mask & (cov > opts.clip_lb) & (cov < opts.clip_ub)).flatten().nonzero().squeeze(1)
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]]
+    out = torch.zeros(mask.numel(), dtype=torch.bool)
+    out[chosen.cpu()] = True
+    return out.view(mask.shape).to(mask.device)
+
+
+def kl_cov_select(cov: Tensor, response_mask: Tensor, opts: CovOptions, generator: torch.Generator) -> Tensor:
+    """(N, L) bool: the max(floor(kl_ratio * T), 1) valid tokens of largest cov (none without valid tokens)."""
+    mask = as_bool_mask(response_mask)
+    valid = mask.flatten().nonzero().squeeze(1)
+    out = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if len(valid) and opts.kl_ratio > 0:
+        count = max(int(len(valid) * opts.kl_ratio), 1)
+        out[valid[torch.topk(cov.flatten()[valid], count).indices]] = True
+    return out.view(mask.shape)
+
+
+@dataclass(frozen=True)
+class CovControl:
+    """A covariance control: how it selects tokens and what it does to them."""
+    select: Callable[[Tensor, Tensor, CovOptions, torch.Generator], Tensor] | None
+    """(cov, response_mask, options, generator) -> (N, L) bool; None: no selection."""
+    drops_policy_term: bool = False
+    """The selected tokens' policy term is dropped (their advantage set to 0)."""
+    penalises_drift: bool = False
+    """kl_coef * |log pi_theta - log pi_old| is added on the selected tokens."""
+
+
+COV_CONTROLS: dict[str, CovControl] = {
+    "none": CovControl(select=None),
+    "clip_cov": CovControl(select=clip_cov_select, drops_policy_term=True),
+    "kl_cov": CovControl(select=kl_cov_select, penalises_drift=True),
+}
+
+
+def select_cov_tokens(advantages: Tensor, logp: Tensor, response_mask: Tensor, opts: CovOptions,
+                      generator: torch.Generator) -> tuple[Tensor | None, dict]:
+    """The tokens the control `opts.control` acts on (None for `none`), from the batch's advantages and
+    log-probs; metrics select/cov_mean (mean cov_t) and select/cov_frac (share of valid tokens selected)."""
+    control = COV_CONTROLS[opts.control]
+    if control.select is None:
+        return None, {}
+    mask = as_bool_mask(response_mask)
+    cov = token_covariance(advantages, logp, mask)
+    chosen = control.select(cov, mask, opts, generator)
+    total = max(float(mask.sum()), 1.0)
+    return chosen, {"select/cov_mean": float(cov.sum()) / total, "select/cov_frac": float(chosen.sum()) / total}
+
+
+def cov_terms(opts: CovOptions, logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
+              chosen: Tensor, norm: Normalizer) -> tuple[Tensor, Tensor | None]:
+    """What the control does inside the objective of one micro-batch: (advantages for the policy loss,
+    the KL-Cov penalty aggregated with the step's normaliser or None). `chosen`: its rows of the selection."""
+    control = COV_CONTROLS[opts.control]
+    mask = as_bool_mask(response_mask) & as_bool_mask(chosen)
+    if control.drops_policy_term:
+        advantages = advantages.masked_fill(mask, 0.0)
+    penalty = None
+    if control.penalises_drift:
+        drift = (masked_fill_zero(logp, mask) - masked_fill_zero(old_logp.detach().to(logp.dtype), mask)).abs()
+        penalty = opts.kl_coef * aggregate(drift, response_mask, norm)
+    return advantages, penalty
