@@ -1,0 +1,156 @@
+"""covey's policy objective equals TRL 1.16's GRPOTrainer loss (and its experimental GMPOTrainer's) on
+identical inputs, in float64: the loss and its gradient with respect to the policy's log-probs, KL term
+included. TRL's own `_compute_loss` runs on an instance made without __init__, holding the attributes it
+reads, with a stand-in for the forward pass that returns the given log-probs.
+
+Where covey departs from TRL on purpose, a test shows the case (cispo's bounds).
+"""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from covey.algos import Normalizer, PolicyLossOptions, policy_objective
+
+trl = pytest.importorskip("trl", reason="the comparison runs TRL's own loss code (pip install trl==1.16.0)")
+if trl.__version__ != "1.16.0":
+    pytest.skip(f"written against TRL 1.16.0's loss code, found {trl.__version__}", allow_module_level=True)
+
+F64 = torch.float64
+N, L, MAX_LEN, BETA = 4, 5, 6, 0.04
+ARGS = {"delta": None, "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0,
+        "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "use_bias_correction_kl": False,
+        "steps_per_generation": 1}
+
+
+class OneProcess:
+    """The accelerator calls TRL's loss makes, for one process."""
+    num_processes = 1
+    sync_gradients = True
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+
+def inputs(seed=0, spread=0.8):
+    """Log-probs of 4 sequences of lengths 5, 4, 3, 2 (and a hole), old/ref log-probs off by up to `spread`
+    nats (so every clip branch is hit), one advantage per sequence of either sign."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(N, L, generator=g, dtype=F64) * 2 - 0.1
+    old = logp + (torch.rand(N, L, generator=g, dtype=F64) * 2 - 1) * spread
+    ref = logp + (torch.rand(N, L, generator=g, dtype=F64) * 2 - 1) * spread
+    mask = (torch.arange(L)[None, :] < torch.tensor([5, 4, 3, 2])[:, None]).to(F64)
+    mask[0, 2] = 0.0
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.1], dtype=F64)
+    return logp, old, ref, mask, adv
+
+
+def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28), beta=BETA, gmpo=False, **args):
+    """TRL's loss and d loss / d logp."""
+    if gmpo:
+        from trl.experimental.gmpo import GMPOTrainer as Trainer
+    else:
+        from trl import GRPOTrainer as Trainer
+    t = Trainer.__new__(Trainer)
+    leaf = logp.clone().requires_grad_(True)
+    t._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
+    t.__dict__.update(
+        loss_type=loss_type, importance_sampling_level=level, epsilon_low=eps[0], epsilon_high=eps[1], beta=beta,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
+        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=MAX_LEN, accelerator=OneProcess(),
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        args=SimpleNamespace(**{**ARGS, **args}))
+    batch = {"prompt_ids": torch.zeros(N, 1, dtype=torch.long), "prompt_mask": torch.ones(N, 1, dtype=torch.long),
+             "completion_ids": torch.zeros(N, L, dtype=torch.long), "completion_mask": mask,
+             "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+             "num_items_in_batch": mask.sum()}
+    loss = t._compute_loss(None, batch)
+    return loss.item(), torch.autograd.grad(loss, leaf)[0]
+
+
+def covey_loss(name, agg, logp, old, ref, mask, adv, beta=BETA, **opts):
+    leaf = logp.clone().requires_grad_(True)
+    n = Normalizer.from_totals(agg, float(mask.sum()), N, MAX_LEN)
+    loss, _ = policy_objective(name, leaf, old, adv[:, None].expand(N, L), mask, n, PolicyLossOptions(**opts),
+                               ref_logp=ref, kl_coef=beta, kl_kind="k3")
+    return loss.item(), torch.autograd.grad(loss, leaf)[0]
+
+
+def same(a, b):
+    assert a[0] == pytest.approx(b[0], abs=1e-6)
+    assert torch.allclose(a[1], b[1], atol=1e-6, rtol=0)
+
+
+CLIP = {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
+CASES = {  # TRL loss_type (and its options) -> covey's policy_loss, loss_agg and options
+    "grpo": ({}, ("ppo_clip", "seq_mean_token_mean", CLIP)),
+    "bnpo": ({}, ("ppo_clip", "token_mean", CLIP)),
+    "dr_grpo": ({}, ("ppo_clip", "constant", CLIP)),
+    "dapo": ({}, ("ppo_clip", "token_mean", CLIP)),
+    "grpo, sequence level (GSPO)": ({"loss_type": "grpo", "level": "sequence"},
+                                    ("ppo_clip", "seq_mean_token_mean", {**CLIP, "ratio_level": "sequence"})),
+    "grpo, delta = 3 (two-sided clip)": ({"loss_type": "grpo", "delta": 3.0},
+                                         ("ppo_clip", "seq_mean_token_mean", {**CLIP, "dual_clip": 3.0})),
+    "sapo": ({}, ("sapo", "seq_mean_token_mean", {})),
+    "sapo, temperatures 2 / 0.5": ({"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
+                                   ("sapo", "seq_mean_token_mean",
+                                    {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5})),
+    "luspo": ({"level": "sequence"}, ("luspo", "seq_mean_token_sum", CLIP)),
+    "vespo": ({}, ("vespo", "token_mean", {})),
+    "vespo, k 1.5 / 4, lambda 2.5 / 1": ({"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+                                          "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0},
+                                         ("vespo", "token_mean", {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+                                                                  "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0})),
+    # cispo: TRL caps the weight at epsilon_high itself (ScaleRL's eps_max, 5.0 recommended) with no floor;
+    # covey clips to [1 - clip_eps_low, 1 + clip_eps_high], so eps_max = 1.3 is clip_eps_high = 0.3 with
+    # the floor off (clip_eps_low = 1: the weight's floor 0)
+    "cispo": ({"eps": (0.2, 1.3)}, ("cispo", "token_mean", {"clip_eps_low": 1.0, "clip_eps_high": 0.3})),
+    "gmpo (trl.experimental.gmpo)": ({"loss_type": "gmpo", "gmpo": True, "eps": (0.4, 0.3)},
+                                     ("gmpo", "seq_mean_token_mean",
+                                      {"gmpo_log_clip_low": 0.4, "gmpo_log_clip_high": 0.3})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_equals_trl(case, seed):
+    trl_args, (name, agg, opts) = CASES[case]
+    trl_args = {"loss_type": case, **trl_args}
+    spread = 1.2 if name == "vespo" else 0.8  # vespo's kernel needs sequence weights far from 1 to bend
+    x = inputs(seed, spread)
+    same(covey_loss(name, agg, *x, **opts), trl_loss(trl_args.pop("loss_type"), *x, **trl_args))
+
+
+def test_the_cases_reach_every_branch():
+    # between them the two seeds put ratios beyond both clip bounds (PPO's 0.8 / 1.28, GMPO's e^-0.4 / e^0.3)
+    # with both signs of advantage: every clipped and unclipped branch runs in the comparison above
+    hits = torch.zeros(6, dtype=torch.bool)
+    for seed in (0, 1):
+        logp, old, ref, mask, adv = inputs(seed)
+        r = (logp - old).exp()[mask.bool()]
+        a = adv[:, None].expand(N, L)[mask.bool()]
+        hits |= torch.stack([((r > 1.28) & (a > 0)).any(), ((r < 0.8) & (a < 0)).any(), ((r > 1.28) & (a < 0)).any(),
+                             ((r < 0.8) & (a > 0)).any(), ((r > 1.35) & (a > 0)).any(), ((r < 0.67) & (a < 0)).any()])
+    assert hits.all()
+
+
+def test_trl_cispo_default_caps_the_weight_at_0_2():
+    """covey departs here: TRL's cispo reads epsilon_high as the cap itself, and with epsilon_high unset it
+    falls back to epsilon = 0.2, so on policy (ratio 1) every weight is min(1, 0.2) = 0.2 and the gradient
+    is a fifth of the policy gradient. covey's cispo (MiniMax-M1's clip(r, 1 - eps_low, 1 + eps_high)) with
+    its defaults gives the weight 1 on policy: pg's gradient."""
+    logp, _, ref, mask, adv = inputs(0)
+    old = logp.clone()
+    trl_default = trl_loss("cispo", logp, old, ref, mask, adv, eps=(0.2, 0.2), beta=0.0)
+    covey_pg = covey_loss("pg", "token_mean", logp, old, ref, mask, adv, beta=0.0)
+    covey_cispo = covey_loss("cispo", "token_mean", logp, old, ref, mask, adv, beta=0.0)
+    assert torch.allclose(trl_default[1], 0.2 * covey_pg[1], atol=1e-12)
+    assert torch.allclose(covey_cispo[1], covey_pg[1], atol=1e-12)
