@@ -135,8 +135,6 @@ def validate_algo(cfg: Config) -> None:
                           f"1 + eps; PPO's is 0.2, DAPO's 0.28), got {a.clip_eps_high}")
     if r.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 (log-probs divide by it)")
-    if not 0.0 <= a.update_memory_share < 1.0:
-        raise ConfigError("algo.update_memory_share must lie in [0, 1)")
     if a.ref_ema and not 0.0 < a.ref_ema <= 1.0:
         raise ConfigError("algo.ref_ema must lie in (0, 1]")
     n_seq = r.prompts_per_step * r.group_size
@@ -238,6 +236,8 @@ def validate_dpo_and_budget(cfg: Config) -> None:
                               "it is not defined for algo.learner=dpo")
     if t.max_minutes < 0:
         raise ConfigError(f"train.max_minutes must be >= 0 (0 = no limit), got {t.max_minutes}")
+    if t.gpu_memory_gib < 0:
+        raise ConfigError(f"train.gpu_memory_gib must be >= 0 (0 = the card's memory less 10%), got {t.gpu_memory_gib}")
     if t.grad_var_every < 0:
         raise ConfigError(f"train.grad_var_every must be >= 0 (0 = off), got {t.grad_var_every}")
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import typing
 from importlib import resources
 from pathlib import Path
@@ -61,7 +62,29 @@ def read_preset(preset: str) -> dict:
         raise ConfigError(yaml_error(preset, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{preset}: top level must be a mapping")
-    return flatten(data)
+    pairs = flatten(data)
+    for key in [k for k in pairs if retired_key(k)]:  # an older run's config.yaml records every key it had
+        print(f"covey: warning: {preset}: {retired_line(retired_key(key))}; left out", file=sys.stderr)
+        del pairs[key]
+    return pairs
+
+
+# Keys covey no longer has, and what replaced them. Named on the command line they fail with this line; in a
+# YAML file (an older run's config.yaml holds every key of its day) they are left out with it on stderr.
+RETIRED_KEYS = {
+    "algo.update_memory_share": "train.gpu_memory_gib (the GiB a run may take on one GPU, weights, optimizer "
+                                "state and batches together; its batches are sized to fit it; 0 = the card's "
+                                "memory less 10%)",
+}
+
+
+def retired_key(key: str) -> str | None:
+    """The retired key `key` names ('algo.update_memory_share' or 'update_memory_share'), else None."""
+    return next((k for k in RETIRED_KEYS if key in (k, k.split(".")[1])), None)
+
+
+def retired_line(key: str) -> str:
+    return f"config key '{key}' was replaced by {RETIRED_KEYS[key]}"
 
 
 def yaml_error(where: str, err: yaml.YAMLError) -> str:
@@ -106,10 +129,11 @@ def as_dict(cfg: Config) -> dict:
 
 
 def from_dict(data: dict) -> Config:
-    """A Config from a nested dict (a checkpoint's config.json); not checked."""
+    """A Config from a nested dict (a checkpoint's config.json; keys covey has retired left out); not checked."""
     cfg = Config()
     for k, v in flatten(data).items():
-        set_value(cfg, k, v)
+        if not retired_key(k):
+            set_value(cfg, k, v)
     return cfg
 
 
@@ -137,6 +161,9 @@ TRL_NAMES = {
     "max_steps": "train.steps", "num_train_epochs": "train.steps",
     "sync_ref_model": "algo.ref_refresh_every", "ref_model_sync_steps": "algo.ref_refresh_every",
     "ref_model_mixup_alpha": "algo.ref_ema", "vllm_importance_sampling_cap": "algo.tis_cap",
+    "vllm_importance_sampling_clip_max": "algo.tis_cap", "vllm_importance_sampling_mode": "algo.tis_mode",
+    "vllm_importance_sampling_correction": "algo.tis_cap (> 0 turns it on)",
+    "use_adaptive_entropy": "algo.adaptive_entropy",
     "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions (a :weight after each function)",
     "save_steps": "train.save_every", "eval_steps": "train.eval_every", "save_total_limit": "train.keep_checkpoints",
     "report_to": "train.logger", "log_completions": "train.samples_every",
@@ -162,7 +189,7 @@ OTHER_NAMES = {
     "eps_clip": "algo.clip_eps_low and algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
     "loss_agg_mode": "algo.loss_agg", "cliprange_value": "algo.value_clip", "vf_coef": "algo.value_coef",
     "entropy_coeff": "algo.entropy_coef", "adv_estimator": "algo.estimator", "advantage_estimator": "algo.estimator",
-    "pretrain": "model.path",
+    "pretrain": "model.path", "ppo_kl_coef": "algo.kl_cov_coef",
 }
 
 # A name here is never read as a leaf of some other section (`learning_rate` would otherwise land on
@@ -184,6 +211,8 @@ def resolve_key(key: str) -> tuple[str, str]:
     if key in keys:
         section, name = key.split(".")
         return section, name
+    if retired_key(key):
+        raise ConfigError(retired_line(retired_key(key)))
     section, _, name = key.rpartition(".")
     if name in TRL_NAMES:
         raise ConfigError(f"unknown config key '{key}': TRL's {name} is {TRL_NAMES[name]} here")

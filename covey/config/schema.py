@@ -191,8 +191,6 @@ class AlgoConfig:
     """Optimizer steps per epoch (mini-batches of the rollout)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward (memory knob; does not change the gradient)."""
-    update_memory_share: float = 0.5
-    """On one GPU, the update's micro-batches grow to fill this share of the free GPU memory (estimated; at least micro_batch_size); 0 = micro_batch_size."""
     value_clip: float = 0.2
     """Critic value clip range (0 = off)."""
     value_coef: float = 0.5
@@ -237,6 +235,8 @@ class TrainConfig:
     """Training steps (one rollout each)."""
     device: str = "auto"
     """Where every model and engine runs: auto (cuda:LOCAL_RANK when torch sees a CUDA GPU, else cpu) | cpu | cuda."""
+    gpu_memory_gib: float = 0.0
+    """On one GPU, the GiB the run may take (docs/scale.md): it stops before its first step if weights, gradients, optimizer state, reference and sampling copies and one sequence do not fit, and sizes the update micro-batches, prompts per generate call (the sampler's KV cache) and log-prob passes to fit; 0 = the card's memory less 10%."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     eval_every: int = 0

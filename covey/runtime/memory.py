@@ -1,5 +1,6 @@
-"""Memory: peak GPU memory per phase of a step, no-grad passes sized to the free GPU memory, and
-out-of-memory that halves the micro-batch.
+"""Memory: peak GPU memory per phase of a step, batch sizes fitted to the GPU memory budget
+(train.gpu_memory_gib; the figures are in covey/runtime/budget.py), and out-of-memory that halves
+the micro-batch.
 
 `torch.cuda.max_memory_allocated` counts tensors allocated by torch on the device, the
 quantity that decides an out-of-memory error (the caching allocator's reserve is larger).
@@ -21,6 +22,8 @@ from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from covey.runtime.budget import GiB, budget_bytes, row_bucket
 
 T = TypeVar("T")
 
@@ -48,65 +51,33 @@ def record_gpu_peak(metrics: dict, device: str | torch.device, phase: str) -> di
     return metrics
 
 
-def text_config(config):
-    """The decoder's config (a multimodal model's text part), whose sizes the estimates below read."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+def gpu_allowed_bytes(device: str | torch.device) -> int:
+    """Bytes this process may allocate on its GPU: the card's total times the share
+    torch.cuda.set_per_process_memory_fraction left it (1 unless set)."""
+    cuda = torch.device(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(cuda)
+    return int(torch.cuda.get_device_properties(cuda).total_memory * fraction)
 
 
-def rows_that_fit(per_position: int, positions: int, budget_bytes: float, least: int, most: int) -> int:
-    """Sequences of `positions` positions at `per_position` bytes each that fit in `budget_bytes`,
-    kept between `least` and `most`."""
-    fit = int(max(0.0, budget_bytes) // max(1, per_position * positions))
+def gpu_budget(setting_gib: float, device: str | torch.device) -> int:
+    """train.gpu_memory_gib in bytes on `device` (0: what this process may use less budget.HEADROOM)."""
+    return budget_bytes(setting_gib, gpu_allowed_bytes(device))
+
+
+def rows_that_fit(per_row: int, budget: float, least: int, most: int) -> int:
+    """Sequences of `per_row` bytes each that fit in `budget` bytes, kept between `least` and `most`."""
+    fit = int(max(0.0, budget) // max(1, per_row))
     return max(least, min(most, fit))
 
 
-def rows_per_no_grad_pass(config, positions: int, free_bytes: int, least: int, most: int,
-                          share: float = 0.25) -> int:
-    """Sequences per no-grad log-prob pass (old policy, reference, values) that fit in `share` of
-    `free_bytes`, between `least` (algo.micro_batch_size) and `most` (the rollout's sequences).
-
-    Without gradients nothing is kept from layer to layer, so a pass's peak is its logits (bf16,
-    2 V bytes a position; covey/algos/logits.py reads them in bounded blocks) and one layer's
-    activations: the MLP's gate, up and product (3 x 2 I bytes) and about eight hidden-size vectors
-    in float32 and bf16 (16 H bytes), at every one of `positions` (prompt + response) per sequence.
-    """
-    config = text_config(config)
-    per_position = 2 * config.vocab_size + 6 * config.intermediate_size + 16 * config.hidden_size
-    return rows_that_fit(per_position, positions, share * free_bytes, least, most)
-
-
-def rows_per_update_pass(config, positions: int, available_bytes: int, least: int, most: int,
-                         element_bytes: int, share: float) -> int:
-    """Sequences per gradient micro-batch of the update that fit in `share` of `available_bytes` (the
-    free GPU memory less the gradients and optimizer state still to be allocated), between `least`
-    (algo.micro_batch_size) and `most` (the sequences of one optimizer step).
-
-    With gradients, every layer keeps what its backward reads, at each of `positions` per sequence
-    (a Llama / Qwen2 decoder layer, HF's modules, activations of `element_bytes` each: 2 under bf16
-    autocast, 4 in fp32):
-      - the two RMSNorms, which work in float32: their input and normalised output, 2 x 2 x 4 H = 16 H bytes;
-      - the inputs of the q, k, v, o, gate and up projections (autocast casts each, 3 H + H + 2 H)
-        and queries plus attention output (2 H): 8 H elements;
-      - keys and values for the attention backward: 2 x kv_heads x head_dim elements;
-      - the MLP: the gate before SiLU, SiLU's output, up, and down's input: 4 I elements.
-    The logits are read in bounded blocks (covey/algos/logits.py) and not counted. On one H100 the
-    1.5B benchmark's update grew by 3.3 MB a position from 8 to 32 sequences; this gives 3.4.
-    """
-    config = text_config(config)
-    hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_layer = 16 * hidden + element_bytes * (8 * hidden + 2 * kv * head_dim + 4 * inter)
-    return rows_that_fit(config.num_hidden_layers * per_layer, positions, share * available_bytes, least, most)
-
-
-def size_no_grad_passes(sizes: "MicroBatchSizes", config, positions: int, rows: int, device: str) -> None:
-    """On one GPU the no-grad log-prob passes (old policy, reference, values) take as many sequences as
-    fit in a quarter of the free memory, at least their configured size (algo.micro_batch_size):
-    fewer, larger passes. Halved on out-of-memory like any phase. The caller decides where this
-    applies (not under torchrun, where every rank keeps the configured size: their passes pair up)."""
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    sizes.sizes["logprobs"] = rows_per_no_grad_pass(config, positions, free, sizes.sizes["logprobs"], rows)
+def prompts_that_fit(per_row: int, group_size: int, budget: float, most: int) -> int:
+    """Prompts per generate call whose G samples each fit in `budget` bytes at `per_row` bytes a sample,
+    rows counted as the static decoder holds them (a power of two, at least 8: covey/rollout/static_decode.py);
+    between 1 and `most`."""
+    for prompts in range(most, 1, -1):
+        if row_bucket(prompts * group_size) * per_row <= budget:
+            return prompts
+    return 1
 
 
 def pending_training_bytes(trained: list) -> int:
@@ -121,26 +92,33 @@ def pending_training_bytes(trained: list) -> int:
     return pending
 
 
-def size_update_pass(sizes: "MicroBatchSizes", config, trained: list, positions: int, rows: int, device: str,
-                     element_bytes: int, share: float) -> None:
-    """Before the first update on one GPU: its micro-batches take as many sequences as fit in `share`
-    (algo.update_memory_share) of the free GPU memory, less the gradients and optimizer state not yet
-    allocated, at least algo.micro_batch_size; fewer, larger micro-batches launch fewer kernels, and
-    the gradient does not change. Once per process, and never after an out-of-memory halved a size
-    (a resumed run keeps its checkpointed sizes then). `trained`: (model, optimizer) pairs."""
-    if share <= 0 or sizes.oom_retries or sizes.update_sized:
-        return
-    sizes.update_sized = True
+def budget_left(budget: int, trained: list, device: str | torch.device) -> int:
+    """Bytes of `budget` not yet taken on `device`: less what torch holds now (weights, optimizer state, the
+    sampler's cache, the rollout) and the gradients and state the first step will allocate; never more than
+    the card has free (another process may hold some), torch's unused cached blocks counted as free."""
     cuda = torch.device(device)
     free, _ = torch.cuda.mem_get_info(cuda)
-    cached = torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda)
-    least = sizes.sizes["update"]
-    sizes.sizes["update"] = rows_per_update_pass(config, positions, free + cached - pending_training_bytes(trained),
-                                                 least, rows, element_bytes, share)
-    if sizes.sizes["update"] > least:  # the memory this takes is the user's to know (and to refuse)
-        print(f"covey: update micro-batches of {sizes.sizes['update']} sequences, sized to "
-              f"algo.update_memory_share={share:g} of {free / 2**30:.1f} GiB free GPU memory "
-              f"(algo.update_memory_share=0 keeps {least})")
+    allocated = torch.cuda.memory_allocated(cuda)
+    cached = torch.cuda.memory_reserved(cuda) - allocated
+    return min(budget - allocated, free + cached) - pending_training_bytes(trained)
+
+
+def size_update_pass(sizes: "MicroBatchSizes", per_position: int, trained: list, positions: int, rows: int,
+                     device: str, budget: int) -> None:
+    """Before the first update on one GPU: its micro-batches take as many sequences (of `per_position` bytes
+    at each of `positions`) as fit in what is left of the budget (train.gpu_memory_gib), between 1 and the
+    sequences of one optimizer step; fewer, larger micro-batches launch fewer kernels, and the gradient does
+    not change. Once per process, and never after an out-of-memory halved a size (a resumed run keeps its
+    checkpointed sizes then). `trained`: (model, optimizer) pairs."""
+    if budget <= 0 or sizes.oom_retries or sizes.update_sized:
+        return
+    sizes.update_sized = True
+    configured, left = sizes.sizes["update"], budget_left(budget, trained, device)
+    sizes.sizes["update"] = rows_that_fit(per_position * positions, left, 1, rows)
+    if sizes.sizes["update"] != configured:  # the memory this takes is the user's to know (and to refuse)
+        print(f"covey: update micro-batches of {sizes.sizes['update']} sequences (algo.micro_batch_size="
+              f"{configured}), sized to the {left / GiB:.1f} GiB left of train.gpu_memory_gib="
+              f"{budget / GiB:.1f} GiB")
 
 
 # --------------------------------------------------------------------------- out of memory

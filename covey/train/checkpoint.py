@@ -38,8 +38,10 @@ from covey.runtime.signals import fault_point
 from covey.tasks.data import absolute_reward_file
 
 # Keys that change only logging, speed, memory or length of the run, never its numbers (the device and
-# gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU).
-RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing", "algo.update_memory_share",
+# gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU). A run
+# resumes with its checkpointed batch sizes whatever train.gpu_memory_gib says now; algo.update_memory_share
+# is what runs before train.gpu_memory_gib recorded.
+RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing", "algo.update_memory_share", "train.gpu_memory_gib",
     "train.steps", "train.resume", "train.progress", "train.save_every", "train.keep_checkpoints",
     "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",

@@ -172,8 +172,8 @@ class Plan:
     """Truncated importance sampling: each token's weight min(pi_old / pi_sampler, cap) (0 = off)."""
     step_scoring: StepScoring
     schedule: Schedule
-    update_memory_share: float
-    """On one GPU, the share of free memory the update's micro-batches may take (0 = micro_batch_size)."""
+    gpu_memory_gib: float
+    """On one GPU, the GiB the run may take; its batches are fitted to it (0 = the card's memory less 10%)."""
     episodes: EpisodeOptions | None = None
     """Multi-turn episodes with tools (rollout.tools); None: single-turn answers."""
 
@@ -203,7 +203,7 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
         kl=KLOptions(beta=a.beta, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator,
                      placement=a.kl_in),
         sampling=sampling_options(cfg), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
-        tis_cap=a.tis_cap, schedule=schedule(cfg), update_memory_share=a.update_memory_share,
+        tis_cap=a.tis_cap, schedule=schedule(cfg), gpu_memory_gib=cfg.train.gpu_memory_gib,
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),

@@ -32,13 +32,14 @@ from covey.rollout.factory import make_engine, make_eval_engine, sampling_precis
 from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
 from covey.runtime.fsdp import shard_model
-from covey.runtime.memory import MicroBatchSizes, on_gpu, size_no_grad_passes, size_update_pass
+from covey.runtime.memory import MicroBatchSizes, on_gpu, size_update_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.signals import StopFlag
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
+from covey.train.memory_fit import GpuFit, check_loaded_policy, fit_batches, trained_pairs
 from covey.train.optim import make_kl_controller, make_optimizer, make_scheduler
 from covey.train.plan import Plan, make_plan
 from covey.train.update import UpdateState
@@ -72,6 +73,8 @@ class Run:
     """Batch sizes of the phases that halve on out-of-memory."""
     learned_rewards: object = None  # covey.rewards.learned.LearnedRewards: learned RM / PRM
     reward_refreshers: list = field(default_factory=list)  # covey.rm.refresh.RewardModelRefresher
+    gpu_fit: GpuFit | None = None
+    """On one GPU, the memory budget and what the update's sizing reads (covey/train/memory_fit.py)."""
 
     def checkpointed(self) -> dict:
         """The state objects a checkpoint holds beside models and optimizers, by name (each has state_dict):
@@ -231,6 +234,7 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
     policy, tokenizer = load_policy(cfg.model.path, dtype=dtype)
     if cfg.model.lora_rank:  # train adapters only; the reference is then the base with adapters off
         policy = add_adapters(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+    check_loaded_policy(policy, plan, cfg, world.device, world.size)  # a run that cannot fit stops here
     reference = frozen_reference(policy) if plan.needs_reference else None
     critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
               if plan.needs_critic else None)
@@ -300,10 +304,7 @@ def open_feed(run: Run, data, rewarder, cfg: Config, agent: dict | None = None) 
     check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
     check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
     if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
-        longest = max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
-        s = run.plan.sampling
-        size_no_grad_passes(run.micro_batches, run.policy.config, longest + s.max_new_tokens, s.prompts_per_step
-                            * s.group_size, run.world.device)
+        fit_batches(run, cfg, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
     engine, eval_engine = open_engines(run, cfg)
     if agents is not None:
         engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.episodes, run.plan.episodes, a.metrics)
@@ -339,12 +340,10 @@ def resolve_tools(spec: str, extra=None) -> list:
 
 
 def size_update(run: Run, rollout) -> None:
-    """Before the first update on one GPU: the update's micro-batches sized to algo.update_memory_share of the
-    free memory (covey/runtime/memory.py); nothing on a CPU or under torchrun."""
-    if not on_gpu(run.world.device) or run.world.size > 1:
+    """Before the first update on one GPU: the update's micro-batches fitted to what is left of train.gpu_memory_gib
+    (covey/runtime/memory.py); nothing on a CPU or under torchrun."""
+    if run.gpu_fit is None:
         return
-    trained = [(m, o) for m, o in ((run.policy, run.optimizer), (run.critic, run.critic_optimizer)) if m is not None]
-    element = 2 if resolve_autocast(run.plan.update.autocast, torch.device(run.world.device)) == "bfloat16" else 4
-    size_update_pass(run.micro_batches, run.policy.config, trained,
+    size_update_pass(run.micro_batches, run.gpu_fit.update_per_position, trained_pairs(run),
                      rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1], len(rollout), run.world.device,
-                     element, run.plan.update_memory_share)
+                     run.gpu_fit.budget)

@@ -79,67 +79,39 @@ def test_sizes_are_saved_and_restored():
     assert restored.sizes == {"generate": 8, "logprobs": 8, "update": 4} and restored.oom_retries == 1
 
 
-def test_no_grad_passes_take_what_fits_in_a_quarter_of_the_free_memory():
-    """Qwen2.5-1.5B's shape with a 49152-entry vocabulary: per position 2 x 49152 (bf16 logits)
-    + 6 x 8960 (MLP) + 16 x 1536 (hidden vectors) = 176640 bytes; 300 positions a sequence is
-    52992000 bytes, so a quarter of 8 GiB (2147483648 bytes) holds 40 sequences."""
-    from types import SimpleNamespace
-
-    from covey.runtime.memory import rows_per_no_grad_pass
-    config = SimpleNamespace(vocab_size=49152, intermediate_size=8960, hidden_size=1536)
-    assert rows_per_no_grad_pass(config, 300, 8 * 2**30, least=8, most=64) == 40
-    assert rows_per_no_grad_pass(config, 300, 80 * 2**30, least=8, most=64) == 64  # never more than the rollout
-    assert rows_per_no_grad_pass(config, 300, 2**30, least=8, most=64) == 8  # never fewer than micro_batch_size
-
-
-def test_update_micro_batch_takes_what_fits_in_its_share():
-    """Qwen2.5-1.5B's shape (hidden 1536, MLP 8960, 28 layers, 12 query / 2 key-value heads of 128)
-    under bf16 autocast: per layer and position 16 x 1536 (float32 norms) = 24576 bytes, plus
-    2 x (8 x 1536 + 2 x 2 x 128 + 4 x 8960) = 2 x (12288 + 512 + 35840) = 97280 bytes: 121856; x 28
-    layers = 3411968 bytes a position; 290 positions a sequence = 989470720 bytes. Half of 52e9
-    bytes is 26e9: 26 sequences (26.28). In fp32 the elements take 4 bytes: 24576 + 194560 =
-    219136 a layer, x 28 x 290 = 1779384320 a sequence: 14 (14.6)."""
-    from types import SimpleNamespace
-
-    from covey.runtime.memory import rows_per_update_pass
-    config = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                             num_attention_heads=12, num_key_value_heads=2)
-    assert rows_per_update_pass(config, 290, 52 * 10**9, least=8, most=64, element_bytes=2, share=0.5) == 26
-    assert rows_per_update_pass(config, 290, 52 * 10**9, least=8, most=64, element_bytes=4, share=0.5) == 14
-    assert rows_per_update_pass(config, 290, 52 * 10**10, least=8, most=64, element_bytes=2, share=0.5) == 64
-    assert rows_per_update_pass(config, 290, -10**9, least=8, most=64, element_bytes=2, share=0.5) == 8
+def test_rows_and_prompts_that_fit():
+    """Sequences of 52992000 bytes in 8 GiB (8589934592 bytes): 162 (162.1), capped at 64 and at least 1.
+    Prompts of 8 samples of 1e6 bytes in 40e6: 5 prompts are 40 rows, held as 64 (a power of two): 64e6 too
+    many; 4 prompts are 32 rows: 32e6 fit."""
+    from covey.runtime.memory import prompts_that_fit, rows_that_fit
+    assert rows_that_fit(52992000, 8 * 2**30, 1, 1000) == 162
+    assert rows_that_fit(52992000, 8 * 2**30, 1, 64) == 64
+    assert rows_that_fit(52992000, -1, 1, 64) == 1
+    assert prompts_that_fit(10**6, 8, 40e6, most=8) == 4
+    assert prompts_that_fit(10**6, 8, 10**12, most=8) == 8
+    assert prompts_that_fit(10**9, 8, 1, most=8) == 1
 
 
-def test_the_update_is_sized_once_from_free_memory_less_what_the_first_step_allocates(monkeypatch, capsys):
-    """A policy of 1000 fp32 parameters with no gradient and no optimizer state yet: 4000 bytes of
-    gradients and 8000 of AdamW moments are still to come. Free 1e9 + cached (reserved 300 -
-    allocated 100) - 12000 = 999988200 bytes available; the estimate (fake shape below) is 1000
-    bytes a position per layer x 2 layers x 10 positions = 20000 a sequence, so a share of 0.5
-    holds 24999 sequences, capped at the step's 16."""
-    from types import SimpleNamespace
-
+def test_the_update_is_sized_once_to_what_the_budget_leaves(monkeypatch, capsys):
+    """A policy of 1000 fp32 parameters with no gradient yet and AdamW without state: 4000 bytes of gradients
+    and 8000 of moments are still to come. Budget 10**6 bytes, 100 allocated: 999900 of it left, less than
+    free 10**9 + cached (reserved 300 - allocated 100); less 12000 pending: 987900 bytes. Sequences of
+    1000 bytes a position x 10 positions = 10000 bytes: 98 fit, capped at the step's 16."""
     from covey.runtime import memory
-    seen = {}
-    real_rows = memory.rows_per_update_pass
-
-    def fake_rows(config, positions, available, least, most, element_bytes, share):
-        seen.update(positions=positions, available=available, element=element_bytes, share=share)
-        return real_rows(SimpleNamespace(hidden_size=0, intermediate_size=250, num_hidden_layers=2,
-                                         num_attention_heads=1, num_key_value_heads=1),
-                         positions, available, least, most, 1, share)
-    monkeypatch.setattr(memory, "rows_per_update_pass", fake_rows)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**9, 2 * 10**9))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100)
     policy = torch.nn.Linear(100, 10, bias=False)  # 1000 parameters
-    sizes = MicroBatchSizes(4)
     trained = [(policy, torch.optim.AdamW(policy.parameters()))]
-    memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
-    assert seen == {"positions": 10, "available": 10**9 + 200 - 12000, "element": 2, "share": 0.5}
+    assert memory.budget_left(10**6, trained, "cuda") == 987_900
+    sizes = MicroBatchSizes(4)
+    memory.size_update_pass(sizes, 1000, trained, positions=10, rows=16, device="cuda", budget=10**6)
     assert sizes.sizes["update"] == 16 and sizes.update_sized
-    assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences, sized to "
-                                       "algo.update_memory_share=0.5 of 0.9 GiB free GPU memory "
-                                       "(algo.update_memory_share=0 keeps 4)\n")
+    assert capsys.readouterr().out == ("covey: update micro-batches of 16 sequences (algo.micro_batch_size=4), "
+                                       "sized to the 0.0 GiB left of train.gpu_memory_gib=0.0 GiB\n")
     sizes.sizes["update"] = 4
-    memory.size_update_pass(sizes, None, trained, positions=10, rows=16, device="cuda", element_bytes=2, share=0.5)
+    memory.size_update_pass(sizes, 1000, trained, positions=10, rows=16, device="cuda", budget=10**6)
     assert sizes.sizes["update"] == 4  # once per process
+    smaller = MicroBatchSizes(4)  # 25000 bytes x 40 positions = 1e6 a sequence: none fits in 987900, one runs
+    memory.size_update_pass(smaller, 25_000, trained, positions=40, rows=16, device="cuda", budget=10**6)
+    assert smaller.sizes["update"] == 1
