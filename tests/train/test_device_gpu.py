@@ -48,19 +48,14 @@ def test_two_steps_on_cuda_through_the_cli(preset, tiny_model_dir, tmp_path, cap
     assert (tmp_path / "t" / "final" / "config.json").is_file()
 
 
-def test_the_update_micro_batch_grows_into_its_memory_share(tiny_model_dir, tmp_path):
-    """The tiny model needs a few kB a position, so half the free memory holds all 2 x 4 sequences
-    of a step in one micro-batch; with algo.update_memory_share=0 the micro-batch stays at 2 (that the
-    micro-batch leaves the gradient as it is, tests/algos/test_aggregation.py and tests/passes/test_prompt_cache.py
-    check on the CPU)."""
-    rows = {}
-    for share in (0.5, 0.0):
-        keys = {**VARIED, "train.device": "cuda", "algo.micro_batch_size": 2, "algo.update_memory_share": share,
-                "train.run_name": f"share{share}"}
-        assert run_cli("grpo", *tiny_overrides(tiny_model_dir, tmp_path, **keys)) == 0
-        rows[share] = step_rows(tmp_path / f"share{share}")
-    assert [row["memory/micro_batch/update"] for row in rows[0.5]] == [8, 8]
-    assert [row["memory/micro_batch/update"] for row in rows[0.0]] == [2, 2]
+def test_the_update_micro_batch_grows_into_the_memory_budget(tiny_model_dir, tmp_path):
+    """The tiny model needs a few kB a position, so the budget (train.gpu_memory_gib=0: the card less 10%) holds
+    all 2 x 4 sequences of a step in one micro-batch, whatever algo.micro_batch_size says (that the micro-batch
+    leaves the gradient as it is, tests/algos/test_aggregation.py and tests/passes/test_prompt_cache.py check on
+    the CPU). The budgets on emulated 24 and 48 GiB cards: tests/train/test_memory_budget_gpu.py."""
+    keys = {**VARIED, "train.device": "cuda", "algo.micro_batch_size": 2}
+    assert run_cli("grpo", *tiny_overrides(tiny_model_dir, tmp_path, **keys)) == 0
+    assert [row["memory/micro_batch/update"] for row in step_rows(tmp_path / "t")] == [8, 8]
 
 
 @pytest.mark.parametrize("first,then", [("cuda", "cpu"), ("cpu", "cuda")])
