@@ -7,8 +7,8 @@ memory-bandwidth floor, update FLOP rate against the GPU's bf16 matmul peak.
 The workload (bench/workloads.py, `gpu`): random Qwen2 models of Qwen2.5-0.5B's and -1.5B's dimensions,
 saved once in bf16 and loaded by each trainer its own way; covey's arithmetic prompts in SmolLM2's chat
 format; 8 prompts x 8 samples; 256 new tokens at fixed length (covey: no end-of-sequence token; TRL:
-min_new_tokens = 256); one optimizer step per rollout, micro-batches of 8 (covey's update: at least 8,
-grown to fill algo.update_memory_share of the free memory, its default; each step's size is in covey's
+min_new_tokens = 256); one optimizer step per rollout, micro-batches of 8 (covey's update: what fits
+its GPU memory budget, train.gpu_memory_gib, by default the card less 10%; each step's size is in covey's
 result); the same deterministic reward function (it varies between samples, so every step updates).
 
 covey runs as `covey train grpo` would on a GPU (its defaults: fp32 weights and AdamW, bf16 autocast,
