@@ -8,7 +8,8 @@ Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++
 losses (policy / value / entropy / KL loss terms), soft_losses (SAPO, GMPO, VESPO),
 loss_registry (every policy loss by name with its traits), objective (policy loss + KL + entropy, masked first:
 the micro-batch objective the trainer runs), aggregation (global normaliser),
-kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL),
+kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL), linear_logits (the same
+from hidden states and the output layer, no full logits),
 dpo (DPO loss on best-vs-worst pairs), tis (importance weights of the four TIS modes, sampler vs trainer),
 token_select (high-entropy tokens, Clip-Cov / KL-Cov selections), entropy_control (fixed or adaptive
 entropy coefficient),
@@ -22,6 +23,7 @@ from covey.algos.advantages import (
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, mask_truncated, step_totals
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
+from covey.algos.linear_logits import linear_logprobs_and_entropy
 from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
 from covey.algos.loss_registry import POLICY_LOSSES, PolicyLoss, policy_loss
 from covey.algos.losses import (
@@ -32,8 +34,8 @@ from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyLossOpti
 from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
-from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
+from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 from covey.algos.tis import TIS_MODES, importance_weights, sampler_mismatch, truncated_is_weights
 from covey.algos.token_select import (
     COV_CONTROLS, CovOptions, high_entropy_mask, select_cov_tokens, token_covariance,
@@ -47,7 +49,8 @@ __all__ = [
     "Normalizer", "PolicyLoss", "PolicyLossOptions", "gmpo_loss", "sapo_loss", "vespo_loss",
     "aggregate", "best_worst_pairs", "cispo_loss", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
-    "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty", "make_normalizer",
+    "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty",
+    "linear_logprobs_and_entropy", "make_normalizer",
     "mask_truncated", "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss",
     "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",

@@ -26,6 +26,8 @@ FILE_TASKS = ("file", "jsonl", "hf")
 CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.autocast": ("none", "bfloat16", "auto"),
+    "optim.name": ("adamw", "adamw_8bit", "adamw_4bit", "adamw_bf16", "paged_adamw_8bit"),
+    "model.fused_kernels": ("auto", "on", "off"),
     "task.name": ("arithmetic", "multistep", "wordproblems", "file", "jsonl", "hf"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
@@ -56,6 +58,10 @@ AT_LEAST = {
     "optim.lr": (0.0, False), "optim.critic_lr": (0.0, False), "rm.learning_rate": (0.0, False),
     "optim.weight_decay": (0.0, True), "optim.max_grad_norm": (0.0, True), "optim.warmup_steps": (0, True),
     "optim.max_skipped_steps": (1, True), "algo.beta": (0.0, True), "algo.kl_target": (0.0, True),
+    "algo.sapo_temperature_pos": (0.0, False), "algo.sapo_temperature_neg": (0.0, False),
+    "algo.gmpo_log_clip_low": (0.0, True), "algo.gmpo_log_clip_high": (0.0, True),
+    "algo.vespo_k_pos": (0.0, True), "algo.vespo_k_neg": (0.0, True),
+    "algo.vespo_lambda_pos": (0.0, False), "algo.vespo_lambda_neg": (0.0, False),
     "algo.kl_horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.value_clip": (0.0, True),
     "algo.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
     "algo.max_resample_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
@@ -127,9 +133,9 @@ def validate_algo(cfg: Config) -> None:
         raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
     if a.dual_clip and a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
-    if not 0.0 <= a.clip_eps_low < 1.0:
-        raise ConfigError(f"algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
-                          f"PPO's is 0.2), got {a.clip_eps_low}")
+    if not 0.0 <= a.clip_eps_low <= 1.0:
+        raise ConfigError(f"algo.clip_eps_low must lie in [0, 1] (the ratio's lower bound is 1 - eps, PPO's 0.2; "
+                          f"1 = no lower bound, as CISPO's paper has it), got {a.clip_eps_low}")
     if not 0.0 <= a.clip_eps_high <= CLIP_HIGH_MAX:
         raise ConfigError(f"algo.clip_eps_high must lie in [0, {CLIP_HIGH_MAX:g}] (the ratio's upper bound is "
                           f"1 + eps; PPO's is 0.2, DAPO's 0.28), got {a.clip_eps_high}")
@@ -252,17 +258,22 @@ def validate_scale(cfg: Config) -> None:
     if m.lora_rank < 0 or m.lora_alpha <= 0:
         raise ConfigError(f"model.lora_rank must be >= 0 and model.lora_alpha > 0, "
                           f"got {m.lora_rank} and {m.lora_alpha}")
+    if m.load_in_4bit and m.lora_rank <= 0:
+        raise ConfigError("model.load_in_4bit=true freezes the base weights in 4-bit: it trains adapters only, "
+                          "set model.lora_rank > 0 (e.g. 16)")
+    if m.load_in_4bit and (r.precision == "bfloat16" or r.engine == "vllm"):
+        raise ConfigError(f"model.load_in_4bit=true samples through the 4-bit policy itself: rollout.precision="
+                          f"{r.precision} / rollout.engine={r.engine} is not supported with it (use auto / fast or hf)")
     if m.lora_rank and (a.ref_refresh_every or a.ref_ema):
         raise ConfigError("with model.lora_rank > 0 the reference is the base model (adapters off): "
                           "algo.ref_refresh_every / algo.ref_ema cannot move it")
+    validate_optimizer(cfg)
     if a.tis_cap and a.tis_cap < 1:
         raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
     if a.tis_cap and a.dynamic_sampling:
         raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
                           "lose their sampling log-probs)")
-    if a.tis_cap and r.engine == "fast" and r.decode in ("static", "graphs", "compile"):
-        raise ConfigError(f"algo.tis_cap needs the sampler's log-probs, which rollout.decode={r.decode} does not "
-                          "record yet: set rollout.decode=plain (or auto on a CPU)")
+    validate_token_selection(cfg)
     if r.engine != "fast" and r.decode not in ("auto", "plain"):
         raise ConfigError(f"rollout.decode={r.decode} sets the fast engine's decoding: "
                           f"rollout.engine={r.engine} does not use it")
@@ -272,6 +283,43 @@ def validate_scale(cfg: Config) -> None:
     if r.vllm_sync_bucket_mb <= 0 or r.vllm_sync_timeout_s <= 0 or cfg.train.dist_timeout_s <= 0:
         raise ConfigError("rollout.vllm_sync_bucket_mb, rollout.vllm_sync_timeout_s and "
                           "train.dist_timeout_s must be > 0")
+
+
+def validate_optimizer(cfg: Config) -> None:
+    """optim.name against the weights' dtype and optim.offload (the device and the packages are checked when
+    the run opens: covey/train/optim.py)."""
+    o = cfg.optim
+    if o.name == "adamw_bf16" and cfg.model.dtype != "bfloat16":
+        raise ConfigError(f"optim.name=adamw_bf16 updates bf16 weights with stochastic rounding: set "
+                          f"model.dtype=bfloat16 (got {cfg.model.dtype}), or use optim.name=adamw for fp32 weights")
+    if o.offload and o.name == "paged_adamw_8bit":
+        raise ConfigError("optim.offload=true with optim.name=paged_adamw_8bit: the paged optimizer already moves "
+                          "its state to CPU memory; choose one")
+
+
+def validate_token_selection(cfg: Config) -> None:
+    """High-entropy tokens, adaptive entropy and the covariance controls (their names: the plan's registries)."""
+    a = cfg.algo
+    if not 0.0 <= a.top_entropy_quantile <= 1.0:
+        raise ConfigError(f"algo.top_entropy_quantile must lie in [0, 1] (1 = every token), "
+                          f"got {a.top_entropy_quantile}")
+    if a.adaptive_entropy and not (a.entropy_target > 0 and a.entropy_coef_delta > 0):
+        raise ConfigError(f"algo.adaptive_entropy needs algo.entropy_target > 0 and algo.entropy_coef_delta > 0, "
+                          f"got {a.entropy_target} and {a.entropy_coef_delta}")
+    if a.adaptive_entropy and not 0.0 <= a.entropy_coef <= a.entropy_coef_max:
+        raise ConfigError(f"algo.adaptive_entropy starts from algo.entropy_coef, which must lie in [0, "
+                          f"algo.entropy_coef_max={a.entropy_coef_max}], got {a.entropy_coef}")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        if not 0.0 <= getattr(a, key) <= 1.0:
+            raise ConfigError(f"algo.{key} must lie in [0, 1], got {getattr(a, key)}")
+    if not a.clip_cov_lb < a.clip_cov_ub:
+        raise ConfigError(f"algo.clip_cov_lb must be below algo.clip_cov_ub, got {a.clip_cov_lb} and {a.clip_cov_ub}")
+    if a.kl_cov_coef < 0:
+        raise ConfigError(f"algo.kl_cov_coef must be >= 0, got {a.kl_cov_coef}")
+    selects = a.top_entropy_quantile < 1 or a.adaptive_entropy or a.cov_control != "none"
+    if selects and a.learner == "dpo":
+        raise ConfigError("algo.top_entropy_quantile, algo.adaptive_entropy and algo.cov_control act on the "
+                          "policy loss; algo.learner=dpo has none")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
@@ -285,6 +333,10 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
         raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
                           "(ranks would hold different numbers of sequences)")
+    if cfg.optim.name != "adamw" or cfg.optim.offload:  # single-process optimizers, untested on FSDP2's shards
+        raise ConfigError(f"under torchrun, optim.name={cfg.optim.name}"
+                          + (" with optim.offload=true" if cfg.optim.offload else "") + " is not supported yet: "
+                          "use optim.name=adamw, optim.offload=false")
     # Each of these runs per-rank work that the other ranks would not mirror (deadlock or diverging models).
     unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
                                        ("train.grad_var_every", cfg.train.grad_var_every),

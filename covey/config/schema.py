@@ -36,6 +36,10 @@ class ModelConfig:
     """LoRA scaling numerator: adapters are scaled by lora_alpha / lora_rank."""
     lora_targets: str = "all-linear"
     """Modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)."""
+    fused_kernels: str = "auto"
+    """Liger's fused RMSNorm, rotary and SwiGLU kernels (Hsu et al. 2024, arXiv:2410.10989; pip install 'covey[kernels]') and covey's fused linear log-prob (no micro-batch-wide logits) on CUDA: auto (on where CUDA and liger-kernel are present) | on | off."""
+    load_in_4bit: bool = False
+    """QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the base weights frozen in 4-bit NF4 by bitsandbytes (pip install 'covey[qlora]'), the rest in bfloat16; needs CUDA and model.lora_rank > 0."""
 
 
 @dataclass
@@ -146,7 +150,7 @@ class AlgoConfig:
     estimator: str = "grpo"
     """Advantage estimator (covey.algos.ESTIMATORS): grpo | grpo_process | rloo | remax | reinforce_pp | reinforce_pp_baseline | gae."""
     policy_loss: str = "ppo_clip"
-    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg | cispo (MiniMax 2025, arXiv:2506.13585: the importance weight clipped and detached)."""
+    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg | cispo (MiniMax 2025, arXiv:2506.13585: the importance weight clipped and detached) | sapo (Gao et al. 2025, arXiv:2511.20347: a soft gate) | gmpo (Zhao et al. 2025, arXiv:2507.20673: geometric mean of clipped token ratios) | luspo (arXiv:2602.05261: GSPO weighted by length) | vespo (arXiv:2602.10693: a gamma kernel of the sequence weight)."""
     loss_agg: str = "seq_mean_token_mean"
     """Aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | constant."""
     clip_eps_low: float = 0.2
@@ -159,6 +163,22 @@ class AlgoConfig:
     """Importance ratio per token | sequence (GSPO)."""
     ratio_against: str = "old"
     """Ratio denominator: old (sampling policy) | ref (the reference model: a form some derivations use; not a trust region)."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: temperature of the soft gate 4/tau sigmoid(tau (r - 1)) for A > 0 (Gao et al. 2025, arXiv:2511.20347; TRL's name and default)."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature for A <= 0 (Gao et al. 2025, arXiv:2511.20347; TRL's name and default)."""
+    gmpo_log_clip_low: float = 0.4
+    """gmpo: token log-ratios below -this are clipped where A < 0 (Zhao et al. 2025, arXiv:2507.20673: ratios within e^-0.4..e^0.4; TRL GMPOConfig's epsilon)."""
+    gmpo_log_clip_high: float = 0.4
+    """gmpo: token log-ratios above this are clipped where A > 0 (Zhao et al. 2025, arXiv:2507.20673; TRL GMPOConfig's epsilon_high)."""
+    vespo_k_pos: float = 2.0
+    """vespo: power k of the kernel phi(w) = w^k e^(lambda (1 - w)) for A >= 0 (arXiv:2602.10693; TRL's name and default)."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: decay lambda of the kernel for A >= 0 (arXiv:2602.10693; TRL's name and default)."""
+    vespo_k_neg: float = 3.0
+    """vespo: power k for A < 0 (arXiv:2602.10693; TRL's name and default)."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: decay lambda for A < 0 (arXiv:2602.10693; TRL's name and default)."""
     beta: float = 0.04
     """KL coefficient to the reference model."""
     kl_estimator: str = "k3"
@@ -206,7 +226,31 @@ class AlgoConfig:
     ref_ema: float = 0.0
     """Mix the policy into the reference every step with this weight (0 = off)."""
     tis_cap: float = 0.0
-    """Truncated IS: policy loss per token times min(pi_train/pi_sampler, cap); 0 = off (every engine but the fast engine's CUDA graphs)."""
+    """Importance sampling for the sampler-trainer mismatch (Yao et al. 2025): policy loss per token times min(pi_train/pi_sampler, cap), or as algo.tis_mode says; 0 = off (every engine)."""
+    tis_mode: str = "token_truncate"
+    """How algo.tis_cap bounds the ratio r = pi_train/pi_sampler (TRL's vllm_importance_sampling_mode): token_truncate (min(r, cap)) | token_mask (tokens with r > cap leave the loss) | sequence_truncate (the sequence's product of ratios, capped, on each token) | sequence_mask (sequences whose product exceeds the cap leave the loss)."""
+    top_entropy_quantile: float = 1.0
+    """Policy gradient only on the tokens whose entropy is in this top share of the rollout's tokens (Wang et al. 2025, arXiv:2506.01939, whose choice is 0.2; TRL's top_entropy_quantile); 1 = every token."""
+    adaptive_entropy: bool = False
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the bonus's coefficient, from algo.entropy_coef, moves by algo.entropy_coef_delta each step toward algo.entropy_target and applies only while the entropy is at or below it."""
+    entropy_target: float = 0.2
+    """algo.adaptive_entropy: the target mean token entropy in nats (Skywork-OR1: 0.2)."""
+    entropy_coef_delta: float = 0.005
+    """algo.adaptive_entropy: the coefficient's change per step (Skywork-OR1: 0.005)."""
+    entropy_coef_max: float = 1.0
+    """algo.adaptive_entropy: the coefficient's upper bound (TRL's entropy_coef_max)."""
+    cov_control: str = "none"
+    """Covariance-based entropy control (Cui et al. 2025, arXiv:2505.22617; verl's clip_cov / kl_cov losses): none | clip_cov (the policy term of a few random tokens of high covariance of log-prob and advantage dropped) | kl_cov (a |log ratio| penalty on the tokens of highest covariance)."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of the rollout's tokens whose policy term is dropped (verl's default)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: a dropped token's covariance lies above this (verl's default) ..."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: ... and below this (verl's default)."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of the rollout's tokens, those of largest covariance, that carry the penalty (verl's default)."""
+    kl_cov_coef: float = 0.1
+    """kl_cov: weight of |log pi_theta - log pi_old| on those tokens (verl's ppo_kl_coef)."""
     dpo_beta: float = 0.1
     """algo.learner=dpo: beta of the DPO loss -log sigmoid(beta * margin) (Rafailov et al. 2023, arXiv:2305.18290; the implicit KL strength)."""
 
@@ -227,6 +271,10 @@ class OptimConfig:
     """Gradient clipping by global norm (0 = off)."""
     max_skipped_steps: int = 5
     """Abort after this many consecutive non-finite updates."""
+    name: str = "adamw"
+    """Optimizer: adamw (torch's fused AdamW, fp32 moments) | adamw_8bit (8-bit block-wise moments, Dettmers et al. 2021, arXiv:2110.02861) | adamw_4bit (4-bit moments, Li et al. 2023, arXiv:2309.01507) | adamw_bf16 (needs model.dtype=bfloat16: bf16 weights and moments, each update rounded stochastically, Zamirai et al. 2020, arXiv:2010.06192) | paged_adamw_8bit (bitsandbytes' 8-bit AdamW, state paged to CPU memory under pressure; CUDA only). The low-bit ones are torchao's and round bf16 weights stochastically too; pip install 'covey[lowmem]'."""
+    offload: bool = False
+    """Hold the optimizer state in CPU memory and step there (torchao's CPUOffloadOptimizer; CUDA only, one process): no GPU memory for the state, a host copy of weights and gradients each step. pip install 'covey[lowmem]'."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from covey.models.default import DEFAULT_ALIASES, build_cached, cache_root, prepare_default_model, prepare_gguf
 from covey.models.errors import ModelError
+from covey.models.kernels import quantization_config
 from covey.models.tiny import build_tiny_model
 from covey.runtime.errors import first_line
 
@@ -133,13 +134,19 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_policy(spec: str, dtype=torch.float32, device="cpu"):
-    """(model, tokenizer) for a spec; the model is in train mode on `device`."""
+def load_policy(spec: str, dtype=torch.float32, device="cpu", load_in_4bit: bool = False):
+    """(model, tokenizer) for a spec; the model is in train mode on `device`. `load_in_4bit` (QLoRA, a CUDA
+    `device`): the linear layers' weights in bitsandbytes NF4, loaded straight onto the device, the rest
+    (embeddings, norms, output layer) in bfloat16 whatever `dtype` says."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(spec)
     tokenizer = load_tokenizer(path)
-    model = load_pretrained(AutoModelForCausalLM, path, dtype=as_dtype(dtype)).to(device)
+    if load_in_4bit:
+        model = load_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
+                                quantization_config=quantization_config(), device_map={"": str(device)})
+    else:
+        model = load_pretrained(AutoModelForCausalLM, path, dtype=as_dtype(dtype)).to(device)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.train()

@@ -28,6 +28,7 @@ from covey.runtime.precision import autocast_context, model_device, resolve_auto
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
 from covey.models.hf_compat import last_positions, position_ids, with_cache
+from covey.models.kernels import FusedHead, fused_head
 from covey.models.load import checkpoints_activations
 from covey.passes.packing import pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
@@ -100,13 +101,27 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
         view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
         shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
         return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision, view)
+    head = fused_head(model)
     with autocast_context(precision, ids.device):
+        if head is not None:  # hidden states, then log-probs a block at a time: no (n, L', V) logits
+            hidden = head.decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                                  use_cache=False).last_hidden_state[:, -(resp_len + 1):-1]
+            logp, entropy = head_logprobs(head, hidden, ids[:, -resp_len:], temperature, with_entropy)
+            return logp, entropy, resp_len
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                     logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
     # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
     logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
                                                logit_chunk(out.logits), with_entropy=with_entropy)
     return logp, entropy, resp_len
+
+
+def head_logprobs(head: FusedHead, hidden: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
+    """Log-probs (and entropy) of `tokens` from the hidden states before them and the output layer, in
+    blocks of as many positions as `logit_chunk` gives a logits tensor of the vocabulary's width."""
+    chunk = logit_chunk(torch.empty(0, head.weight.shape[0], device=hidden.device))
+    return algos.linear_logprobs_and_entropy(hidden, head.weight, head.bias, tokens, temperature, chunk,
+                                             with_entropy=with_entropy)
 
 
 def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -159,12 +174,19 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
         else:
             cache, last = view.cache, view.head
         cache.batch_select_indices(packing.prompt_of_bin)  # resp_len > 1: at least one token is fed to pass 2
-        rest = model(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
-                     **with_cache(cache), use_cache=True).logits
+        fused = fused_head(model)
+        inputs = dict(input_ids=packing.input_ids, attention_mask=attention, position_ids=packing.position_ids,
+                      **with_cache(cache), use_cache=True)
+        if fused is not None:  # the packed rows' hidden states: their logits are made a block at a time
+            rest_logp, rest_entropy = head_logprobs(fused, fused.decoder(**inputs).last_hidden_state,
+                                                    packing.targets, temperature, with_entropy)
+        else:
+            rest = model(**inputs).logits
+    if fused is None:
+        rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature, logit_chunk(rest),
+                                                             with_entropy=with_entropy)
     head = last[inverse]  # (n, 1, V): scores response token 0
     head_logp, head_entropy = algos.logprobs_and_entropy(head, responses[:, :1], temperature, logit_chunk(head),
-                                                         with_entropy=with_entropy)
-    rest_logp, rest_entropy = algos.logprobs_and_entropy(rest, packing.targets, temperature, logit_chunk(rest),
                                                          with_entropy=with_entropy)
     logp = torch.cat([head_logp, unpack(rest_logp, packing, n, resp_len - 1)], dim=1)
     entropy = None
@@ -211,20 +233,30 @@ def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none
     return encoded, of_row
 
 
-@torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
 def batched_logprobs(model, rollout: Rollout, temperature: float, micro_batch_size: int,
                      precision: str = "none") -> Tensor:
     """No-grad log-probs for the whole rollout (old policy or reference), (N, L), 0 outside
     `response_mask`; its prompts encoded once."""
+    return batched_logprobs_and_entropy(model, rollout, temperature, micro_batch_size, precision)[0]
+
+
+@torch.no_grad()  # not inference_mode: FSDP2 would allocate its gather buffers as inference tensors
+def batched_logprobs_and_entropy(model, rollout: Rollout, temperature: float, micro_batch_size: int,
+                                 precision: str = "none", with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """`batched_logprobs`, and with `with_entropy` each token's entropy (N, L) (0 outside `response_mask`)."""
     width = rollout.response_ids.shape[1]
     rows = torch.arange(len(rollout))
     encoded = encode_prompts(model, rollout, rows, precision)
-    chunks = []
+    chunks, entropies = [], []
     for index in rows.split(micro_batch_size):
         prompts = (encoded[0], encoded[1][index]) if encoded is not None else None
-        logp, _, _ = policy_logprobs(model, rollout.select(index), temperature, precision=precision, prompts=prompts)
+        logp, entropy, _ = policy_logprobs(model, rollout.select(index), temperature, with_entropy=with_entropy,
+                                           precision=precision, prompts=prompts)
         chunks.append(pad_to(logp.cpu(), width))  # the Rollout lives on the CPU
-    return torch.cat(chunks) * rollout.response_mask
+        if with_entropy:
+            entropies.append(pad_to(entropy.float().cpu(), width))
+    mask = rollout.response_mask
+    return torch.cat(chunks) * mask, (torch.cat(entropies) * mask if with_entropy else None)
 
 
 @torch.no_grad()

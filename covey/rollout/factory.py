@@ -15,15 +15,16 @@ from covey.rollout.precision import LowPrecisionEngine, resolve_precision
 from covey.rollout.vllm import VLLMEngine
 
 
-def sampling_precision(rollout: RolloutConfig, world_size: int, device: str) -> str:
-    """A local engine's sampling precision; under torchrun the policy's own (a bf16 copy of a sharded
-    policy is not built)."""
-    return resolve_precision(rollout.precision, device) if world_size == 1 else "float32"
+def sampling_precision(rollout: RolloutConfig, world_size: int, device: str, load_in_4bit: bool = False) -> str:
+    """A local engine's sampling precision; under torchrun, and for a 4-bit (QLoRA) policy, the policy's own
+    (no bf16 copy of a sharded policy nor of 4-bit weights is built: QLoRA samples through its own model)."""
+    return resolve_precision(rollout.precision, device) if world_size == 1 and not load_in_4bit else "float32"
 
 
-def decode_options(rollout: RolloutConfig, persistent: bool = True) -> DecodeOptions:
-    """The fast engine's static cache and CUDA graphs (rollout.decode)."""
-    return DecodeOptions(rollout.decode, persistent)
+def decode_options(rollout: RolloutConfig, persistent: bool = True, load_in_4bit: bool = False) -> DecodeOptions:
+    """The fast engine's static cache and CUDA graphs (rollout.decode); auto is plain for a 4-bit policy
+    (bitsandbytes' kernels are not checked under CUDA graph capture)."""
+    return DecodeOptions("plain" if load_in_4bit and rollout.decode == "auto" else rollout.decode, persistent)
 
 
 def make_engine(rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *, world_size: int, device: str,
@@ -33,7 +34,8 @@ def make_engine(rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *
         return VLLMEngine.from_config(rollout, model, policy, tokenizer, seed=seed)
     return local_engine(rollout.engine, policy, tokenizer, max_new_tokens=rollout.max_new_tokens,
                         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                        precision=sampling_precision(rollout, world_size, device), decode=decode_options(rollout))
+                        precision=sampling_precision(rollout, world_size, device, model.load_in_4bit),
+                        decode=decode_options(rollout, load_in_4bit=model.load_in_4bit))
 
 
 def make_eval_engine(rollout: RolloutConfig, policy, tokenizer, engine):

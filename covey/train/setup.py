@@ -22,6 +22,7 @@ import yaml
 
 from covey.config import Config, ConfigError, as_dict, validate_world
 from covey.models.critic import ValueModel
+from covey.models.kernels import apply_liger_kernels, check_model_options, resolve_fused_kernels, use_fused_head
 from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
@@ -40,8 +41,9 @@ from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
 from covey.train.memory_fit import GpuFit, check_loaded_policy, fit_batches, trained_pairs
-from covey.train.optim import make_kl_controller, make_optimizer, make_scheduler
+from covey.train.optim import check_optimizer, make_kl_controller, make_optimizer, make_scheduler
 from covey.train.plan import Plan, make_plan
+from covey.train.token_weights import make_entropy_controller
 from covey.train.update import UpdateState
 
 
@@ -73,6 +75,8 @@ class Run:
     """Batch sizes of the phases that halve on out-of-memory."""
     learned_rewards: object = None  # covey.rewards.learned.LearnedRewards: learned RM / PRM
     reward_refreshers: list = field(default_factory=list)  # covey.rm.refresh.RewardModelRefresher
+    entropy_controller: object = None
+    """The entropy bonus's coefficient: algos.FixedEntropyController or AdaptiveEntropyController."""
     gpu_fit: GpuFit | None = None
     """On one GPU, the memory budget and what the update's sizing reads (covey/train/memory_fit.py)."""
 
@@ -80,6 +84,8 @@ class Run:
         """The state objects a checkpoint holds beside models and optimizers, by name (each has state_dict):
         the step clock, the micro-batch sizes and, with iterative refresh, each refreshed reward model."""
         state = {"clock": self.clock, "micro_batches": self.micro_batches}
+        if self.entropy_controller is not None:
+            state["entropy_controller"] = self.entropy_controller
         state.update({f"reward_model/{r.name}": r for r in self.reward_refreshers if r.every})
         return state
 
@@ -169,6 +175,8 @@ def open_world(cfg: Config) -> World:
     quiet_unless_main(world)
     apply_cpu_settings(cfg)
     check_extras(cfg)
+    check_optimizer(cfg.optim, world.device)  # optim.name / optim.offload: package and device
+    check_model_options(cfg.model.fused_kernels, cfg.model.load_in_4bit, world.device)
     return world
 
 
@@ -231,9 +239,7 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               plan: Plan | None = None) -> Run:
     """Models, optimizers and controllers, in the order they are needed (`plan`: made from cfg if None)."""
     plan, dtype, world = plan or make_plan(cfg), getattr(torch, cfg.model.dtype), world or World()
-    policy, tokenizer = load_policy(cfg.model.path, dtype=dtype)
-    if cfg.model.lora_rank:  # train adapters only; the reference is then the base with adapters off
-        policy = add_adapters(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+    policy, tokenizer = load_trained_policy(cfg, world)
     check_loaded_policy(policy, plan, cfg, world.device, world.size)  # a run that cannot fit stops here
     reference = frozen_reference(policy) if plan.needs_reference else None
     critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
@@ -250,11 +256,29 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
     run = Run(plan=plan, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
               critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, cfg.optim.warmup_steps),
               critic_optimizer=critic_opt, kl_controller=make_kl_controller(plan.kl),
+              entropy_controller=make_entropy_controller(plan),
               stream=PromptStream(train_size, cfg.train.seed), config_record=as_dict(cfg), world=world,
               micro_batches=MicroBatchSizes(plan.update.micro_batch_size,  # halved on out-of-memory
                                             prompts_per_call=plan.sampling.prompts_per_step))
     run.shuffle_generator.manual_seed(cfg.train.seed + 1)
     return run
+
+
+def load_trained_policy(cfg: Config, world: World) -> tuple:
+    """(policy, tokenizer): the policy loaded (4-bit straight onto the GPU with model.load_in_4bit), Liger's
+    kernels patched in where model.fused_kernels resolves to on (printed), then the LoRA adapters."""
+    m = cfg.model
+    policy, tokenizer = load_policy(m.path, dtype=getattr(torch, m.dtype), load_in_4bit=m.load_in_4bit,
+                                    device=world.device if m.load_in_4bit else "cpu")
+    fused, why = resolve_fused_kernels(m.fused_kernels, world.device)
+    print(f"covey: fused kernels {why}" + (", model weights 4-bit NF4 (QLoRA)" if m.load_in_4bit else ""))
+    if fused:
+        apply_liger_kernels(policy)
+    if m.lora_rank:  # train adapters only; the reference is then the base with adapters off
+        policy = add_adapters(policy, m.lora_rank, m.lora_alpha, m.lora_targets)
+    if fused and world.size == 1:  # log-prob passes without micro-batch-wide logits (not under FSDP's root)
+        use_fused_head(policy)
+    return policy, tokenizer
 
 
 def checkpoint_activations(*models) -> None:
@@ -275,7 +299,8 @@ def attach_reward_models(run: Run, learned, cfg: Config) -> None:
 def print_precision(run: Run, cfg: Config) -> None:
     """What model.autocast=auto and rollout.precision=auto resolved to on this device."""
     device = run.world.device
-    rollout = (sampling_precision(cfg.rollout, run.world.size, device) if cfg.rollout.engine != "vllm"
+    rollout = (sampling_precision(cfg.rollout, run.world.size, device, cfg.model.load_in_4bit)
+               if cfg.rollout.engine != "vllm"
                else "vllm's")
     print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
           f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
