@@ -118,22 +118,27 @@ def role_learn(args) -> dict:
     """A learning run: covey's config (the grpo preset and the overrides) until the Schedule stops it
     (`break`), the policy saved at each evaluation point with save_final."""
     from covey.rollout.precision import resolve_precision
+    from covey.runtime.dist import resolve_device
     args.save_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="learn-covey-") as tmp:
         cfg = load_config("grpo", [*args.overrides, f"train.steps={STEP_CAP}", "train.max_minutes=0",
                                    "train.eval_every=0", "train.save_every=0", "train.samples_every=0",
                                    "train.progress=false", f"train.output_dir={tmp}", "train.run_name=covey"])
+        device = resolve_device(cfg.train.device)
         samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every), samples, args.save_dir)
+        tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes), samples,
+                          args.save_dir)
         with covey_run(cfg) as session:
             tracker.begin()
             for m in steps(session):
+                peaks = [v for k, v in m.items() if k.startswith("memory/gpu_peak_mb/")]
                 tracker.end(session.run.step, m["time/step"],
-                            lambda folder: shutil.move(save_final(session.run), folder), m.get("reward/mean"))
+                            lambda folder: shutil.move(save_final(session.run), folder), m.get("reward/mean"),
+                            max(peaks) if peaks else None)
                 if tracker.done:
                     break
-    return tracker.result(precision=resolve_autocast(cfg.model.autocast),
-                          rollout_precision=resolve_precision(cfg.rollout.precision, "cpu"))
+    return tracker.result(precision=resolve_autocast(cfg.model.autocast, device), device=device,
+                          rollout_precision=resolve_precision(cfg.rollout.precision, device))
 
 
 def role_eval(args) -> dict:
@@ -175,6 +180,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-modes", default="", help="decode: rollout.decode modes, comma-separated")
     p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
     p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
     p.add_argument("--save-dir", type=Path, help="learn: where the evaluation points are saved")
     p.add_argument("--folders", nargs="*", default=[], help="eval: LABEL=FOLDER ...")
     p.add_argument("overrides", nargs="*", help="covey key=value settings (speed, learn, eval)")

@@ -63,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's per_device_train_batch_size "
                    "(0: covey's algo.micro_batch_size); the gradient does not depend on it")
     p.add_argument("--trl-malloc", action="store_true", help="give TRL covey's glibc malloc settings too")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both trainers and the "
+                   "evaluation run (covey's train.device; TRL's use_cpu follows it)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="end every run at the first step past this much "
+                   "training time, even short of --steps (0: no cap)")
     p.add_argument("--out", default="", help="output folder (default: a temporary folder)")
     p.add_argument("--smoke", action="store_true", help="tiny random model, 3 steps, 8 held-out problems")
     p.add_argument("overrides", nargs="*", help="covey key=value overrides, applied to both trainers")
@@ -70,15 +74,16 @@ def parse_args(argv=None):
     if args.smoke:
         args.steps, args.minutes, args.eval_every = 3, 0.01, 2
     args.trainer_list = [t for t in args.trainers.split(",") if t]
-    if args.steps < 1 or args.minutes < 0 or args.eval_every < 0 or not set(args.trainer_list) <= {"covey", "trl"}:
-        p.error("--steps must be >= 1, --minutes and --eval-every >= 0, --trainers from covey, trl")
+    if (args.steps < 1 or args.minutes < 0 or args.eval_every < 0 or args.max_minutes < 0
+            or not set(args.trainer_list) <= {"covey", "trl"}):
+        p.error("--steps must be >= 1, --minutes, --max-minutes and --eval-every >= 0, --trainers from covey, trl")
     return args
 
 
 def base_overrides(args, work: Path) -> list[str]:
-    """Overrides shared by every child (seed excluded); --smoke builds the tiny model into `work`
-    unless model.path is given."""
-    items = [f"model.threads={args.threads}"] if args.threads else []
+    """Overrides shared by every child (seed excluded): the device first; --smoke builds the tiny model
+    into `work` unless model.path is given."""
+    items = [f"train.device={args.device}", *([f"model.threads={args.threads}"] if args.threads else [])]
     if args.smoke:
         if not any(o.startswith("model.path=") for o in args.overrides):
             from covey.models.tiny import build_tiny_model
@@ -98,7 +103,7 @@ def check_mapping(overrides: list[str]) -> dict:
 
 def train_run(children: Children, trainer: str, seed: int, args, overrides: list[str]) -> dict:
     flags = ["--steps", str(args.steps), "--minutes", str(args.minutes), "--eval-every", str(args.eval_every),
-             "--save-dir", str(args.ckpt / f"{trainer}-seed{seed}")]
+             "--max-minutes", str(args.max_minutes), "--save-dir", str(args.ckpt / f"{trainer}-seed{seed}")]
     flags += ["--micro-batch", str(args.trl_micro_batch)] if trainer == "trl" else []
     result = children.must(f"{trainer}_side", "learn", f"{trainer}-seed{seed}",
                            [*overrides, f"train.seed={seed}", *flags], malloc=trainer == "covey" or args.trl_malloc)
@@ -152,7 +157,11 @@ def header(runs: list[dict], argv: list[str]) -> str:
         versions = f"TRL's GRPOTrainer (not installed; transformers {transformers.__version__})"
     threads = "/".join(sorted({str(r.get("threads")) for r in runs}))
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    return (f"Learning side by side, covey vs {versions}, {when}; {machine()}; torch threads per run: {threads}.\n"
+    where = machine()
+    if any(str(r.get("device", "cpu")).startswith("cuda") for r in runs):
+        import torch
+        where += f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "; GPU"
+    return (f"Learning side by side, covey vs {versions}, {when}; {where}; torch threads per run: {threads}.\n"
             f"Command: `python -m bench.learn {' '.join(argv)}`")
 
 
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / sub).mkdir(parents=True, exist_ok=True)
     overrides = base_overrides(args, out)
     covey_config = check_mapping(overrides)
-    settings = {"steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every, "overrides": overrides,
+    settings = {"steps": args.steps, "minutes": args.minutes, "eval_every": args.eval_every,
+                "max_minutes": args.max_minutes, "device": args.device, "overrides": overrides,
                 "trainers": args.trainer_list, "trl_micro_batch": args.trl_micro_batch, "trl_malloc": args.trl_malloc}
     children = Children(out / "logs")
     with tempfile.TemporaryDirectory(prefix="learn-vs-trl-models-") as ckpt:  # saved policies, ~0.5 GB each

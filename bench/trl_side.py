@@ -298,24 +298,29 @@ def role_learn(args) -> dict:
     from covey.rewards.rules import correctness_reward
     from covey.tasks.data import load_task_data
     from covey.tasks.verifiers import resolve_verifier
+    from covey.runtime.dist import resolve_device
     cfg = load_config("grpo", args.overrides)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
+    device = resolve_device(cfg.train.device)  # TRL on the GPU where covey's train.device puts covey
     data = load_task_data(cfg.task, cfg.train.seed)
     if resolve_verifier(cfg.eval.metric, [ex.answer for ex in data.eval]) != "math":
         raise SystemExit("bench: eval.metric does not resolve to 'math', the verifier of TRL's correctness reward")
-    bf16 = resolve_autocast(cfg.model.autocast) == "bfloat16"
+    bf16 = resolve_autocast(cfg.model.autocast, device) == "bfloat16"
     settings = trl_grpo_kwargs(cfg, micro_batch=args.micro_batch, autocast_bf16=bf16)
-    tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every),
+    tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes),
                       cfg.rollout.prompts_per_step * cfg.rollout.group_size, args.save_dir)
     box = {}
     with tempfile.TemporaryDirectory(prefix="learn-trl-") as tmp:
-        config = GRPOConfig(output_dir=tmp, max_steps=STEP_CAP, use_cpu=True, **settings, **QUIET)
+        config = GRPOConfig(output_dir=tmp, max_steps=STEP_CAP, use_cpu=device == "cpu", use_vllm=False, **settings,
+                            **QUIET)
         box["trainer"] = GRPOTrainer(model=resolve_model_path(cfg.model.path), reward_funcs=correctness_reward,
                                      args=config, train_dataset=trl_dataset(data.train, cfg.task.system_prompt),
                                      callbacks=[learn_callback(tracker, box)])
+        if device != "cpu":  # the peak of the run, its model and reference loaded
+            torch.cuda.reset_peak_memory_stats()
         box["trainer"].train()
-    return tracker.result(precision="bfloat16" if bf16 else "none", trl_settings=settings)
+    return tracker.result(precision="bfloat16" if bf16 else "none", trl_settings=settings, device=device)
 
 
 ROLES = {"speed": role_speed, "gpu": role_gpu, "learn": role_learn}
@@ -336,6 +341,7 @@ def main(argv=None) -> None:
     p.add_argument("--trl-gc", action="store_true", help="gpu: gradient checkpointing on (TRL's own default)")
     p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
     p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
     p.add_argument("--save-dir", type=Path, help="learn: where the evaluation points are saved")
     p.add_argument("overrides", nargs="*", help="learn: covey key=value settings")
     args = p.parse_intermixed_args(argv)

@@ -11,7 +11,8 @@ reads its settings from that config (bench/trl_side.py), so both trainers run fr
   grouped-query attention; SmolLM2's tokenizer, 49152 entries instead of Qwen's 151936, so the sampled
   ids decode), saved once in bf16; 8 prompts x 8 samples, 256 new tokens at fixed length, beta 0.04,
   lr 1e-6, temperature 1, micro-batches of 8, the deterministic `varied_reward` (every step updates).
-- learning: covey's default run (`covey train`) to `--steps` AND `--minutes` of training time (Schedule).
+- learning: covey's default run (`covey train`) to `--steps` AND `--minutes` of training time, or to
+  `--max-minutes` whichever those say (Schedule).
 - `*-smoke`: tiny shapes and few tokens, the whole pipeline in seconds on a CPU (tests/bench/).
 """
 
@@ -135,13 +136,17 @@ class Schedule:
     """When a learning run stops and which of its steps are evaluated; `seconds` is training time after
     the step. A run ends at the first step that is at least `steps` AND at least `minutes` of training
     time. Evaluation points: every `eval_every` steps, step `steps`, the first step boundary past
-    `minutes`, and the last step (step 0, the untrained model, is evaluated by the driver)."""
+    `minutes`, and the last step (step 0, the untrained model, is evaluated by the driver).
+    `max_minutes` (0: none) ends a run at the first step past it whatever the other two say: a budget
+    for a machine lent for minutes."""
     steps: int
     minutes: float
     eval_every: int
+    max_minutes: float = 0.0
 
     def done(self, step: int, seconds: float) -> bool:
-        return step >= self.steps and seconds >= 60 * self.minutes
+        capped = self.max_minutes > 0 and seconds >= 60 * self.max_minutes
+        return capped or (step >= self.steps and seconds >= 60 * self.minutes)
 
     def tags(self, step: int, seconds: float, before: float) -> list[str]:
         """Why step `step` is evaluated (empty: it is not); `before` is the training time after the previous step."""
@@ -175,11 +180,14 @@ class Tracker:
         if self.start is None:
             self.start = time.perf_counter()
 
-    def end(self, step: int, step_s: float, save, reward: float | None = None) -> None:
-        """After optimizer step `step` (its own duration `step_s`): record, and save via save(folder) when due."""
+    def end(self, step: int, step_s: float, save, reward: float | None = None,
+            gpu_peak_mib: float | None = None) -> None:
+        """After optimizer step `step` (its own duration `step_s`): record, and save via save(folder) when due.
+        `gpu_peak_mib`: the step's peak GPU memory where the trainer measures it per step."""
         seconds = time.perf_counter() - self.start - self.saving
         before = self.steps[-1]["seconds"] if self.steps else 0.0
-        self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "reward": reward})
+        self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "reward": reward,
+                           **({"gpu_peak_mib": gpu_peak_mib} if gpu_peak_mib is not None else {})})
         tags = self.schedule.tags(step, seconds, before)
         if tags:
             t0 = time.perf_counter()
@@ -192,5 +200,13 @@ class Tracker:
         print(f"bench: step {step}: {seconds:.1f} s of training", flush=True)
 
     def result(self, **extra) -> dict:
+        """The run's record; on a GPU its peak memory (MiB): the largest per-step peak the trainer reported,
+        else the process's peak since the CUDA statistics were last reset."""
         import torch
-        return {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(), **extra}
+        out = {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(), **extra}
+        peaks = [s["gpu_peak_mib"] for s in self.steps if "gpu_peak_mib" in s]
+        if peaks:
+            out["gpu_peak_mib"] = max(peaks)
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        return out

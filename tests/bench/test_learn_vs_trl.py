@@ -122,3 +122,18 @@ def test_the_summary_reads_each_view_at_its_tagged_point():
     # mean curves: the same steps averaged; on the minutes axis the marks (steps 20 and 30) too
     assert mean_curve(runs[:2], "samples")[-1] == pytest.approx((1920, 0.42))
     assert (12.5, pytest.approx(0.40)) in mean_curve(runs[:2], "minutes")
+
+
+def test_a_time_cap_ends_the_run_short_of_the_step_count():
+    # 50 s/step with a 2-minute cap: 100 s after step 2 < 120 s <= 150 s after step 3, so step 3 is the
+    # last (not the 30 steps nor the 12 minutes); it is evaluated as the final point, tagged nothing else
+    assert simulate(Schedule(steps=30, minutes=12, eval_every=10, max_minutes=2), 50.0) == {3: ["final"]}
+    # a cap past both limits changes nothing: the run ends at step 30 (1500 s)
+    assert sorted(simulate(Schedule(steps=30, minutes=12, eval_every=10, max_minutes=60), 50.0)) == [10, 15, 20, 30]
+
+
+def test_the_learning_driver_puts_both_trainers_on_the_device_it_is_given():
+    from bench.learn import base_overrides, parse_args
+    assert base_overrides(parse_args([]), None)[0] == "train.device=cpu"  # the CPU, as before
+    args = parse_args(["--device", "cuda", "--max-minutes", "1.5", "algo.ddof=1"])
+    assert base_overrides(args, None) == ["train.device=cuda", "algo.ddof=1"] and args.max_minutes == 1.5

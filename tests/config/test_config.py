@@ -104,7 +104,7 @@ def test_checks_follow_the_estimator_traits():
 
 def test_presets_load_by_name():
     assert preset_names() == ("dpo_iterative", "dr_grpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline",
-                              "remax", "rloo")
+                              "remax", "rloo", "wordproblems_gpu")  # the last a recipe: the defaults' GRPO
     for name in preset_names():
         cfg = load_config(name)
         assert cfg.algo.learner == ("dpo" if name == "dpo_iterative" else "advantage")

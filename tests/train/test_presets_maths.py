@@ -26,7 +26,8 @@ def preset(name):
 
 
 def test_every_preset_is_checked_here():
-    assert set(preset_names()) == set(ADVANTAGES) | {"dpo_iterative"}
+    # wordproblems_gpu is a recipe (task and sizes, no algo section): tests/bench/test_gpu_learn.py
+    assert set(preset_names()) == set(ADVANTAGES) | {"dpo_iterative", "wordproblems_gpu"}
 
 
 def test_grpo():

@@ -131,7 +131,8 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 
 def test_every_preset_is_pinned():
-    assert set(PINNED) == set(preset_names())
+    # wordproblems_gpu is a recipe, the defaults' GRPO (pinned as grpo) on another task: tests/bench/test_gpu_learn.py
+    assert set(PINNED) == set(preset_names()) - {"wordproblems_gpu"}
 
 
 @pytest.mark.parametrize("preset", sorted(PINNED))
