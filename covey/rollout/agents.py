@@ -162,13 +162,19 @@ class EpisodeEngine:
             first_call.clear()  # later turns continue from the global stream (seeds start an episode)
             return self.engine.generate(batch, g, greedy=greedy, max_new_tokens=budget, **kwargs)
 
+        def episodes(batch: list[Prompt], g: int, hosts: list) -> tuple[Rollout, dict]:
+            if getattr(self.engine, "continues_episodes", False):  # the fast engine: one loop, rows apart
+                return self.engine.decode_episodes(batch, g, hosts, options, greedy=greedy,
+                                                   seeds=first_call.get("seeds"))
+            return run_episodes(sample, self.tokenizer, batch, g, hosts, options)
+
         own, hosts = self.episodes(prompts, group_size)
         if own is None:
-            rollout, metrics = run_episodes(sample, self.tokenizer, prompts, group_size, hosts, options)
+            rollout, metrics = episodes(prompts, group_size, hosts)
         else:  # each episode its own prompt (an environment's reset text): one row each, then grouped back
             if seeds is not None:
                 first_call["seeds"] = [s * 1_000_003 + g for s in seeds for g in range(group_size)]
-            rollout, metrics = run_episodes(sample, self.tokenizer, own, 1, hosts, options)
+            rollout, metrics = episodes(own, 1, hosts)
             index = torch.arange(len(prompts)).repeat_interleave(group_size)
             rollout.group_ids, rollout.example_index = index, index.tolist()
         rollout.environment_rewards = environment_rewards(hosts)

@@ -75,10 +75,16 @@ class Episode:
     tool_calls: int = 0
     cut: bool = False  # ended by a budget (the turn limit with calls pending, or the token budget)
     done: bool = False
+    logps: list[float] | None = field(default_factory=list)  # the sampler's log-probs (0: environment); None: unknown
 
-    def add(self, ids: list[int], by_model: bool) -> None:
+    def add(self, ids: list[int], by_model: bool, logps: list[float] | None = None) -> None:
+        """Append ids; the model's come with the sampler's log-probs where the engine gives them."""
         self.ids += ids
         self.sampled += [int(by_model)] * len(ids)
+        if by_model and logps is None:
+            self.logps = None
+        elif self.logps is not None:
+            self.logps += list(logps) if by_model else [0.0] * len(ids)
 
 
 def run_episodes(sample: Sampler, tokenizer, prompts: list[Prompt], group_size: int, hosts: list[EpisodeHost],
@@ -113,7 +119,8 @@ def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOpti
         ids = turn.response_ids[j, :n].tolist()
         # The text is read for tool calls and shown to rewards; the ids stay as sampled.
         text = tokenizer.decode(ids, skip_special_tokens=True) if cut else turn.completions[j]
-        ep.add(ids, by_model=True)
+        logps = turn.sample_logp[j, :n].tolist() if turn.sample_logp is not None else None
+        ep.add(ids, by_model=True, logps=logps)
         ep.turns += 1
         ep.messages.append({"role": "assistant", "content": text})
         ep.cut = cut or bool(turn.truncated[j])
@@ -162,12 +169,18 @@ def episode_rollout(first: Rollout, episodes: list[Episode], tokenizer) -> Rollo
         ids[row, :n] = torch.tensor(ep.ids, dtype=torch.long)
         trained[row, :n] = torch.tensor(ep.sampled, dtype=torch.float)
         attended[row, :n] = 1.0
+    sample_logp = None
+    if episodes and all(ep.logps is not None for ep in episodes):
+        sample_logp = torch.zeros((len(episodes), width))
+        for row, ep in enumerate(episodes):
+            sample_logp[row, :len(ep.logps)] = torch.tensor(ep.logps, dtype=torch.float)
     return Rollout(prompt_ids=first.prompt_ids, prompt_mask=first.prompt_mask, response_ids=ids,
                    response_mask=trained, response_attention=attended, group_ids=first.group_ids,
                    truncated=torch.tensor([ep.cut for ep in episodes], dtype=torch.bool),
                    completions=["".join(m["content"] for m in ep.messages if m["role"] == "assistant")
                                 for ep in episodes],
-                   example_index=list(first.example_index), messages=[ep.messages for ep in episodes])
+                   example_index=list(first.example_index), messages=[ep.messages for ep in episodes],
+                   sample_logp=sample_logp)
 
 
 def episode_metrics(episodes: list[Episode]) -> dict:

@@ -36,6 +36,7 @@ from covey.models.attention import sampling_attention
 from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
 from covey.rollout.base import Prompt, encode_prompts
+from covey.rollout.fast_episodes import EpisodeDecoder
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 from covey.rollout.static_decode import StaticDecoder
@@ -153,6 +154,24 @@ class FastEngine:
 
     def sync_weights(self, model) -> None:
         self.model = model
+
+    @property
+    def continues_episodes(self) -> bool:
+        """Whether `decode_episodes` runs tool episodes in one loop (not on a static cache's graphs)."""
+        return self.static is None
+
+    @torch.inference_mode()
+    def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *, greedy: bool = False,
+                        seeds: list[int] | None = None) -> tuple[Rollout, dict]:
+        """len(prompts) x group_size tool episodes (covey/rollout/fast_episodes.py): the Rollout of the
+        whole episodes and their metrics."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with sampling_attention(self.model):
+                return EpisodeDecoder(self, hosts, options, greedy).run(prompts, group_size, seeds)
+        finally:
+            self.model.train(was_training)
 
     def next_token_probs(self, logits: Tensor) -> Tensor:
         """softmax of the warped logits: the distribution `generate` would sample from."""

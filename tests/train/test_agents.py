@@ -13,11 +13,13 @@ import covey
 from covey.batch import Rollout
 from covey.config import load_config
 from covey.rollout.fast import FastEngine
+from covey.rollout.fast_episodes import EpisodeDecoder
 from tests.helpers import tiny_overrides
 
 SEEN: list = []
 SECRETS: list = []
 REAL_GENERATE = FastEngine.generate
+REAL_SAMPLE = EpisodeDecoder.sample
 
 
 def get_weather(city: str) -> str:
@@ -61,9 +63,33 @@ def scripted_first_turn(real_generate, call: str):
     return generate
 
 
+def scripted_first_sample(call: str):
+    """EpisodeDecoder.sample (the fast engine's episode loop) with every first turn's tokens those of `call`
+    and EOS, their log-probs the model's own."""
+
+    def sample(self, ids, logits):
+        picked, _ = REAL_SAMPLE(self, ids, logits)
+        tok = self.engine.tokenizer
+        script = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for j, r in enumerate(ids):
+            row = self.rows[r]
+            if row.episode.turns == 0:
+                picked[j] = script[len(row.turn)]
+        logp = torch.log_softmax(logits / self.engine.temperature, -1)[torch.arange(len(ids)), picked]
+        return picked, logp.tolist()
+    return sample
+
+
+def script_first_turn(monkeypatch, call: str) -> None:
+    """Every episode's first turn is `call`, on both of the fast engine's paths (one episode loop, or turns
+    through generate)."""
+    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    monkeypatch.setattr(EpisodeDecoder, "sample", scripted_first_sample(call))
+
+
 def test_a_trl_tool_function_runs_unchanged_through_covey_train(tiny_model_dir, tmp_path, monkeypatch):
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
     SEEN.clear()
     SECRETS.clear()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
@@ -86,14 +112,14 @@ def test_a_trl_tool_function_runs_unchanged_through_covey_train(tiny_model_dir, 
 def test_the_calculator_answers_word_problems_and_a_bad_call_is_an_error_not_a_crash(tiny_model_dir, tmp_path,
                                                                                       monkeypatch):
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
     SEEN.clear()
     SECRETS.clear()
     cfg = calculator_config(tiny_model_dir, tmp_path / "ok")
     covey.train(cfg, reward_funcs=[messages_reward])
     assert SEEN[1][0][1] == {"role": "tool", "name": "calculator", "content": "42"}
     bad = '<tool_call>{"name": "calculator", "arguments": {"formula": "6 * 7"}}</tool_call>'  # no such argument
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, bad))
+    script_first_turn(monkeypatch, bad)
     SEEN.clear()
     SECRETS.clear()
     cfg = calculator_config(tiny_model_dir, tmp_path / "bad")
@@ -110,7 +136,7 @@ def test_a_trl_environment_runs_unchanged_and_its_reward_scores_the_episode(tiny
     joins the prompt, `guess` is the tool, get_reward() is the episode's reward (reward/environment)."""
     from examples.number_guess.guess_env import GuessEnv
     call = '<tool_call>{"name": "guess", "arguments": {"number": 50}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
     SEEN.clear()
     SECRETS.clear()
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{
@@ -119,10 +145,11 @@ def test_a_trl_environment_runs_unchanged_and_its_reward_scores_the_episode(tiny
     result = covey.train(cfg, reward_funcs=[messages_reward], environment_factory=GuessEnv)
     step = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()][1]
     assert step["tools/calls"] == 8 and step["tools/errors"] == 0
-    expected = ["correct" if s == 50 else "higher" if s > 50 else "lower" for s in SECRETS[1]]
-    assert [episode[1]["content"] for episode in SEEN[1]] == expected  # each episode reset with its row
+    at = [len(seen) for seen in SEEN].index(8)  # the training step's 8 episodes (held-out ones are 2)
+    expected = ["correct" if s == 50 else "higher" if s > 50 else "lower" for s in SECRETS[at]]
+    assert [episode[1]["content"] for episode in SEEN[at]] == expected  # each episode reset with its row
     # guessed 50 at once: 1.0 where the secret was 50, else 0 (not found); the mean over the 8 episodes
-    found = sum(episode[1]["content"] == "correct" for episode in SEEN[1])
+    found = sum(episode[1]["content"] == "correct" for episode in SEEN[at])
     assert step["reward/environment"] == found / 8
     sample = json.loads((result.run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert sample["messages"][1]["name"] == "guess"
@@ -144,7 +171,7 @@ def test_covey_eval_of_a_tool_run_runs_its_episodes(tiny_model_dir, tmp_path, mo
     from covey.cli.main import main
     from covey.rollout.hf import HFEngine
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
     monkeypatch.setattr(HFEngine, "generate", scripted_first_turn(HFEngine.generate, call))
     cfg = calculator_config(tiny_model_dir, tmp_path, **{"rollout.eval_max_new_tokens": 96})
     result = covey.train(cfg)
@@ -159,7 +186,7 @@ def test_covey_eval_of_a_tool_run_runs_its_episodes(tiny_model_dir, tmp_path, mo
 def test_a_tool_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
     """Two steps in one go, and one step then a resume to two: the same second step (timings aside)."""
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
 
     def run(folder, steps: int, *extra: str) -> list[dict]:
         cfg = calculator_config(tiny_model_dir, tmp_path / folder, *extra,
@@ -187,6 +214,6 @@ def test_a_reward_written_for_episodes_passes_the_check_before_training(tiny_mod
     """On string prompts (word problems) single-turn completions are strings, but with tools they are
     messages: the call before training hands the function the shape training will."""
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
-    monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
+    script_first_turn(monkeypatch, call)
     cfg = calculator_config(tiny_model_dir, tmp_path)
     assert covey.train(cfg, reward_funcs=[last_turn_reward]).steps == 1
