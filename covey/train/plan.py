@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from covey import algos
 from covey.config import Config, ConfigError, validate
 from covey.rollout.episodes import EpisodeOptions
-from covey.train.plan_checks import check_against_registries
+from covey.train.plan_checks import LOSS_KEYS, check_against_registries
 
 
 @dataclass(frozen=True)
@@ -257,13 +257,14 @@ def schedule(cfg: Config) -> Schedule:
 
 def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
     a, o = cfg.algo, cfg.optim
-    loss = algos.PolicyLossOptions(clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
-                                   dual_clip=a.dual_clip or None, ratio_level=a.ratio_level,
-                                   ratio_against=a.ratio_against)
+    # every loss option from the algo key of its name (algo.dual_clip's 0 is None); a loss defined with its
+    # own aggregation (its registry entry's) runs with it
+    loss = algos.PolicyLossOptions(**{**{key: getattr(a, key) for key in LOSS_KEYS}, "dual_clip": a.dual_clip or None})
+    loss_agg = algos.POLICY_LOSSES[a.policy_loss].aggregation or a.loss_agg
     return UpdateOptions(
         epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
         max_grad_norm=o.max_grad_norm, max_skipped_steps=o.max_skipped_steps,
-        temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=a.loss_agg,
+        temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=loss_agg,
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
         value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated)

@@ -9,9 +9,12 @@ entries' traits, never from a name. Every error is one line naming the key.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from covey import algos
 from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
 from covey.config import Config, ConfigError, check_choices
+from covey.config.schema import AlgoConfig
 
 REGISTRY_CHOICES = {
     "algo.estimator": tuple(algos.ESTIMATORS),
@@ -22,14 +25,20 @@ REGISTRY_CHOICES = {
     "algo.ratio_against": RATIO_AGAINST,
     "algo.token_credit": TOKEN_CREDITS,
     "algo.normalize": NORMALIZE_MODES,
+    "algo.tis_mode": algos.TIS_MODES,
+    "algo.cov_control": tuple(algos.COV_CONTROLS),
 }
 """Keys whose values are the names of covey.algos registry entries or options."""
+
+LOSS_KEYS = tuple(f.name for f in fields(algos.PolicyLossOptions))
+"""The policy losses' options: each is the algo key of the same name."""
 
 
 def check_against_registries(cfg: Config) -> None:
     """Registry names first (so a typo is named as such), then what the estimator needs."""
     check_choices(cfg, REGISTRY_CHOICES)
     check_estimator_needs(cfg)
+    check_policy_loss(cfg)
     check_step_scores(cfg)
 
 
@@ -46,6 +55,28 @@ def check_estimator_needs(cfg: Config) -> None:
     if a.kl_in == "reward" and not estimator.per_token_rewards:
         per_token = ", ".join(name for name, e in algos.ESTIMATORS.items() if e.per_token_rewards)
         raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")
+
+
+def check_policy_loss(cfg: Config) -> None:
+    """From the policy loss's traits: a loss option set for a loss that does not read it, an aggregation
+    other than the one the loss is defined with, per-token advantages for a loss that reads one per sequence."""
+    a, default = cfg.algo, AlgoConfig()
+    if a.learner != "advantage":
+        return
+    entry = algos.POLICY_LOSSES[a.policy_loss]
+    for key in LOSS_KEYS:
+        value = getattr(a, key)
+        if key in entry.options or value == getattr(default, key) or (key == "ratio_level" and
+                                                                       value == entry.ratio_level):
+            continue
+        raise ConfigError(f"algo.{key}={value} is not read by algo.policy_loss={a.policy_loss} (it reads: "
+                          f"{', '.join(f'algo.{k}' for k in entry.options) or 'no loss option'})")
+    if entry.aggregation and a.loss_agg not in (entry.aggregation, default.loss_agg):
+        raise ConfigError(f"algo.loss_agg={a.loss_agg}: algo.policy_loss={a.policy_loss} is defined with "
+                          f"algo.loss_agg={entry.aggregation}")
+    if entry.sequence_advantage and not algos.ESTIMATORS[a.estimator].sequence_level:
+        raise ConfigError(f"algo.policy_loss={a.policy_loss} reads one advantage per sequence: algo.estimator="
+                          f"{a.estimator} gives per-token advantages (use grpo, rloo or remax)")
 
 
 def check_step_scores(cfg: Config) -> None:

@@ -14,7 +14,10 @@ from tests.helpers import tiny_overrides
 @pytest.mark.parametrize("name,covey_key", [
     ("learning_rate", "optim.lr (the policy's; the reward model's is rm.learning_rate)"),
     ("num_generations", "rollout.group_size"), ("max_completion_length", "rollout.max_new_tokens"),
-    ("epsilon_high", "algo.clip_eps_high"), ("loss_type", "algo.loss_agg"), ("num_iterations", "algo.epochs"),
+    ("epsilon_high", "algo.clip_eps_high"),
+    ("loss_type", "algo.loss_agg (grpo, bnpo, dr_grpo, dapo) or algo.policy_loss (cispo, sapo, luspo, vespo)"),
+    ("delta", "algo.dual_clip (TRL's two-sided clip at delta is the dual clip c = delta)"),
+    ("num_iterations", "algo.epochs"),
     ("max_steps", "train.steps"), ("epsilon", "algo.clip_eps_low and algo.clip_eps_high"),
 ])
 @pytest.mark.parametrize("section", ["", "algo.", "optim.", "rollout."])
@@ -67,10 +70,12 @@ def test_the_reward_models_learning_rate_is_still_set_by_its_full_key():
     ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
     ("rollout.top_p=1.5", "rollout.top_p must lie in (0, 1], got 1.5"),
     ("optim.betas=0.9", "optim.betas must be two numbers in [0, 1) such as '0.9,0.99', got '0.9'"),
-    ("algo.clip_eps_low=1.5", "algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
-                              "PPO's is 0.2), got 1.5"),
-    ("algo.clip_eps_low=-0.1", "algo.clip_eps_low must lie in [0, 1) (the ratio's lower bound 1 - eps stays above 0; "
-                               "PPO's is 0.2), got -0.1"),
+    ("algo.clip_eps_low=1.5", "algo.clip_eps_low must lie in [0, 1] (the ratio's lower bound is 1 - eps, PPO's 0.2; "
+                              "1 = no lower bound, as CISPO's paper has it), got 1.5"),
+    ("algo.clip_eps_low=-0.1", "algo.clip_eps_low must lie in [0, 1] (the ratio's lower bound is 1 - eps, PPO's 0.2; "
+                               "1 = no lower bound, as CISPO's paper has it), got -0.1"),
+    ("algo.sapo_temperature_neg=0", "algo.sapo_temperature_neg must be > 0.0, got 0.0"),
+    ("algo.vespo_k_pos=-1", "algo.vespo_k_pos must be >= 0.0, got -1.0"),
     ("algo.clip_eps_high=20", "algo.clip_eps_high must lie in [0, 10] (the ratio's upper bound is 1 + eps; PPO's is "
                               "0.2, DAPO's 0.28), got 20.0"),
     ("task.eval_size=-1", "task.eval_size must be >= 0, got -1"),
