@@ -153,7 +153,8 @@ def check_fit(policy: nn.Module, plan: Plan, cfg: Config, device: str, prompt: i
     budget = gpu_budget(plan.gpu_memory_gib, device)
     response = response_tokens(plan)
     shape = run_shape(policy, plan, cfg, device, prompt + response)
-    b.check_fit(shape, budget, alternatives(shape, policy, plan, cfg, device, prompt, response))
+    if b.least_bytes(shape) > budget:  # the alternatives are priced only for the line that refuses
+        b.check_fit(shape, budget, alternatives(shape, policy, plan, cfg, device, prompt, response))
     return budget, shape
 
 
