@@ -90,3 +90,9 @@ class LowPrecisionEngine:
         if self.released:  # no update since the release (a step whose samples were all dropped)
             self.sync_weights(self.source)
         return self.engine.generate(*args, **kwargs)
+
+    def decode_episodes(self, *args, **kwargs):
+        """Tool episodes from the copy (the fast engine's episode loop), refilled first if released."""
+        if self.released:
+            self.sync_weights(self.source)
+        return self.engine.decode_episodes(*args, **kwargs)

@@ -175,3 +175,18 @@ def test_pack_cache_moves_each_rows_valid_columns_to_the_right_in_order():
     assert layer.filled == 3
     assert layer.keys[0, 0, :, 0].tolist() == [0.0, 2.0, 3.0]
     assert layer.keys[1, 0, 1:, 0].tolist() == [6.0, 9.0]
+
+
+def test_the_bf16_sampling_copy_runs_episodes_after_its_weights_were_released(tiny):
+    """The training loop frees the bf16 copy's weights between rollouts; the episode loop refills them, as
+    `generate` does, and samples from the copy (the bf16 lean step): greedy episodes with turns and replies."""
+    from covey.rollout.precision import LowPrecisionEngine
+
+    model, tok = tiny
+    engine = LowPrecisionEngine(FastEngine, model, tok, torch.bfloat16, max_new_tokens=10)
+    engine.engine.eos = [tok.eos_token_id, 33, 90]
+    engine.release_weights()
+    assert engine.continues_episodes
+    rollout, metrics = engine.decode_episodes(PROMPTS, 2, hosts(6), options(), greedy=True)
+    assert not engine.released and metrics["episode/tool_calls_mean"] > 0
+    assert rollout.sample_logp is not None and rollout.response_mask.sum() > 0
