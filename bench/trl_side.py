@@ -195,14 +195,15 @@ def step_recorder(box: dict, records: list):
     return StepTimer()
 
 
-def timed_trainer(cfg, model: str, reward, config, records: list):
-    """A TimedGRPOTrainer on the config's train problems, each step recorded in `records`."""
+def timed_trainer(cfg, model: str, reward, config, records: list, **trainer_kwargs):
+    """A TimedGRPOTrainer on the config's train problems, each step recorded in `records` (`trainer_kwargs`:
+    GRPOTrainer's peft_config, quantization_config)."""
     from covey.tasks.data import load_task_data
     box = {}
     train = load_task_data(cfg.task, cfg.train.seed).train
     box["trainer"] = make_trainer_class()(model=model, reward_funcs=reward, args=config,
                                           train_dataset=trl_dataset(train, cfg.task.system_prompt),
-                                          callbacks=[step_recorder(box, records)])
+                                          callbacks=[step_recorder(box, records)], **trainer_kwargs)
     return box["trainer"]
 
 
@@ -232,9 +233,10 @@ def role_speed(args) -> dict:
                        gradient_checkpointing=args.gradient_checkpointing)
 
 
-def role_gpu(args) -> dict:
+def role_gpu(args, settings: dict | None = None, trainer_kwargs: dict | None = None) -> dict:
     """The GPU workload: TRL's default model load (fp32 weights), HF `generate` (no vLLM), bf16 autocast where
-    covey's resolves to bf16; fixed-length responses (min_new_tokens); --trl-gc: gradient checkpointing on."""
+    covey's resolves to bf16; fixed-length responses (min_new_tokens); --trl-gc: gradient checkpointing on.
+    `settings` replace GRPOConfig's, `trainer_kwargs` go to the trainer (bench/gpu_capacity.py)."""
     from trl import GRPOConfig, __version__
     w, gpu, records = WORKLOADS[args.workload], torch.cuda.is_available(), []
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
@@ -243,15 +245,16 @@ def role_gpu(args) -> dict:
                                    if not k.startswith("reward.")])
         bf16 = resolve_autocast(cfg.model.autocast, "cuda" if gpu else "cpu") == "bfloat16"
         settings = {**trl_grpo_kwargs(cfg, autocast_bf16=bf16), **({"gradient_checkpointing": True} if args.trl_gc
-                                                                    else {})}
+                                                                    else {}), **(settings or {})}
         config = GRPOConfig(output_dir=out_dir, max_steps=args.steps, use_cpu=not gpu, use_vllm=False, **settings,
                             generation_kwargs={"min_new_tokens": w["new_tokens"]}, **QUIET)
-        trainer = timed_trainer(cfg, args.model, varied_reward, config, records)
+        trainer = timed_trainer(cfg, args.model, varied_reward, config, records, **(trainer_kwargs or {}))
         setup = {"trl": __version__, "model_dtype": str(next(trainer.model.parameters()).dtype), "bf16": config.bf16,
                  "gradient_checkpointing": config.gradient_checkpointing, "loss_type": config.loss_type,
                  "per_device_train_batch_size": config.per_device_train_batch_size,
                  "gradient_accumulation_steps": config.gradient_accumulation_steps,
-                 "steps_per_generation": config.steps_per_generation,
+                 "steps_per_generation": config.steps_per_generation, "optim": str(config.optim),
+                 "use_liger_kernel": config.use_liger_kernel, "trainer_kwargs": sorted(trainer_kwargs or {}),
                  "reference_dtype": str(next(trainer.ref_model.parameters()).dtype) if trainer.ref_model else None}
         say(f"TRL setup: {setup}")
         if gpu:  # the peak of the steps, as covey's phase peaks (its models loaded, its optimizer state from step 1)

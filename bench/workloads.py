@@ -31,13 +31,22 @@ WORKLOADS = {
     "cpu": CPU, "cpu-smoke": {**CPU, "prompts": 2, "group_size": 4, "new_tokens": 8, "micro_batch": 4,
                               "train_size": 16},
     "gpu": GPU, "gpu-smoke": {**GPU, "prompts": 2, "group_size": 4, "new_tokens": 12, "micro_batch": 4, "steps": 3},
+    # bench/gpu_capacity.py: 8 prompts x 8 samples x 512 tokens; step 1 is the first step's time, 2..3 steady
+    "capacity": {**GPU, "new_tokens": 512, "steps": 3},
+    "capacity-smoke": {**GPU, "prompts": 2, "group_size": 4, "new_tokens": 8, "micro_batch": 4, "steps": 2},
 }
-# Qwen2.5-0.5B and Qwen2.5-1.5B (their config.json), and a tiny shape for the smoke workload on a CPU
+# Qwen2.5-0.5B, -1.5B, -3B, -7B and -14B (their config.json), and a tiny shape for the smoke workloads on a CPU
 SHAPES = {
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8),
     "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2),
 }
