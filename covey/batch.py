@@ -48,6 +48,8 @@ class Rollout:
     environment_rewards: Tensor | None = None  # (N,) an episode's environment get_reward() (NaN: none)
     sample_logp: Tensor | None = None  # (N, L) the sampler's log-prob of each token it drew, 0 on padding
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
+    old_entropy: Tensor | None = None  # (N, L) pi_old's entropy at each token (token selection, adaptive entropy)
+    cov_tokens: Tensor | None = None   # (N, L) bool: the tokens a covariance control acts on (Clip-Cov, KL-Cov)
 
     @property
     def input_ids(self) -> Tensor:

@@ -60,21 +60,28 @@ def round_up(value: int, step: int) -> int:
 class Picker:
     """Picks each row's next token inside the step, from the step's logits: the engine's `pick` (greedy, or
     its warpers and inverse CDF on the row's uniform for that column), padding for rows already finished,
-    which rows go on; the token is fed to the next step and kept by column. Its tensors (the stop tokens)
-    stay where a captured graph reads them; `key` tells graphs of different pickers apart."""
+    which rows go on; the token is fed to the next step and kept by column, with its log-prob under the
+    sampler's logits / temperature (the trainer's quantity at the sampler's precision, as the plain loop
+    records it: importance sampling reads it). Its tensors (the stop tokens) stay where a captured graph
+    reads them; `key` tells graphs of different pickers apart."""
 
-    def __init__(self, pick, greedy: bool, pad: int, eos: list[int], device):
-        self.pick, self.greedy, self.pad = pick, greedy, pad
-        self.key = self.key_of(greedy, pad, eos)
+    def __init__(self, pick, greedy: bool, pad: int, eos: list[int], device, temperature: float = 1.0):
+        self.pick, self.greedy, self.pad, self.temperature = pick, greedy, pad, temperature
+        self.key = self.key_of(greedy, pad, eos, temperature)
         self.eos = torch.tensor(self.key[2], dtype=torch.long, device=device)
 
     @staticmethod
-    def key_of(greedy: bool, pad: int, eos: list[int]) -> tuple:
-        return greedy, pad, tuple(sorted(set(eos)))
+    def key_of(greedy: bool, pad: int, eos: list[int], temperature: float = 1.0) -> tuple:
+        return greedy, pad, tuple(sorted(set(eos))), float(temperature)
 
-    def first(self, logits: Tensor, uniforms: Tensor | None) -> Tensor:
-        """The first new token of every row, from the prompts' last logits (outside any graph)."""
-        return self.pick(logits, uniforms, self.greedy)
+    def logp(self, logits: Tensor, tokens: Tensor) -> Tensor:
+        """(rows,) float32 log-prob of `tokens` under softmax(logits / temperature)."""
+        return torch.log_softmax(logits.float() / self.temperature, -1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    def first(self, logits: Tensor, uniforms: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The first new token of every row, from the prompts' last logits (outside any graph), and its log-prob."""
+        tokens = self.pick(logits, uniforms, self.greedy)
+        return tokens, self.logp(logits, tokens)
 
     def finished(self, tokens: Tensor) -> Tensor:
         return (tokens.unsqueeze(1) == self.eos).any(1)
@@ -87,6 +94,7 @@ class Picker:
         s.live &= ~self.finished(picked)
         s.tokens.copy_(picked)
         s.picked.scatter_(1, column, picked.unsqueeze(1))
+        s.logp.scatter_(1, column, self.logp(logits, picked).unsqueeze(1))
 
 
 class StepRunner:
@@ -187,8 +195,9 @@ class StaticDecoder:
         return cache_tensors(cache), out.logits[:, -1].float()
 
     def decode(self, engine, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, max_new: int,
-               greedy: bool, uniforms) -> Tensor:
-        """(N, steps) new tokens, padding after each row's EOS, as `FastEngine` returns them."""
+               greedy: bool, uniforms) -> tuple[Tensor, Tensor]:
+        """(N, steps) new tokens, padding after each row's EOS, and (N, steps) float32 log-probs of the tokens
+        (padding's are meaningless), as `FastEngine` returns them."""
         model = engine.model
         device = next(model.parameters()).device
         prompt_ids, prompt_mask, index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
@@ -199,7 +208,9 @@ class StaticDecoder:
         draws = None if greedy else torch.stack([uniforms.draw() for _ in range(max_new)]).to(device)
         picker = self.picker(engine, greedy, device)
         out = torch.full((n, max_new), picker.pad, dtype=torch.long, device=device)
-        out[:, 0] = first = picker.first(first_logits[index], None if greedy else draws[0])
+        logps = torch.zeros((n, max_new), dtype=torch.float32, device=device)
+        first, logps[:, 0] = picker.first(first_logits[index], None if greedy else draws[0])
+        out[:, 0] = first
         rows = torch.arange(n, device=device)     # which output row each state row 0..m-1 holds
         try:
             if max_new > 1:
@@ -213,6 +224,7 @@ class StaticDecoder:
                 if (t + 1) % CHECK_EVERY and t < max_new - 1:
                     continue
                 out[rows, kept:t + 1] = state.picked[:len(rows), width + kept:width + t + 1]
+                logps[rows, kept:t + 1] = state.logp[:len(rows), width + kept:width + t + 1]
                 kept = t + 1
                 if t == max_new - 1:
                     break
@@ -222,13 +234,14 @@ class StaticDecoder:
         finally:
             if not self.persistent:
                 self.release()
-        return out
+        return out, logps
 
     def picker(self, engine, greedy: bool, device) -> Picker:
-        """One per (greedy, padding, stop tokens), kept: captured graphs read its stop tokens in place."""
-        key = (*Picker.key_of(greedy, engine.tokenizer.pad_token_id, engine.eos), str(device))
+        """One per (greedy, padding, stop tokens, temperature), kept: captured graphs read its stop tokens in place."""
+        pad, temperature = engine.tokenizer.pad_token_id, engine.temperature
+        key = (*Picker.key_of(greedy, pad, engine.eos, temperature), str(device))
         if key not in self.pickers:
-            self.pickers[key] = Picker(engine.pick, greedy, engine.tokenizer.pad_token_id, engine.eos, device)
+            self.pickers[key] = Picker(engine.pick, greedy, pad, engine.eos, device, temperature)
         return self.pickers[key]
 
     def shrink(self, weights: DecodeWeights, state: StaticState, rows: Tensor):

@@ -157,9 +157,10 @@ class StaticState:
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         # what sampling inside the step reads and writes, by column: each row's uniform for the token
-        # whose logits the step makes, the tokens picked, and whether the row is still decoding
+        # whose logits the step makes, the tokens picked and their log-probs, and whether the row is still decoding
         self.draws = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
         self.picked = torch.zeros(rows, capacity, dtype=torch.long, device=device)
+        self.logp = torch.zeros(rows, capacity, dtype=torch.float32, device=device)  # the picked tokens' log-probs
         self.live = torch.zeros(rows, dtype=torch.bool, device=device)
         self.rows, self.capacity, self.dtype = rows, capacity, dtype
 
@@ -208,6 +209,7 @@ class StaticState:
         self.live[:m] = source.live[keep]
         self.draws[:m] = source.draws[keep]
         self.picked[:m] = source.picked[keep]
+        self.logp[:m] = source.logp[keep]
 
 
 def linear(x: Tensor, pairs: list[tuple[Tensor, Tensor | None]]) -> Tensor:

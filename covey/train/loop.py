@@ -25,6 +25,7 @@ Deviations from the papers, on purpose:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Iterator
 
@@ -36,7 +37,7 @@ from covey.batch import Rollout
 from covey.config import Config
 from covey.models.load import resolve_model_path
 from covey.models.offload import release_weights
-from covey.passes.logprobs import batched_logprobs, batched_values
+from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values
 from covey.rewards.build import build_rewarder, check_user_rewards
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
@@ -59,6 +60,7 @@ from covey.train.setup import (Feed, Run, Session, TrainResult, attach_reward_mo
                                open_feed, open_world, prepare_run_dir, print_header, print_precision,
                                seed_everything, size_update)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
+from covey.train.token_weights import correct_sampler_mismatch, observe_entropy, select_tokens
 from covey.train.update import record_skip, update_critic, update_policy
 
 
@@ -256,6 +258,8 @@ def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict
     metrics.update(correct_sampler_mismatch(run, rollout))
     if run.plan.update.mask_truncated:  # DAPO's overlong filtering: in the advantages above, out of the loss below
         rollout.response_mask = algos.mask_truncated(rollout.response_mask, rollout.truncated)
+    metrics.update(select_tokens(run, rollout))  # over the trained tokens of every rank
+    metrics.update(observe_entropy(run, rollout))
     metrics.update(update(run, rollout))
     return metrics
 
@@ -280,8 +284,8 @@ def add_logprobs(run: Run, rollout: Rollout) -> dict:
     plan, t0, sizes, device = run.plan, time.perf_counter(), run.micro_batches, run.world.device
     temp, prec = plan.update.temperature, plan.update.autocast
     if plan.needs_old_logprobs:
-        rollout.old_logp = halving_on_oom("logprobs", sizes, lambda mb: batched_logprobs(
-            run.policy, rollout, temp, mb, prec), device)
+        rollout.old_logp, rollout.old_entropy = halving_on_oom("logprobs", sizes, lambda mb: (
+            batched_logprobs_and_entropy(run.policy, rollout, temp, mb, prec, plan.tokens.needs_entropy)), device)
     if run.reference is not None:
         rollout.ref_logp = halving_on_oom("logprobs", sizes, lambda mb: batched_logprobs(
             run.reference, rollout, temp, mb, prec), device)
@@ -311,25 +315,10 @@ def add_advantages(run: Run, rollout: Rollout, steps: dict | None = None) -> dic
     return metrics
 
 
-def correct_sampler_mismatch(run: Run, rollout: Rollout) -> dict:
-    """Truncated IS (algo.tis_cap): vLLM sampled with its own kernels and weight copy, so each token's
-    policy-loss term is weighted by min(pi_old/pi_sampler, cap). The weight (>= 0, no gradient) is folded
-    into the advantage, which for ppo_clip and pg is the same as multiplying the token's loss term."""
-    if not run.plan.tis_cap:
-        return {}
-    sampler_logp = getattr(rollout, "sample_logp", None)
-    if sampler_logp is None:
-        raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs (the fast engine's "
-                           "CUDA-graph decoding does not record them yet: set rollout.decode=plain)")
-    weights, metrics = algos.truncated_is_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
-                                                  run.plan.tis_cap)
-    rollout.advantages = rollout.advantages * weights
-    return metrics
-
-
 def update(run: Run, rollout: Rollout) -> dict:
     """algo.epochs x algo.minibatches optimizer steps of the policy loss (and of the critic's)."""
-    schedule, opts, metrics = run.plan.schedule, run.plan.update, {}
+    schedule, metrics = run.plan.schedule, {}
+    opts = dataclasses.replace(run.plan.update, entropy_coef=run.entropy_controller.value)  # adaptive: this step's
     if schedule.grad_var_every and (run.step + 1) % schedule.grad_var_every == 0:
         metrics = measure_grad_variance(run.policy, rollout, opts, run.kl_controller.value,
                                         seed=schedule.seed * 100003 + run.step,

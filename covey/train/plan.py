@@ -68,6 +68,33 @@ class UpdateOptions:
     """DAPO's overlong filtering: truncated responses carry no loss (algo.mask_truncated)."""
     mismatch_cap: float = 2.0
     """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis_cap, or 2)."""
+    cov: algos.CovOptions | None = None
+    """The covariance control acting on `Rollout.cov_tokens` (Clip-Cov, KL-Cov); None: off."""
+
+
+@dataclass(frozen=True)
+class TokenOptions:
+    """What acts on single tokens before the update (covey/train/token_weights.py)."""
+    tis_mode: str = "token_truncate"
+    """How algo.tis_cap bounds the sampler-trainer ratio (covey.algos.TIS_MODES)."""
+    top_entropy_quantile: float = 1.0
+    """Share of the rollout's tokens, by entropy, that keep their policy term (1 = all)."""
+    cov: algos.CovOptions = algos.CovOptions()
+    """Clip-Cov / KL-Cov and their settings (control none = off)."""
+    adaptive_entropy: bool = False
+    """The entropy coefficient follows Skywork-OR1's controller."""
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_max: float = 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The log-prob pass also computes pi_old's entropy of every token."""
+        return self.top_entropy_quantile < 1.0 or self.adaptive_entropy
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.needs_entropy or self.cov.control != "none"
 
 
 @dataclass(frozen=True)
@@ -176,6 +203,8 @@ class Plan:
     """On one GPU, the GiB the run may take; its batches are fitted to it (0 = the card's memory less 10%)."""
     episodes: EpisodeOptions | None = None
     """Multi-turn episodes with tools (rollout.tools); None: single-turn answers."""
+    tokens: TokenOptions = TokenOptions()
+    """Importance-sampling mode, high-entropy tokens, covariance control, adaptive entropy."""
 
 
 def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
@@ -190,13 +219,14 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     traits = algos.ESTIMATORS[a.estimator]
     sizes = step_sizes(cfg)
     learns_advantages = a.learner == "advantage"
+    tokens = token_options(cfg)
     plan = Plan(
         label="dpo" if a.learner == "dpo" else a.estimator, learner=a.learner, estimator=a.estimator,
         traits=traits, sizes=sizes,
         needs_reference=(a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref" or a.learner == "dpo",
         needs_critic=learns_advantages and traits.needs_values,
         needs_old_logprobs=learns_advantages and (sizes.optimizer_steps_per_rollout > 1 or a.kl_in == "reward"
-                                                  or a.tis_cap > 0),
+                                                  or a.tis_cap > 0 or tokens.needs_old_logprobs),
         advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
         update=update_options(cfg, with_tools),
@@ -207,16 +237,26 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
-        episodes=episode_options(cfg, with_tools))
+        episodes=episode_options(cfg, with_tools), tokens=tokens)
     if plan.episodes is not None and traits.step_scores:
         raise ConfigError(f"algo.estimator={a.estimator} scores the reasoning steps of one answer; tool-calling "
                           "episodes (rollout.tools, rollout.environment) have no step scores yet: use grpo")
-    for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage)):
+    for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage),
+                  tokens.cov.validate):
         try:
             check()  # the estimator's entry: normalize and token_credit against its traits
         except ValueError as err:
             raise ConfigError(f"algo: {err}") from None
     return plan
+
+
+def token_options(cfg: Config) -> TokenOptions:
+    a = cfg.algo
+    cov = algos.CovOptions(control=a.cov_control, clip_ratio=a.clip_cov_ratio, clip_lb=a.clip_cov_lb,
+                           clip_ub=a.clip_cov_ub, kl_ratio=a.kl_cov_ratio, kl_coef=a.kl_cov_coef)
+    return TokenOptions(tis_mode=a.tis_mode, top_entropy_quantile=a.top_entropy_quantile, cov=cov,
+                        adaptive_entropy=a.adaptive_entropy, entropy_target=a.entropy_target,
+                        entropy_coef_delta=a.entropy_coef_delta, entropy_coef_max=a.entropy_coef_max)
 
 
 def step_sizes(cfg: Config) -> Sizes:
@@ -267,7 +307,8 @@ def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
         temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=loss_agg,
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
-        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated)
+        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated,
+        cov=token_options(cfg).cov if a.cov_control != "none" else None)
 
 
 def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:
@@ -276,6 +317,15 @@ def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:
     r = cfg.rollout
     episodes = r.tools or r.environment or with_tools
     return r.max_turns * (r.max_turn_tokens or r.max_new_tokens) if episodes else r.max_new_tokens
+
+
+def token_summary(t: TokenOptions) -> str:
+    """The token selections and the entropy controller, for print_plan ('' when none is on)."""
+    parts = [f"policy gradient on the top {t.top_entropy_quantile:g} of tokens by entropy"
+             if t.top_entropy_quantile < 1 else "",
+             f"covariance control {t.cov.control}" if t.cov.control != "none" else "",
+             f"adaptive entropy toward {t.entropy_target:g}" if t.adaptive_entropy else ""]
+    return "; ".join(p for p in parts if p)
 
 
 def print_plan(plan: Plan) -> None:
@@ -295,7 +345,8 @@ def print_plan(plan: Plan) -> None:
           + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else ""))
     extras = [f"reference refreshed every {ref.refresh_every} steps" if ref.refresh_every else "",
               f"reference EMA {ref.ema:g}" if ref.ema else "",
-              f"truncated IS cap {plan.tis_cap:g}" if plan.tis_cap else "",
+              f"importance sampling {plan.tokens.tis_mode} cap {plan.tis_cap:g}" if plan.tis_cap else "",
+              token_summary(plan.tokens),
               (f"step scores from {plan.step_scoring.source}" + (f" + outcome x {plan.step_scoring.outcome_weight:g}"
                if plan.step_scoring.outcome_weight else "")) if plan.step_scoring.enabled else ""]
     if plan.episodes is not None:

@@ -106,7 +106,9 @@ def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef:
     loss, metrics = algos.policy_objective(opts.policy_loss, logp, old, part.advantages[:, :width],
                                            part.response_mask[:, :width], norm, opts.loss, ref_logp=ref,
                                            kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
-                                           entropy=entropy, entropy_coef=opts.entropy_coef)
+                                           entropy=entropy, entropy_coef=opts.entropy_coef, cov=opts.cov,
+                                           cov_tokens=part.cov_tokens[:, :width] if part.cov_tokens is not None
+                                           else None)
     if part.sample_logp is not None:  # pi_old (the weights that sampled) against the sampler's own log-probs
         metrics.update(algos.sampler_mismatch(old, part.sample_logp[:, :width], part.response_mask[:, :width],
                                               opts.mismatch_cap))

@@ -1,6 +1,7 @@
 """The fast engine on a static KV cache (covey/rollout/static_decode.py), run eagerly on the CPU: the
-tokens of the plain loop, greedy ones equal to `generate`'s; row buckets, fused projections, reused
-buffers; the config keys that select it. The same decoding under CUDA graph capture: test_static_decode_gpu.py.
+tokens of the plain loop, greedy ones equal to `generate`'s, and their log-probs for importance sampling;
+row buckets, fused projections, reused buffers; the config keys that select it. The same decoding under
+CUDA graph capture: test_static_decode_gpu.py.
 """
 
 import pytest
@@ -84,6 +85,24 @@ def test_sampled_tokens_equal_the_plain_loop_as_rows_finish(llama, tok):
     assert torch.all(b.response_ids[b.response_mask == 0] == tok.pad_token_id)
 
 
+def test_sampler_logprobs_equal_the_plain_loops_and_the_trainers(llama, tok):
+    """The static path records each sampled token's log-prob at the sampler's logits / temperature, as the
+    plain loop does (float rounding apart: its step is the model's forward in fewer kernels), and in float32
+    they are the trainer's log-probs of the same tokens; padding carries 0."""
+    from covey.passes.logprobs import batched_logprobs
+    plain = frequent_eos(FastEngine(llama, tok, max_new_tokens=40, temperature=0.8), tok)
+    static = frequent_eos(FastEngine(llama, tok, max_new_tokens=40, temperature=0.8, static_cache=True), tok)
+    torch.manual_seed(5)
+    a = plain.generate(PROMPTS, 3)
+    torch.manual_seed(5)
+    b = static.generate(PROMPTS, 3)
+    assert torch.equal(a.response_ids, b.response_ids) and b.sample_logp is not None
+    assert torch.allclose(a.sample_logp, b.sample_logp, atol=1e-4)
+    assert torch.all(b.sample_logp[b.response_mask == 0] == 0) and torch.all(b.sample_logp <= 0)
+    trainer = batched_logprobs(llama, b, 0.8, 4)
+    assert torch.allclose(trainer, b.sample_logp, atol=1e-4)
+
+
 def test_per_prompt_seeds_give_the_plain_loops_samples(llama, tok):
     plain = FastEngine(llama, tok, max_new_tokens=10)
     static = FastEngine(llama, tok, max_new_tokens=10, static_cache=True)
@@ -164,11 +183,16 @@ def test_config_key_is_checked(keys, message):
 
 
 def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.decode": "static"}))
+    """With importance sampling on (algo.tis_cap): the static path hands the sampler's log-probs over."""
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.decode": "static",
+                                                                        "algo.tis_cap": 2}))
     session = open_run(cfg, evaluate_before=False)
     engine, eval_engine = session.feed.engine, session.feed.eval_engine
     assert engine.static is not None and engine.static.persistent
     metrics = next(steps(session))
     session.close()
     assert engine.static.steps > 0 and metrics["optim/grad_norm"] >= 0
+    # fp32 sampling from the trained weights: every ratio pi_old / pi_sampler is 1 up to rounding
+    assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and metrics["tis/capped_frac"] == 0.0
+    assert abs(metrics["sampler/log_ratio_mean"]) < 1e-4
     assert eval_engine.engine is engine.engine  # fp32 sampling: one engine for both

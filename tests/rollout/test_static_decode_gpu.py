@@ -66,6 +66,9 @@ def test_sampled_tokens_with_graphs_equal_the_eager_static_loop(model, tok):
     b = eager.generate(PROMPTS, 8)
     assert torch.equal(a.response_ids, b.response_ids)
     assert len(graphs.static.states) >= 2  # 24 rows in the 32 bucket, fewer as they finish
+    # the sampler's log-probs, picked inside the replayed graphs, are the eager loop's
+    assert a.sample_logp is not None and torch.allclose(a.sample_logp, b.sample_logp, atol=1e-5)
+    assert torch.all(a.sample_logp[a.response_mask == 0] == 0)
 
 
 def test_an_update_synced_into_the_bf16_copy_reaches_the_graphs(tok):
@@ -90,4 +93,5 @@ def test_a_training_run_on_cuda_decodes_with_graphs(tiny_model_dir, tmp_path):
     from covey.cli.main import main
     from tests.helpers import tiny_overrides
     assert main(["train", "grpo", *tiny_overrides(tiny_model_dir, tmp_path, **{
-        "train.device": "cuda", "rollout.decode": "graphs", "rollout.max_new_tokens": 24})]) == 0
+        "train.device": "cuda", "rollout.decode": "graphs", "rollout.max_new_tokens": 24, "algo.tis_cap": 2,
+        "algo.tis_mode": "sequence_mask"})]) == 0  # importance sampling reads the graphs' log-probs

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import covey
-from covey.config import ConfigError, load_config
+from covey.config import load_config
 from tests.helpers import tiny_overrides
 
 
@@ -30,9 +30,10 @@ def test_the_mismatch_is_logged_and_truncated_is_runs_on_local_engines(tiny_mode
     assert torch.isfinite(torch.tensor(m["optim/grad_norm"]))
 
 
-def test_graph_decoding_with_truncated_is_is_refused_at_start():
-    with pytest.raises(ConfigError, match="rollout.decode=graphs does not record yet"):
-        load_config(None, ["algo.tis_cap=2", "rollout.decode=graphs"])
+def test_every_decode_path_takes_truncated_is():
+    """The static and graph paths record the sampler's log-probs too (tests/rollout/test_static_decode*.py)."""
+    for decode in ("plain", "static", "graphs", "compile"):
+        assert load_config(None, ["algo.tis_cap=2", f"rollout.decode={decode}"]).algo.tis_cap == 2
 
 
 def test_mask_truncated_takes_cut_responses_out_of_the_update(tiny_model_dir, tmp_path):
