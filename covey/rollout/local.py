@@ -47,6 +47,8 @@ def local_engine(name: str, model, tokenizer, *, max_new_tokens: int, temperatur
     if name == "fast":
         kwargs.update((decode or DecodeOptions()).resolve(next(model.parameters()).device))
     dtype = getattr(torch, precision)
-    if dtype != next(model.parameters()).dtype:
+    weights = next(model.parameters()).dtype
+    # A copy only below the weights' precision: bf16 weights (model.dtype=bfloat16) are sampled from themselves.
+    if dtype != weights and dtype.itemsize < weights.itemsize:
         return LowPrecisionEngine(LOCAL_ENGINES[name], model, tokenizer, dtype, **kwargs)
     return LOCAL_ENGINES[name](model, tokenizer, **kwargs)

@@ -36,6 +36,7 @@ from covey.models.lora import load_adapter_weights
 from covey.runtime.errors import first_line
 from covey.runtime.signals import fault_point
 from covey.tasks.data import absolute_reward_file
+from covey.train.optim import state_tensors
 
 # Keys that change only logging, speed, memory or length of the run, never its numbers (the device and
 # gradient checkpointing change them by float rounding alone: a run may move between CPU and GPU). A run
@@ -137,10 +138,9 @@ def _first_nonfinite(named_tensors) -> str | None:
 
 
 def _optimizer_tensors(optimizer):
-    """(name, tensor) of the optimizer state, from state_dict() (also under FSDP's full-state view)."""
-    for index, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
-            yield f"param{index}.{key}", value
+    """(name, tensor) of the optimizer state, from state_dict() (also under FSDP's full-state view): torch's
+    moments, an offloaded optimizer's per-parameter states, torchao's quantized moments' codes and scales."""
+    return state_tensors(optimizer.state_dict())
 
 
 def assert_finite_state(run) -> None:
