@@ -141,6 +141,8 @@ class RolloutConfig:
     """With tools: response tokens of a whole episode, the model's and the tools' (0 = 2 x max_turns x the turn's tokens)."""
     tool_timeout_s: float = 10.0
     """With tools: seconds a tool call may take; a slower one answers {"error": ...} to the model and is counted."""
+    tool_demo: str = ""
+    """With tools: a worked exchange shown before each question (user, assistant call, tool result, answer): builtin (the built-in tools' own, e.g. the calculator's) or a .json file holding a list of chat messages; empty = none."""
 
 
 @dataclass

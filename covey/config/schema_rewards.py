@@ -14,6 +14,8 @@ class RewardConfig:
     """Weight of the 1/0 correctness reward."""
     format: float = 0.0
     """Weight of the format reward (final answer clearly marked)."""
+    tool_use: float = 0.0
+    """With tools: weight of the tool-use reward, 1 for an episode with at least one tool call answered without an error (a shaping term for a model that does not call tools yet; ToolRL, Qian et al. 2025, arXiv:2504.13958)."""
     overlong_buffer: int = 0
     """DAPO soft overlong penalty buffer in tokens (0 = off)."""
     overlong_weight: float = 1.0

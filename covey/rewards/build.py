@@ -16,7 +16,8 @@ from typing import Callable, Iterable
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.remote import RemoteReward
-from covey.rewards.rules import correctness_reward, format_reward, language_consistency, overlong_penalty
+from covey.rewards.rules import (correctness_reward, format_reward, language_consistency, overlong_penalty,
+                                 tool_use_reward)
 from covey.rewards.scoring import placeholder_inputs
 from covey.runtime.errors import first_line
 
@@ -219,6 +220,8 @@ def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), veri
         terms.append(RewardTerm("correctness", fn, r.correctness))
     if r.format:
         terms.append(RewardTerm("format", format_reward, r.format))
+    if r.tool_use:
+        terms.append(RewardTerm("tool_use", tool_use_reward, r.tool_use))
     if r.overlong_buffer:
         fn = functools.partial(overlong_penalty, max_len=cfg.rollout.max_new_tokens, buffer=r.overlong_buffer)
         terms.append(RewardTerm("overlong", fn, r.overlong_weight))

@@ -153,11 +153,36 @@ def language_consistency(prompts: Sequence, completions: Sequence, language: str
 
 # ------------------------------------------------------------ registry
 
+def _is_tool_error(content: Any) -> bool:
+    """A tool message that reports a failure: covey's {"error": ...} (a raise, a timeout, an unknown tool or
+    bad arguments) or a tool's own "error: ..." line (the calculator's refusals)."""
+    text = str(content).strip()
+    return text.startswith('{"error"') or text.lower().startswith("error:")
+
+
+def tool_use_reward(prompts: Sequence, completions: Sequence, **columns) -> list[float]:
+    """1.0 for an episode in which at least one tool call came back without an error, else 0.0.
+
+    A shaping term for models that do not call tools on their own (docs/agents.md): it pays for a
+    working call, whatever the answer, so it is meant at a weight below correctness' (ToolRL,
+    Qian et al. 2025, arXiv:2504.13958, rewards the call's form separately from the answer). A
+    single-turn completion (text, not messages) scores 0.
+    """
+    out = []
+    for c in completions:
+        messages = c if isinstance(c, list) else []
+        answered = [m for m in messages if isinstance(m, dict) and m.get("role") == "tool"
+                    and not _is_tool_error(m.get("content", ""))]
+        out.append(1.0 if answered else 0.0)
+    return out
+
+
 RULE_REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": correctness_reward,
     "format": format_reward,
     "overlong": overlong_penalty,
     "language": language_consistency,
+    "tool_use": tool_use_reward,
 }
 
 

@@ -13,8 +13,10 @@ renders the replies with the chat template into the ids appended after the model
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,10 +28,12 @@ from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_
                                  chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
                                  tool_call_format, tool_messages_ids)
 from covey.tasks.base import Example, build_messages
-from covey.tasks.tools import calculator
+from covey.tasks.tools import CALCULATOR_DEMO, calculator
 
 BUILTIN_TOOLS = {"calculator": calculator}
 """Tools covey ships, by the name rollout.tools takes."""
+BUILTIN_DEMOS = {"calculator": CALCULATOR_DEMO}
+"""Their worked exchanges (rollout.tool_demo=builtin)."""
 
 METRIC_KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/env_token_frac", "episode/cut_off_frac")
 
@@ -74,9 +78,10 @@ class Agent:
     tools itself; one that does not (SmolLM2-135M-Instruct's) gets a system prompt teaching the
     <tool_call>{json}</tool_call> format (covey/rollout/tools.py, tool_system_prompt)."""
 
-    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float, environment_factory=None):
+    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float, environment_factory=None,
+                 demo: list[dict] | None = None):
         self.tokenizer, self.timeout_s, self.tools = tokenizer, timeout_s, list(tools)
-        self.environment_factory = environment_factory
+        self.environment_factory, self.demo = environment_factory, list(demo or ())
         # The run's toolbox: the tools' schemas (an environment's methods first, read off one instance) and the
         # run's call counters; an episode with an environment calls its own instance's methods.
         self.toolbox = Toolbox(tools, environment=environment_factory() if environment_factory else None)
@@ -91,6 +96,9 @@ class Agent:
             messages = build_messages(ex, system_prompt or None)
             if self.template_tools is None:
                 messages = add_tool_system_prompt(messages, self.toolbox.schemas)
+            if self.demo:  # the worked exchange between the system message and the question
+                at = 1 if messages and messages[0].get("role") == "system" else 0
+                messages = messages[:at] + self.demo + messages[at:]
             out.append(EpisodePrompt(self.render(messages), messages, ex))
         return out
 
@@ -120,6 +128,29 @@ class Agent:
         now = self.toolbox.stats.as_dict()
         before, self.seen = self.seen.as_dict(), ToolStats(**now)
         return {f"tools/{k}": now[k] - before[k] for k in now}
+
+
+def load_demo(spec: str, tool_names: list[str]) -> list[dict]:
+    """rollout.tool_demo: "" (none), builtin (the worked exchanges of the built-in tools named in
+    rollout.tools) or a .json file holding a list of chat messages."""
+    if not spec:
+        return []
+    if spec == "builtin":
+        demos = [m for name in tool_names if name in BUILTIN_DEMOS for m in BUILTIN_DEMOS[name]]
+        if not demos:
+            raise ToolError(f"rollout.tool_demo=builtin: none of rollout.tools ({', '.join(tool_names) or 'none'}) "
+                            f"has a worked exchange; built in: {', '.join(BUILTIN_DEMOS)}")
+        return demos
+    try:
+        messages = json.loads(Path(spec).read_text())
+    except (OSError, ValueError) as e:
+        raise ToolError(f"rollout.tool_demo={spec}: {type(e).__name__}: {e}") from None
+    roles = {"system", "user", "assistant", "tool"}
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in roles
+                                                 and isinstance(m.get("content"), str) for m in messages):
+        raise ToolError(f"rollout.tool_demo={spec}: expected a JSON list of messages, each with a role "
+                        f"({', '.join(sorted(roles))}) and a text content")
+    return messages
 
 
 def environment_rewards(hosts: list[ToolHost]) -> torch.Tensor | None:

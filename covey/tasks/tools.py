@@ -37,6 +37,17 @@ class CalculatorError(ValueError):
     """An expression the calculator refuses or cannot evaluate; its message is shown to the model."""
 
 
+CALCULATOR_DEMO = [
+    {"role": "user", "content": "Ana has 12 pens. She gives away 5 pens and then buys 9 more. How many pens does she "
+                                "have now?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 - 5 + 9"}}'
+                                     '</tool_call>'},
+    {"role": "tool", "name": "calculator", "content": "16"},
+    {"role": "assistant", "content": "Ana has 12 - 5 + 9 = 16 pens now.\n#### 16"},
+]
+"""A worked exchange with the calculator (rollout.tool_demo=builtin): a question, the call, its result, the answer."""
+
+
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression and return its value.
 

@@ -281,6 +281,10 @@ def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | N
     rollout.environment, or Python's tools= / environment_factory=)."""
     r = cfg.rollout
     if not (r.tools or r.environment or with_tools):
+        for key, value in (("reward.tool_use", cfg.reward.tool_use), ("rollout.tool_demo", r.tool_demo)):
+            if value:
+                raise ConfigError(f"{key}={value} needs tools: set rollout.tools or rollout.environment "
+                                  "(docs/agents.md)")
         return None
     turn = r.max_turn_tokens or r.max_new_tokens
     return EpisodeOptions(max_turns=r.max_turns, max_turn_tokens=turn,

@@ -28,7 +28,7 @@ from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
 from covey.rewards.build import load_callable
-from covey.rollout.agents import BUILTIN_TOOLS, Agent, EpisodeEngine
+from covey.rollout.agents import BUILTIN_TOOLS, Agent, EpisodeEngine, load_demo
 from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
 from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
@@ -353,8 +353,9 @@ def make_agent(cfg: Config, tokenizer, agent: dict | None = None) -> Agent:
     its `environment_factory` or else rollout.environment."""
     factory = (agent or {}).get("environment_factory") or (
         load_callable(cfg.rollout.environment) if cfg.rollout.environment else None)
+    names = [item.strip() for item in cfg.rollout.tools.split(",") if item.strip()]
     return Agent(tokenizer, resolve_tools(cfg.rollout.tools, (agent or {}).get("tools")), cfg.rollout.tool_timeout_s,
-                 factory)
+                 factory, demo=load_demo(cfg.rollout.tool_demo, names))
 
 
 def resolve_tools(spec: str, extra=None) -> list:

@@ -188,7 +188,7 @@ def test_language_consistency_reward_with_column():
 
 
 def test_registry_and_binding():
-    assert set(RULE_REWARDS) == {"correctness", "format", "overlong", "language"}
+    assert set(RULE_REWARDS) == {"correctness", "format", "overlong", "language", "tool_use"}
     overlong = get_rule_reward("overlong", max_len=10, buffer=5)
     assert overlong.__name__ == "overlong_penalty"
     assert overlong(["p"], ["c"], completion_lengths=[8], answer=["1"]) == [pytest.approx(-0.6)]
