@@ -322,18 +322,6 @@ def validate_token_selection(cfg: Config) -> None:
                           "policy loss; algo.learner=dpo has none")
 
 
-def validate_optimizer(cfg: Config) -> None:
-    """optim.name against the weights' dtype and optim.offload (the device and the packages are checked when
-    the run opens: covey/train/optim.py)."""
-    o = cfg.optim
-    if o.name == "adamw_bf16" and cfg.model.dtype != "bfloat16":
-        raise ConfigError(f"optim.name=adamw_bf16 updates bf16 weights with stochastic rounding: set "
-                          f"model.dtype=bfloat16 (got {cfg.model.dtype}), or use optim.name=adamw for fp32 weights")
-    if o.offload and o.name == "paged_adamw_8bit":
-        raise ConfigError("optim.offload=true with optim.name=paged_adamw_8bit: the paged optimizer already moves "
-                          "its state to CPU memory; choose one")
-
-
 def validate_world(cfg: Config, world_size: int) -> None:
     """What must hold to run on `world_size` processes (torchrun); nothing to check for one."""
     if world_size == 1:
