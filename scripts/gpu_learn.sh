@@ -116,9 +116,8 @@ phase() {
 }
 skip() { printf '%s\t%s\t%s\n' "$1" 99 0 >> "$LOG/phases.tsv"; echo "gpu_learn: $1 skipped: $2"; status=1; }
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
-'| transformers', transformers.__version__)"; } | tee "$LOG/machine.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$LOG/machine.txt" \
+  || echo "no nvidia-smi" | tee "$LOG/machine.txt"
 
 # Packages the machine lacks, from the wheels in WHEELS_DIR; covey itself from this checkout.
 WHEELS_DIR=${WHEELS_DIR:-.whl}
@@ -132,9 +131,19 @@ if ls "$WHEELS_DIR"/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-HAVE_TRL=1
-"$PY" -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" 2>/dev/null \
-  | tee -a "$LOG/machine.txt" | grep -q trl || HAVE_TRL=0
+# the versions in one process (each import of torch costs seconds); exit 3: TRL or datasets missing
+"$PY" - <<'PY' | tee -a "$LOG/machine.txt"
+import sys, torch, transformers
+line = f"torch {torch.__version__} CUDA {torch.version.cuda} | transformers {transformers.__version__}"
+try:
+    import datasets, trl
+    print(f"{line} | trl {trl.__version__} | datasets {datasets.__version__}")
+except ImportError as err:
+    print(f"{line} | no TRL ({err})")
+    sys.exit(3)
+PY
+versions=${PIPESTATUS[0]}
+HAVE_TRL=$([ "$versions" -eq 0 ] && echo 1 || echo 0)
 
 if [ -n "${COVEY_GPU_LEARN_MODEL:-}" ]; then
   KEYS="model.path=$COVEY_GPU_LEARN_MODEL $KEYS"
