@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import shutil
 import sys
@@ -187,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                                                        "trl_settings": trl_settings, "summary": summary,
                                                        "runs": runs}, indent=1))
     (out / "learn-vs-trl.md").write_text(markdown(runs, summary, head, args.steps, args.minutes))
-    figure(runs, out / "learn-vs-trl.png", head.splitlines()[0], args.minutes)
+    drawn = importlib.util.find_spec("matplotlib") is not None  # a GPU machine may lack it: the figure alone
+    if drawn:
+        figure(runs, out / "learn-vs-trl.png", head.splitlines()[0], args.minutes)
     print((out / "learn-vs-trl.md").read_text())
-    print(f"learn-vs-trl: wrote {out / 'learn-vs-trl.md'}, .json and .png")
+    print(f"learn-vs-trl: wrote {out / 'learn-vs-trl.md'}, .json" + (" and .png" if drawn else
+                                                                      " (no .png: matplotlib is not installed)"))
     return 0
 
 
