@@ -119,7 +119,7 @@ def covey_run(folder: Path) -> dict:
     evals = {r["step"]: r for r in rows if "eval/accuracy" in r}  # the last row of a step wins (the final one)
     curve = [{"step": s, "minutes": elapsed.get(s, 0.0) / 60, "accuracy": r["eval/accuracy"], "n": r.get("eval/n")}
              for s, r in sorted(evals.items())]
-    peaks = [v for r in steps for k, v in r.items() if k.startswith("memory/gpu_peak_mb/")]
+    peaks = [v for r in rows for k, v in r.items() if k.startswith("memory/gpu_peak_mb/")]  # evaluations too
     last = rows[-1] if rows else {}
     return {"name": folder.name, "trainer": "covey", "task": cfg["task"]["name"], "device": cfg["train"]["device"],
             "seed": cfg["train"]["seed"], "steps": len(steps), "samples": len(steps) * per_step,

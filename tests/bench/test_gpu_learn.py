@@ -101,7 +101,7 @@ def step(n: int, seconds: float, elapsed: float, peak: float, mean: float, top: 
 
 def test_the_summary_reads_recorded_runs(tmp_path):
     write_run(tmp_path / "runs" / "covey-default-seed0", [
-        {"step": 0, "eval/accuracy": 0.185, "eval/n": 200, "time/eval": 4.0},
+        {"step": 0, "eval/accuracy": 0.185, "eval/n": 200, "time/eval": 4.0, "memory/gpu_peak_mb/eval": 1200},
         step(1, 9.0, 9.0, 2000, -0.004, 0.8, 0.001),
         step(2, 0.5, 9.5, 2500, 0.002, 0.6, 0.0),
         {"step": 2, "eval/accuracy": 0.30, "eval/n": 200},  # an evaluation on the way (train.eval_every)
@@ -129,7 +129,8 @@ def test_the_summary_reads_recorded_runs(tmp_path):
     assert (covey["before"], covey["after"]) == (0.185, 0.42)
     assert [(p["step"], p["accuracy"]) for p in covey["curve"]] == [(0, 0.185), (2, 0.30), (4, 0.42)]
     assert covey["curve"][1]["minutes"] == pytest.approx(9.5 / 60)
-    # first step 9.0 s apart; median of steps 2..4 (0.5, 0.7, 0.6) = 0.6; peak over every phase and step 2500
+    # first step 9.0 s apart; median of steps 2..4 (0.5, 0.7, 0.6) = 0.6; peak over every phase, step and
+    # evaluation (1200 before training) 2500
     assert (covey["first_step_s"], covey["median_step_s"], covey["gpu_peak_mib"]) == (9.0, 0.6, 2500)
     m = covey["mismatch"]
     # mean of the step means (-0.004 + 0.002 - 0.001 + 0.003) / 4 = 0; largest |log ratio| 0.9;
