@@ -169,10 +169,16 @@ def state_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for _, t in state_tensors(optimizer.state_dict()))
 
 
+class WarmupSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose get_last_lr() is plain floats (torchao's optimizers hold lr as a tensor)."""
+
+    def get_last_lr(self) -> list[float]:
+        return [float(lr) for lr in super().get_last_lr()]
+
+
 def make_scheduler(optimizer, warmup_steps: int):
     """Linear warm-up to the configured lr, constant after."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+    return WarmupSchedule(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
 
 
 def make_kl_controller(kl: KLOptions):

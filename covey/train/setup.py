@@ -302,6 +302,8 @@ def print_precision(run: Run, cfg: Config) -> None:
     rollout = (sampling_precision(cfg.rollout, run.world.size, device, cfg.model.load_in_4bit)
                if cfg.rollout.engine != "vllm"
                else "vllm's")
+    if rollout == "float32" and cfg.model.dtype == "bfloat16":  # bf16 weights sample themselves (rollout/local.py)
+        rollout = "bfloat16"
     print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
           f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
 

@@ -89,6 +89,21 @@ def test_adamw_is_unchanged_fused_torch_adamw_with_its_moments_allocated():
     assert state_bytes(opt) == 15 * 2 * 4 + 2 * 4
 
 
+@pytest.mark.parametrize("weights, precision, copied", [(torch.bfloat16, "float32", False),
+                                                       (torch.bfloat16, "bfloat16", False),
+                                                       (torch.float32, "bfloat16", True)])
+def test_bf16_weights_are_sampled_from_themselves(tiny_tokenizer, weights, precision, copied):
+    """The sampler makes a copy only below the weights' precision: with model.dtype=bfloat16 (adamw_bf16's
+    weights) the engine reads the policy module itself, whatever rollout.precision resolved to."""
+    from covey.rollout.local import local_engine
+    from covey.rollout.precision import LowPrecisionEngine
+
+    model = tiny_llama(len(tiny_tokenizer)).to(weights)
+    engine = local_engine("hf", model, tiny_tokenizer, max_new_tokens=4, precision=precision)
+    assert isinstance(engine, LowPrecisionEngine) == copied
+    assert (engine.copy is not model) if copied else (engine.model is model)
+
+
 # --------------------------------------------------------------------------- single steps by hand
 
 
@@ -140,6 +155,24 @@ def test_low_bit_moments_hold_a_constant_gradient_exactly(name, code_bytes):
     torch.testing.assert_close(state["exp_avg_sq"].dequantize(), torch.full((64, 64), (1 - 0.99 ** 3) * 0.25))
     codes = dict(state_tensors(opt.state_dict()))
     assert codes["state.0.exp_avg.codes"].numel() * codes["state.0.exp_avg.codes"].element_size() == 4096 * code_bytes
+
+
+@needs_torchao
+def test_a_checkpoint_refuses_a_non_finite_quantized_moment():
+    """A NaN in an 8-bit moment's block scale (its codes are integers) is found before a checkpoint is written."""
+    from types import SimpleNamespace
+
+    from covey.train.checkpoint import CheckpointError, assert_finite_state
+
+    policy = torch.nn.Linear(64, 64, bias=False)
+    opt = make_optimizer(policy.parameters(), 1e-3, OptimConfig(name="adamw_8bit"))
+    policy.weight.grad = torch.ones(64, 64)
+    opt.step()
+    run = SimpleNamespace(policy=policy, optimizer=opt, critic=None, reference=None, step=7)
+    assert_finite_state(run)
+    opt.state[policy.weight]["exp_avg_sq"].scale[3] = float("nan")
+    with pytest.raises(CheckpointError, match="step 7: policy optimizer state state.0.exp_avg_sq.scale is not"):
+        assert_finite_state(run)
 
 
 # --------------------------------------------------------------------------- learning curves
@@ -234,9 +267,10 @@ def test_a_saved_and_restored_state_continues_exactly(name, dtype):
 
 
 @needs_torchao
-def test_extending_a_low_memory_run_equals_a_longer_run(tiny_model_dir, tmp_path):
+def test_extending_a_low_memory_run_equals_a_longer_run(tiny_model_dir, tmp_path, capsys):
     """covey train with bf16 weights and adamw_bf16, 2 steps then resumed to 4: the metrics of one 4-step run
-    (the checkpoint holds the optimizer's state, torch's RNG and the bf16 weights)."""
+    (the checkpoint holds the optimizer's state, torch's RNG and the bf16 weights). The rollouts sample the
+    bf16 weights themselves (no fp32 copy, though rollout.precision=auto is float32 on this CPU)."""
     extra = {"optim.lr": 1e-3, "reward.functions": "tests.helpers:varied_reward", "model.threads": 1,
              "optim.name": "adamw_bf16", "model.dtype": "bfloat16"}
 
@@ -246,6 +280,8 @@ def test_extending_a_low_memory_run_equals_a_longer_run(tiny_model_dir, tmp_path
                 for r in read_metrics(out / "t")]
 
     long = run(tmp_path / "long", **{"train.steps": 4})
+    assert "covey: precision: parameters bfloat16, forward passes autocast=none, rollouts bfloat16" in \
+        capsys.readouterr().out
     run(tmp_path / "short", **{"train.steps": 2})
     assert run(tmp_path / "short", **{"train.steps": 4, "train.resume": "auto"}) == long
     assert long[1]["policy/entropy"] != long[4]["policy/entropy"], "the policy moved: the test can fail"
