@@ -43,9 +43,17 @@ CALCULATOR_DEMO = [
     {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 - 5 + 9"}}'
                                      '</tool_call>'},
     {"role": "tool", "name": "calculator", "content": "16"},
-    {"role": "assistant", "content": "Ana has 12 - 5 + 9 = 16 pens now.\n#### 16"},
+    {"role": "assistant", "content": "Ana has 16 pens now.\n#### 16"},
+    {"role": "user", "content": "A box holds 7 rows of 8 eggs. Tom eats 3 eggs. How many eggs are left?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "7 * 8 - 3"}}'
+                                     '</tool_call>'},
+    {"role": "tool", "name": "calculator", "content": "53"},
+    {"role": "assistant", "content": "There are 53 eggs left.\n#### 53"},
 ]
-"""A worked exchange with the calculator (rollout.tool_demo=builtin): a question, the call, its result, the answer."""
+"""Two worked exchanges with the calculator (rollout.tool_demo=builtin): a question, the call, its result, the
+answer, which leaves the arithmetic to the tool. SmolLM2-135M-Instruct imitates the answer turn of a single
+exchange that shows its arithmetic and writes the sum itself; after these two its greedy first turn calls the
+calculator in 8 of 24 word problems (dev/LOG.md, 2026-11-27)."""
 
 
 def calculator(expression: str) -> str:

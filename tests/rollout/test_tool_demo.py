@@ -34,16 +34,17 @@ def test_tool_use_pays_for_an_episode_with_a_call_answered_without_an_error():
 def test_the_builtin_demo_calls_the_calculator_and_its_result_is_the_calculators():
     demo = load_demo("builtin", ["calculator"])
     assert demo == CALCULATOR_DEMO
-    call = json.loads(demo[1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
-    assert demo[2]["content"] == calculator(**call["arguments"]) == "16"
-    assert demo[3]["content"].endswith("#### 16")
+    for at, value in ((1, "16"), (5, "53")):  # each call's result is the calculator's, the answer says it
+        call = json.loads(demo[at]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert demo[at + 1]["content"] == calculator(**call["arguments"]) == value
+        assert demo[at + 2]["content"].endswith(f"#### {value}")
 
 
 def test_the_demo_sits_between_the_system_message_and_the_question():
     agent = Agent(tiny_tokenizer(), [calculator], timeout_s=1.0, demo=CALCULATOR_DEMO)
     prompt = agent.prompts([Example(prompt="What is 6 x 7?", answer="42")], system_prompt="Be brief.")[0]
     roles = [m["role"] for m in prompt.messages]
-    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert roles == ["system", *["user", "assistant", "tool", "assistant"] * 2, "user"]
     assert prompt.messages[0]["content"].startswith("Be brief.") and prompt.messages[-1]["content"] == "What is 6 x 7?"
     assert prompt.index("Ana has 12 pens") < prompt.index("What is 6 x 7?")
 
