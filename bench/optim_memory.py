@@ -1,0 +1,71 @@
+"""Bytes per trained parameter of each optim.name, measured: the weights and gradients as torch holds them,
+the optimizer state as its state_dict's tensors (torchao's quantized moments by their codes and scales),
+after two steps on zero gradients (torchao allocates its state at the first step, which also compiles the
+update); the seconds of both steps.
+
+    python -m bench.optim_memory                    # SmolLM2-135M (model.path=default), every CPU-capable name
+    python -m bench.optim_memory --model tiny --names adamw,adamw_bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from covey.config import OptimConfig
+from covey.models.load import load_policy
+from covey.models.tiny import tiny_llama
+from covey.train.optim import make_optimizer, state_bytes
+
+CPU_NAMES = "adamw,adamw_8bit,adamw_4bit,adamw_bf16"
+WEIGHTS = {"adamw_bf16": torch.bfloat16}
+"""The weights' dtype each name is measured with (adamw_bf16 needs model.dtype=bfloat16); fp32 otherwise."""
+
+
+def measure(name: str, model_path: str, device: str = "cpu") -> dict:
+    """One optim.name on a freshly loaded model: bytes per parameter and the two steps' seconds."""
+    dtype = WEIGHTS.get(name, torch.float32)
+    model = tiny_llama(512).to(dtype) if model_path == "tiny" else load_policy(model_path, dtype=dtype)[0]
+    params = [p for p in model.to(device).parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    optimizer = make_optimizer(params, 1e-5, OptimConfig(name=name))
+    seconds = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        start = time.perf_counter()
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+    per = {"weights": sum(p.numel() * p.element_size() for p in params) / count,
+           "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params) / count,
+           "state": state_bytes(optimizer) / count}
+    return {"name": name, "weights_dtype": str(dtype).removeprefix("torch."), "parameters": count,
+            "bytes_per_parameter": {**per, "total": sum(per.values())},
+            "first_step_s": seconds[0], "second_step_s": seconds[1]}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| optim.name | weights | bytes/param: weights | gradients | optimizer state | total | first step s | "
+             "second step s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["bytes_per_parameter"]
+        lines.append(f"| `{r['name']}` | {r['weights_dtype']} | {b['weights']:.2f} | {b['gradients']:.2f} | "
+                     f"{b['state']:.3f} | {b['total']:.2f} | {r['first_step_s']:.1f} | {r['second_step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="model.path, or 'tiny' for the test model")
+    parser.add_argument("--names", default=CPU_NAMES, help="comma-separated optim.name values")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    rows = [measure(name, args.model, args.device) for name in args.names.split(",")]
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
