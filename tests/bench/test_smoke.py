@@ -101,3 +101,15 @@ def test_learn_driver_compares_both_trainers(tmp_path, tiny_model_dir):
         check_learning_run(run)
     assert set(result["summary"]) == {"steps", "minutes"}
     assert result["trl_settings"]["num_generations"] == 4
+
+
+def test_episodes_driver_runs_the_same_episodes_both_ways(tmp_path):
+    """bench.episodes on the tiny model: the loop and the turn-by-turn runner give the same greedy episodes
+    (model and tool tokens), longer than the single turn by the replies and second turns."""
+    from bench import episodes
+
+    result = episodes.main(["--smoke", "--device", "cpu", "--out", str(tmp_path / "episodes")])
+    tokens = result["tokens"]
+    assert tokens["episodes, loop"] == tokens["episodes, turn by turn"]
+    assert tokens["episodes, loop"][1] > 0 and tokens["single turn"][1] == 0
+    assert (tmp_path / "episodes.md").read_text().count("| episodes,") == 2
