@@ -266,12 +266,13 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
 
 def load_trained_policy(cfg: Config, world: World) -> tuple:
     """(policy, tokenizer): the policy loaded (4-bit straight onto the GPU with model.load_in_4bit), Liger's
-    kernels patched in where model.fused_kernels resolves to on (printed), then the LoRA adapters."""
+    kernels patched in where model.fused_kernels resolves to on (printed on a GPU), then the LoRA adapters."""
     m = cfg.model
     policy, tokenizer = load_policy(m.path, dtype=getattr(torch, m.dtype), load_in_4bit=m.load_in_4bit,
                                     device=world.device if m.load_in_4bit else "cpu")
     fused, why = resolve_fused_kernels(m.fused_kernels, world.device)
-    print(f"covey: fused kernels {why}" + (", model weights 4-bit NF4 (QLoRA)" if m.load_in_4bit else ""))
+    if on_gpu(world.device):  # on a CPU there is nothing to choose: the line would only be noise
+        print(f"covey: fused kernels {why}" + (", model weights 4-bit NF4 (QLoRA)" if m.load_in_4bit else ""))
     if fused:
         apply_liger_kernels(policy)
     if m.lora_rank:  # train adapters only; the reference is then the base with adapters off
