@@ -4,6 +4,7 @@ after two steps on zero gradients (torchao allocates its state at the first step
 update); the seconds of both steps.
 
     python -m bench.optim_memory                    # SmolLM2-135M (model.path=default), every CPU-capable name
+    python -m bench.optim_memory --names adamw_8bit --dtype bfloat16   # bf16 weights
     python -m bench.optim_memory --model tiny --names adamw,adamw_bf16
 """
 
@@ -24,9 +25,10 @@ WEIGHTS = {"adamw_bf16": torch.bfloat16}
 """The weights' dtype each name is measured with (adamw_bf16 needs model.dtype=bfloat16); fp32 otherwise."""
 
 
-def measure(name: str, model_path: str, device: str = "cpu") -> dict:
-    """One optim.name on a freshly loaded model: bytes per parameter and the two steps' seconds."""
-    dtype = WEIGHTS.get(name, torch.float32)
+def measure(name: str, model_path: str, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """One optim.name on a freshly loaded model (weights in `dtype`, else WEIGHTS' or fp32): bytes per
+    parameter and the two steps' seconds."""
+    dtype = dtype or WEIGHTS.get(name, torch.float32)
     model = tiny_llama(512).to(dtype) if model_path == "tiny" else load_policy(model_path, dtype=dtype)[0]
     params = [p for p in model.to(device).parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
@@ -61,8 +63,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="default", help="model.path, or 'tiny' for the test model")
     parser.add_argument("--names", default=CPU_NAMES, help="comma-separated optim.name values")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="", help="the weights' dtype for every name (bfloat16 | float32)")
     args = parser.parse_args(argv)
-    rows = [measure(name, args.model, args.device) for name in args.names.split(",")]
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    rows = [measure(name, args.model, args.device, dtype) for name in args.names.split(",")]
     print(table(rows))
     return rows
 
