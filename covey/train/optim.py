@@ -108,6 +108,8 @@ def offloaded_optimizer_class() -> type:
         @torch.no_grad()
         def step(self, closure=None):
             self.stream.synchronize()  # the backward hooks' copies are done
+            for p_device in [p for p in self.queue if p.grad is None]:  # queued before a skipped step, no gradient now
+                del self.queue[p_device]
             for p_device, p_host in self.param_d2h_map.items():
                 if p_device.grad is not None:
                     p_host.grad.copy_(p_device.grad)

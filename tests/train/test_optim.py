@@ -71,6 +71,16 @@ def test_a_missing_package_is_one_line_naming_the_key_and_the_extra(monkeypatch,
     assert str(err.value) == f"{key} needs the optional package {package}: pip install 'covey[lowmem]'"
 
 
+@pytest.mark.parametrize("overrides", [["optim.name=adamw_8bit"], ["optim.offload=true"]])
+def test_torchrun_runs_adamw_alone(overrides):
+    from covey.config import validate_world
+
+    cfg = load_config(None, overrides)
+    validate_world(cfg, 1)
+    with pytest.raises(ConfigError, match="^under torchrun, optim.name=adamw.* is not supported yet: use optim.name"):
+        validate_world(cfg, 2)
+
+
 def test_the_cli_refuses_a_gpu_only_optimizer_before_the_model_loads(tiny_model_dir, tmp_path, capsys):
     code = main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{"optim.name": "paged_adamw_8bit",
                                                                         "train.device": "cpu"})])
