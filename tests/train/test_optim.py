@@ -119,29 +119,32 @@ def test_bf16_weights_are_sampled_from_themselves(tiny_tokenizer, weights, preci
 
 @needs_torchao
 def test_stochastic_rounding_is_unbiased():
-    """adamw_bf16's first step on 65536 bf16 weights at 1.0, every gradient -1, lr 2^-9, no decay.
+    """adamw_bf16's first step on 32768 bf16 weights at 1.0 (the tiny model's embedding shape, whose update
+    the learning test below compiles too), every gradient -1, lr 2^-9, no decay.
 
     AdamW's first step moves each weight by lr * m_hat / (sqrt(v_hat) + eps) = lr * 1 / (1 + 1e-8): the fp32
     result is 1 + 2^-9 (the 1e-8 is far below fp32's spacing 2^-23 at 1). bf16 has spacing 2^-7 at 1, so
     1 + 2^-9 lies a quarter of the way from 1 to 1 + 2^-7: round-to-nearest gives 1 (the update is lost),
     stochastic rounding gives 1 + 2^-7 with probability 1/4 and 1 otherwise, mean 1 + 2^-9.
-    One draw's std is 2^-7 * sqrt(1/4 * 3/4) = 3.383e-3; the mean of n = 65536 has std 3.383e-3 / 256
-    = 1.32e-5: the bound is 5 std, 6.6e-5 (round-to-nearest misses it by 2^-9 = 1.95e-3, 30 times over).
+    One draw's std is 2^-7 * sqrt(1/4 * 3/4) = 3.383e-3; the mean of n = 32768 has std 3.383e-3 / 181.0
+    = 1.87e-5: the bound is 5 std, 9.4e-5 (round-to-nearest misses it by 2^-9 = 1.95e-3, 20 times over).
+    The share rounded up: 1/4 within 5 * sqrt(1/4 * 3/4 / n) = 0.012.
     """
     torch.manual_seed(0)
-    n, lr = 65536, 2.0 ** -9
-    weights = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    shape, lr = (512, 64), 2.0 ** -9
+    n = shape[0] * shape[1]
+    weights = torch.nn.Parameter(torch.ones(shape, dtype=torch.bfloat16))
     opt = make_optimizer([weights], lr, OptimConfig(name="adamw_bf16"))
-    weights.grad = torch.full((n,), -1.0, dtype=torch.bfloat16)
+    weights.grad = torch.full(shape, -1.0, dtype=torch.bfloat16)
     opt.step()
     values = weights.detach().float()
     assert set(values.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
-    assert abs(values.mean().item() - (1 + 2.0 ** -9)) < 6.6e-5
-    assert abs((values > 1).float().mean().item() - 0.25) < 5 * (0.25 * 0.75 / n) ** 0.5  # 0.0085
-    nearest = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))  # torch's AdamW on the same weights
+    assert abs(values.mean().item() - (1 + 2.0 ** -9)) < 9.4e-5
+    assert abs((values > 1).float().mean().item() - 0.25) < 5 * (0.25 * 0.75 / n) ** 0.5  # 0.012
+    nearest = torch.nn.Parameter(torch.ones(shape, dtype=torch.bfloat16))  # torch's AdamW on the same weights
     nearest.grad = weights.grad.clone()
     torch.optim.AdamW([nearest], lr=lr, betas=(0.9, 0.99), weight_decay=0.0).step()
-    assert torch.equal(nearest.detach(), torch.ones(n, dtype=torch.bfloat16)), "round-to-nearest loses the update"
+    assert torch.equal(nearest.detach(), torch.ones(shape, dtype=torch.bfloat16)), "round-to-nearest loses it"
 
 
 @needs_torchao
