@@ -126,13 +126,14 @@ def test_paged_adamw_8bit_state_saves_and_restores_exactly():
         assert torch.equal(a, b)
 
 
-@needs["torchao"]
-@pytest.mark.parametrize("extra", [{"optim.name": "adamw_8bit", "optim.offload": "true"},
-                                   {"optim.name": "adamw_bf16", "model.dtype": "bfloat16"}],
-                         ids=["adamw_8bit-offload", "adamw_bf16"])
+@pytest.mark.parametrize("extra", [
+    pytest.param({"optim.name": "adamw_8bit", "optim.offload": "true"}, marks=needs["torchao"]),
+    pytest.param({"optim.name": "adamw_bf16", "model.dtype": "bfloat16"}, marks=needs["torchao"]),
+    pytest.param({"optim.name": "paged_adamw_8bit"}, marks=needs["bitsandbytes"]),
+], ids=["adamw_8bit-offload", "adamw_bf16", "paged_adamw_8bit"])
 def test_a_cuda_run_checkpoints_and_resumes(tiny_model_dir, tmp_path, extra):
-    """covey train on cuda, 2 steps then resumed to 3: the checkpoint restores the optimizer (offloaded, or
-    the bf16 weights' torchao AdamW) and the run goes on."""
+    """covey train on cuda, 2 steps then resumed to 3: the checkpoint restores the optimizer (offloaded, the
+    bf16 weights' torchao AdamW, bitsandbytes' paged state) and the run goes on."""
     base = {"train.device": "cuda", "optim.lr": 1e-3, "reward.functions": "tests.helpers:varied_reward", **extra}
     assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{**base, "train.steps": 2})]) == 0
     assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{**base, "train.steps": 3,
