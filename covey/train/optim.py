@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,8 @@ class OptimizerKind:
 
 def _torchao(name: str) -> Callable[[], tuple[type, dict]]:
     def load():
+        # torch's note that torchao's state tensors have no stable hash for its compile cache: nothing to act on
+        warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching", category=UserWarning)
         import torchao.optim
         # bf16 weights are rounded stochastically (unbiased, Gupta et al. 2015, arXiv:1502.02551); fp32 ones as usual.
         return getattr(torchao.optim, name), {"bf16_stochastic_round": True}
@@ -58,7 +61,8 @@ LOWMEM_EXTRA = "lowmem"
 
 def check_optimizer(optim: OptimConfig, device: str) -> None:
     """Before any model loads: optim.name's package is installed and optim.name / optim.offload can run on
-    `device` (the resolved train.device); else one line naming the key."""
+    `device` (the resolved train.device), else one line naming the key; then a line saying which optimizer
+    runs where it is not the default."""
     kind = OPTIMIZERS[optim.name]
     on_cuda = torch.device(device).type == "cuda"
     if kind.cuda_only and not on_cuda:
@@ -72,6 +76,10 @@ def check_optimizer(optim: OptimConfig, device: str) -> None:
         if importlib.util.find_spec(package) is None:
             key = f"optim.name={optim.name}" if package == kind.package else "optim.offload=true"
             raise ConfigError(f"{key} needs the optional package {package}: pip install 'covey[{LOWMEM_EXTRA}]'")
+    if optim.name != "adamw" or optim.offload:
+        compiles = "; its first step compiles the update for each parameter shape" if kind.package == "torchao" else ""
+        print(f"covey: optimizer {optim.name} ({kind.package or 'torch'})"
+              + (", its state in CPU memory (optim.offload)" if optim.offload else "") + compiles)
 
 
 def make_optimizer(params, lr: float, optim: OptimConfig) -> torch.optim.Optimizer:

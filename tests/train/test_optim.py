@@ -294,8 +294,10 @@ def test_extending_a_low_memory_run_equals_a_longer_run(tiny_model_dir, tmp_path
                 for r in read_metrics(out / "t")]
 
     long = run(tmp_path / "long", **{"train.steps": 4})
-    assert "covey: precision: parameters bfloat16, forward passes autocast=none, rollouts bfloat16" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "covey: precision: parameters bfloat16, forward passes autocast=none, rollouts bfloat16" in out
+    assert ("covey: optimizer adamw_bf16 (torchao); its first step compiles the update for each parameter "
+            "shape") in out
     run(tmp_path / "short", **{"train.steps": 2})
     assert run(tmp_path / "short", **{"train.steps": 4, "train.resume": "auto"}) == long
     assert long[1]["policy/entropy"] != long[4]["policy/entropy"], "the policy moved: the test can fail"
