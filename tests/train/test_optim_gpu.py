@@ -52,12 +52,12 @@ def adamw_curve():
     pytest.param(OptimConfig(name="paged_adamw_8bit"), torch.float32, 0.99, marks=needs["bitsandbytes"]),
     pytest.param(OptimConfig(name="adamw_8bit"), torch.float32, 0.99, marks=needs["torchao"]),
     pytest.param(OptimConfig(name="adamw_bf16"), torch.bfloat16, 0.99, marks=needs["torchao"]),
-    pytest.param(OptimConfig(name="adamw_4bit"), torch.float32, 0.7, marks=needs["torchao"]),
     pytest.param(OptimConfig(name="adamw_8bit", offload=True), torch.float32, 0.99, marks=needs["torchao"]),
-], ids=["paged_adamw_8bit", "adamw_8bit", "adamw_bf16", "adamw_4bit", "adamw_8bit-offload"])
+], ids=["paged_adamw_8bit", "adamw_8bit", "adamw_bf16", "adamw_8bit-offload"])
 def test_low_memory_optimizers_learn_like_fp32_adamw_on_cuda(adamw_curve, optim, dtype, share):
-    """The tolerances of the CPU test (tests/train/test_optim.py): at least `share` of fp32 AdamW's loss
-    decrease, and for the 8-bit and bf16 ones never more than 1% of it behind at any step."""
+    """The tolerances of the CPU test (tests/train/test_optim.py): at least 99% of fp32 AdamW's loss decrease,
+    never more than 1% of it behind at any step (adamw_4bit is left to the CPU test: its compile is the
+    longest, and its update the same torchao code)."""
     curve = loss_curve(optim, dtype)
     decrease = adamw_curve[0] - adamw_curve[-1]
     assert decrease > 3.0
