@@ -52,7 +52,7 @@ OPTIMIZERS = {
     "adamw": OptimizerKind(lambda: (torch.optim.AdamW, {})),
     "adamw_8bit": OptimizerKind(_torchao("AdamW8bit"), "torchao"),  # Dettmers et al. 2021, arXiv:2110.02861
     "adamw_4bit": OptimizerKind(_torchao("AdamW4bit"), "torchao"),  # Li et al. 2023, arXiv:2309.01507
-    "adamw_bf16": OptimizerKind(_torchao("_AdamW"), "torchao"),  # torchao's public name for its plain AdamW
+    "adamw_bf16": OptimizerKind(_torchao("_AdamW"), "torchao"),  # in torchao.optim's __all__ (0.18): full-width state
     "paged_adamw_8bit": OptimizerKind(_paged_adamw_8bit, "bitsandbytes", cuda_only=True),
 }
 LOWMEM_EXTRA = "lowmem"
