@@ -40,6 +40,8 @@
 #      changes nothing on TRL's side), its held-out accuracy by `covey eval` before and after;
 #    - `covey train wordproblems_gpu train.device=cuda` (16 x 16 samples, 192 new tokens; an evaluation
 #      every 20 steps here): held-out accuracy against training minutes;
+#    - `python -m bench.episodes --device cuda` where 140 s are left: the cost of a tool turn to the fast
+#      engine (tool-turns.md);
 #    - the default recipe again with train.seed=1 where time is left.
 #
 #    Every phase runs under `timeout`; a phase that fails or runs out of time leaves the others running.
@@ -190,6 +192,15 @@ phase covey-wordproblems "$t" "$PY" -m covey.cli train wordproblems_gpu "train.d
   "train.max_minutes=$(minutes "${WORD_MINUTES:-2.5}" "$t" 75)" train.eval_every=20 train.progress=false \
   "train.output_dir=$LOG/runs" train.run_name=covey-wordproblems $KEYS
 rm -rf "$LOG/runs/covey-wordproblems/final" "$LOG/runs/covey-wordproblems/checkpoints"
+
+# the cost of a tool turn to the fast engine (bench/episodes.py: the same greedy tool episodes by its episode
+# loop and turn by turn through its CUDA graphs, against one turn), where a second seed can still follow
+if [ "$(left)" -ge 140 ]; then
+  phase tool-turns 60 "$PY" -m bench.episodes --device "$DEVICE" --rounds 3 --out "$LOG/tool-turns" \
+    ${COVEY_GPU_LEARN_MODEL:+--model "$COVEY_GPU_LEARN_MODEL"}
+else
+  echo "gpu_learn: tool-turns not run: $(left)s left"
+fi
 
 for seed in "${seeds[@]:1}"; do  # where the phases before ended early
   t=$(( $(left) - 10 ))

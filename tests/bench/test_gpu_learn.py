@@ -165,7 +165,8 @@ def test_the_script_runs_every_piece_on_the_cpu(tmp_path, tiny_model_dir):
     done = subprocess.run(["bash", str(SCRIPT), str(log)], env=env, capture_output=True, text=True, timeout=300)
     phases = {p["phase"]: p["exit"] for p in gpu_learn.read_phases(log)}
     have_trl = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True).returncode == 0
-    assert phases == {"covey-default-seed0": 0, "covey-wordproblems": 0, "trl-default": 0 if have_trl else 99}, (
+    assert phases == {"covey-default-seed0": 0, "covey-wordproblems": 0, "trl-default": 0 if have_trl else 99,
+                      "tool-turns": 0}, (
         done.stdout[-3000:] + done.stderr[-2000:])
     assert done.returncode == (0 if have_trl else 1)  # a phase skipped fails the check
     summary = json.loads((log / "gpu-learn.json").read_text())
