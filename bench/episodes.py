@@ -133,7 +133,7 @@ def report(args, times: dict, tokens: dict, n: int) -> dict:
         lines.append(f"| {name} | {med:.2f} | {tokens[name][0]} | {tokens[name][1]} | {med - single:+.2f} |")
     text = "\n".join(lines)
     print(text)
-    result = {"times": times, "tokens": tokens, "episodes": n, "argv": sys.argv}
+    result = {"times": times, "tokens": tokens, "episodes": n, "argv": ["python -m bench.episodes", *sys.argv[1:]]}
     if args.out:
         Path(args.out).with_suffix(".md").write_text(text + "\n")
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
