@@ -147,7 +147,7 @@ class Schedule:
     time. Evaluation points: every `eval_every` steps, step `steps`, the first step boundary past
     `minutes`, and the last step (step 0, the untrained model, is evaluated by the driver).
     `max_minutes` (0: none) ends a run at the first step past it whatever the other two say: a budget
-    for a machine lent for minutes."""
+    for a run that must end within a fixed time."""
     steps: int
     minutes: float
     eval_every: int
