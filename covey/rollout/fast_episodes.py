@@ -25,7 +25,7 @@ depend on which rows were waiting at a step (up to the float rounding of a batch
 when finished rows leave the single-turn loop). Greedy episodes are the turn-by-turn runner's
 (tests/rollout/test_fast_episodes.py).
 
-Used by `FastEngine` without a static cache (the CPU default, and rollout.decode=eager on a GPU); with
+Used by `FastEngine` without a static cache (the CPU default, and rollout.decode=plain on a GPU); with
 rollout.decode=static|graphs|compile the turn-by-turn runner drives the engine's graphs instead.
 """
 
