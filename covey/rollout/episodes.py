@@ -120,11 +120,7 @@ def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOpti
         # The text is read for tool calls and shown to rewards; the ids stay as sampled.
         text = tokenizer.decode(ids, skip_special_tokens=True) if cut else turn.completions[j]
         logps = turn.sample_logp[j, :n].tolist() if turn.sample_logp is not None else None
-        ep.add(ids, by_model=True, logps=logps)
-        ep.turns += 1
-        ep.messages.append({"role": "assistant", "content": text})
-        ep.cut = cut or bool(turn.truncated[j])
-        calls = tool_calls(ep, text, options)
+        calls = end_turn(ep, ids, logps, text, cut or bool(turn.truncated[j]), options)
         if calls:
             asking.append((ep, calls))
     if not asking:
@@ -133,6 +129,17 @@ def take_turn(episodes: list[Episode], rows, turn: Rollout, options: EpisodeOpti
         replies = list(pool.map(lambda pair: pair[0].host.reply(pair[1]), asking))
     for (ep, calls), messages in zip(asking, replies):
         append_replies(ep, calls, messages, options)
+
+
+def end_turn(ep: Episode, ids: list[int], logps: list[float] | None, text: str, cut: bool,
+             options: EpisodeOptions) -> list:
+    """Append a finished model turn (its ids as sampled, `text` read from them) and return the calls to
+    run, or none and the end of the episode; `cut`: the turn ran out of its token budget."""
+    ep.add(ids, by_model=True, logps=logps)
+    ep.turns += 1
+    ep.messages.append({"role": "assistant", "content": text})
+    ep.cut = cut
+    return tool_calls(ep, text, options)
 
 
 def tool_calls(ep: Episode, text: str, options: EpisodeOptions) -> list:

@@ -79,6 +79,16 @@ class BufferLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.filled
 
+    def take_columns(self, source: Tensor, width: int) -> None:
+        """Row r's first `width` positions become its positions source[r] (n, width): the episode loop's
+        packing of its cache (covey/rollout/fast_episodes.py)."""
+        if self.is_initialized:
+            for name in ("key_buf", "value_buf"):
+                buf = getattr(self, name)
+                buf[:, :, :width] = buf.gather(2, source[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+            self.filled = width
+            self.keys, self.values = self.key_buf[:, :, :width], self.value_buf[:, :, :width]
+
     def batch_select_indices(self, indices: Tensor) -> None:
         """Keep (or repeat) rows `indices`: expands a prompt to its samples, drops finished rows."""
         if self.is_initialized:
@@ -169,7 +179,8 @@ class FastEngine:
         self.model.eval()
         try:
             with sampling_attention(self.model):
-                return EpisodeDecoder(self, hosts, options, greedy).run(prompts, group_size, seeds)
+                uniforms = Uniforms(len(prompts) * group_size, group_size, seeds)
+                return EpisodeDecoder(self, hosts, options, greedy).run(prompts, group_size, uniforms)
         finally:
             self.model.train(was_training)
 

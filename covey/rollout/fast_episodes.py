@@ -40,7 +40,7 @@ from torch import Tensor
 from covey.batch import Rollout
 from covey.rollout.base import Prompt, encode_prompts
 from covey.rollout.episodes import (MAX_EPISODES_AT_ONCE, Episode, EpisodeHost, EpisodeOptions, append_replies,
-                                    episode_metrics, episode_rollout, tool_calls)
+                                    end_turn, episode_metrics, episode_rollout)
 from covey.rollout.lean_decode import supports_lean_step
 
 SAMPLE, WAIT, FEED, DONE = range(4)
@@ -61,12 +61,10 @@ class Row:
     drawn: int = 0                                       # uniforms used
 
 
-def draw_uniforms(n_prompts: int, group_size: int, length: int, seeds: list[int] | None) -> Tensor:
-    """(N, length): row r's k-th uniform at [r, k]; per prompt from its seed, else from the global stream."""
-    if seeds is None:
-        return torch.rand(n_prompts * group_size, length)
-    return torch.cat([torch.rand(group_size, length, generator=torch.Generator().manual_seed(int(s)))
-                      for s in seeds])
+def draw_uniforms(uniforms, length: int) -> Tensor:
+    """(N, length): row r's k-th uniform at [r, k], drawn up front from the engine's `Uniforms` (torch's
+    global generator, or one generator per prompt from its seed: covey/rollout/fast.py)."""
+    return torch.stack([uniforms.draw() for _ in range(length)], dim=1)
 
 
 def pack_cache(cache, key_mask: Tensor) -> Tensor:
@@ -81,12 +79,7 @@ def pack_cache(cache, key_mask: Tensor) -> Tensor:
     slot = torch.arange(width, device=key_mask.device)[None, :] - (width - counts)[:, None]
     source = torch.where(slot >= 0, order.gather(1, slot.clamp(min=0)), torch.zeros_like(slot))
     for layer in cache.layers:
-        for name in ("key_buf", "value_buf"):
-            buf = getattr(layer, name)
-            index = source[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
-            buf[:, :, :width] = buf.gather(2, index)
-        layer.filled = width
-        layer.keys, layer.values = layer.key_buf[:, :, :width], layer.value_buf[:, :, :width]
+        layer.take_columns(source, width)
     packed = torch.zeros_like(key_mask)
     packed[:, :width] = (slot >= 0).to(key_mask.dtype)
     return packed
@@ -100,7 +93,8 @@ class EpisodeDecoder:
         self.hosts = hosts
         self.pool = ThreadPoolExecutor(max_workers=min(max(len(hosts), 1), MAX_EPISODES_AT_ONCE))
 
-    def run(self, prompts: list[Prompt], group_size: int, seeds: list[int] | None) -> tuple[Rollout, dict]:
+    def run(self, prompts: list[Prompt], group_size: int, uniforms) -> tuple[Rollout, dict]:
+        """The episodes of `prompts` x `group_size`; `uniforms`: the engine's per-row draws (fast.Uniforms)."""
         tok = self.engine.tokenizer
         enc = encode_prompts(tok, prompts)
         index = torch.arange(len(prompts)).repeat_interleave(group_size)
@@ -109,7 +103,7 @@ class EpisodeDecoder:
         prompt_ids, prompt_mask = enc["input_ids"][index], enc["attention_mask"][index]
         self.rows = [Row(Episode(prompt=prompt_ids[i][prompt_mask[i].bool()].tolist(), host=h))
                      for i, h in enumerate(self.hosts)]
-        self.uniforms = draw_uniforms(len(prompts), group_size, self.options.max_episode_tokens + 1, seeds)
+        self.uniforms = draw_uniforms(uniforms, self.options.max_episode_tokens + 1)
         try:
             self.loop(enc["input_ids"], enc["attention_mask"], index)
         finally:
@@ -191,14 +185,9 @@ class EpisodeDecoder:
         ended = token in self.engine.eos
         if not ended and len(row.turn) < budget:
             return True
-        tok = self.engine.tokenizer
-        text = tok.decode(row.turn, skip_special_tokens=True)  # read for calls; the ids stay as sampled
-        ep.add(row.turn, by_model=True, logps=row.turn_logp)
-        ep.turns += 1
-        ep.messages.append({"role": "assistant", "content": text})
-        ep.cut = not ended
+        text = self.engine.tokenizer.decode(row.turn, skip_special_tokens=True)  # read; the ids stay as sampled
+        row.calls = end_turn(ep, row.turn, row.turn_logp, text, not ended, self.options)
         row.turn, row.turn_logp = [], []
-        row.calls = tool_calls(ep, text, self.options)
         if not row.calls:
             row.mode = DONE
             return False
