@@ -195,7 +195,9 @@ def test_a_tool_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
         return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
 
     def steady(row: dict) -> dict:
-        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
+        # sampler/*: the sampler's own log-probs round with the rows each decode step holds, which depends on
+        # when the tools answered (1e-9 in log_ratio_mean); the tokens, rewards, losses and updates are exact
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/", "sampler/"))}
 
     whole = run("whole", 2)
     run("parts", 1)
