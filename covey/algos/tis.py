@@ -7,18 +7,19 @@ corrected per token by the importance weight pi/mu, bounded at a cap C so a few 
 found very unlikely cannot dominate the batch (Yao et al. 2025, "Your efficient RL framework secretly
 brings you off-policy RL training"; Ionides 2008 for truncated IS). Four modes (TRL's
 `vllm_importance_sampling_mode`), with r_t = pi_train(y_t) / pi_sampler(y_t) and, for a sequence,
-R = prod_t r_t over its valid tokens (exp of the summed log-ratios):
+R = prod_t r_t over its valid tokens (exp of the summed log-ratios), and an optional lower bound c
+(TRL's `vllm_importance_sampling_clip_min`; 0 = none):
 
-    token_truncate     w_t = min(r_t, C)                 (truncated IS; covey's algo.tis_cap alone)
-    token_mask         w_t = r_t if r_t <= C else 0      (the token leaves the policy loss)
-    sequence_truncate  w_t = min(R, C)                   every token of the sequence
-    sequence_mask      w_t = R if R <= C else 0          the whole sequence leaves the policy loss
+    token_truncate     w_t = clamp(r_t, c, C)                (truncated IS; covey's algo.tis_cap alone)
+    token_mask         w_t = r_t if c <= r_t <= C else 0     (the token leaves the policy loss)
+    sequence_truncate  w_t = clamp(R, c, C)                  every token of the sequence
+    sequence_mask      w_t = R if c <= R <= C else 0         the whole sequence leaves the policy loss
 
 computed in log space, no gradient. `pi_train` is the trainer's log-prob of the sampled token under
 the weights the sampler had (pi_old); the loss term of token t is multiplied by w_t. A masked form
-drops a token (or sequence) that truncation would keep at weight C: its ratio says the sampler's
+drops a token (or sequence) that truncation would keep at weight C (or c): its ratio says the sampler's
 tokens are too far from the trainer's policy to be corrected (TRL's definitions, on identical inputs
-in tests/algos/test_tis_modes.py).
+in tests/algos/test_trl_parity.py).
 """
 
 from __future__ import annotations
@@ -36,26 +37,33 @@ TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask
 
 
 def importance_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor, cap: float,
-                       mode: str = "token_truncate") -> tuple[Tensor, dict]:
+                       mode: str = "token_truncate", floor: float = 0.0) -> tuple[Tensor, dict]:
     """Per-token weights (N, L) of `mode` (TIS_MODES), 0 where masked; and metrics.
 
-    train_logp, sampler_logp: (N, L) log-probs of the sampled tokens; cap >= 1.
+    train_logp, sampler_logp: (N, L) log-probs of the sampled tokens; cap >= 1; 0 <= floor < cap, the
+    lower bound (0: none).
     Metrics (means over valid tokens, plain floats):
-      tis/weight_mean    mean w
-      tis/capped_frac    share of tokens whose ratio (r_t, or their sequence's R) exceeded the cap
-      tis/ratio_max      largest ratio before the cap (r_t or R)
-      tis/mismatch_kl    k3 estimate of KL(mu || pi) from the sampler's tokens: r - 1 - log r, per token
+      tis/weight_mean     mean w
+      tis/capped_frac     share of tokens whose ratio (r_t, or their sequence's R) exceeded the cap
+      tis/below_min_frac  share of tokens whose ratio (r_t or R) is below the floor (only with floor > 0)
+      tis/ratio_max       largest ratio before the cap (r_t or R)
+      tis/mismatch_kl     k3 estimate of KL(mu || pi) from the sampler's tokens: r - 1 - log r, per token
     """
     if cap < 1:
         raise ValueError(f"importance sampling cap must be >= 1, got {cap}")
+    if not 0 <= floor < cap:
+        raise ValueError(f"importance sampling floor must lie in [0, cap={cap:g}), got {floor}")
     if mode not in TIS_MODES:
         raise ValueError(f"unknown tis_mode {mode!r}; valid: {', '.join(TIS_MODES)}")
     mask = as_bool_mask(response_mask)
     token = masked_fill_zero((train_logp - sampler_logp).detach(), mask)
     log_ratio = token.sum(-1, keepdim=True).expand_as(token) if mode.startswith("sequence") else token
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    beyond = ratio > cap
-    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(beyond, 0.0)
+    beyond, below = ratio > cap, ratio < floor
+    if mode.endswith("truncate"):
+        weights = ratio.clamp(min=floor, max=cap)
+    else:
+        weights = ratio.masked_fill(beyond | below, 0.0)
     weights = masked_fill_zero(weights, mask)
     wide = torch.float64 if ratio.dtype == torch.float64 else torch.float32
     token = token.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -65,6 +73,8 @@ def importance_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: 
         "tis/ratio_max": float(masked_fill_zero(ratio, mask).max()) if bool(mask.any()) else 0.0,
         "tis/mismatch_kl": float(masked_mean((torch.expm1(token) - token).to(wide), mask)),
     }
+    if floor > 0:
+        metrics["tis/below_min_frac"] = float(masked_mean(below.to(wide), mask))
     return weights, metrics
 
 

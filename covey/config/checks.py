@@ -270,6 +270,10 @@ def validate_scale(cfg: Config) -> None:
     validate_optimizer(cfg)
     if a.tis_cap and a.tis_cap < 1:
         raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
+    if a.tis_min < 0 or (a.tis_cap and a.tis_min >= a.tis_cap):
+        raise ConfigError(f"algo.tis_min must lie in [0, algo.tis_cap={a.tis_cap:g}), got {a.tis_min}")
+    if a.tis_min and not a.tis_cap:
+        raise ConfigError(f"algo.tis_min={a.tis_min:g} is a lower bound of importance sampling: set algo.tis_cap > 0")
     if a.tis_cap and a.dynamic_sampling:
         raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
                           "lose their sampling log-probs)")

@@ -164,6 +164,7 @@ TRL_NAMES = {
     "sync_ref_model": "algo.ref_refresh_every", "ref_model_sync_steps": "algo.ref_refresh_every",
     "ref_model_mixup_alpha": "algo.ref_ema", "vllm_importance_sampling_cap": "algo.tis_cap",
     "vllm_importance_sampling_clip_max": "algo.tis_cap", "vllm_importance_sampling_mode": "algo.tis_mode",
+    "vllm_importance_sampling_clip_min": "algo.tis_min",
     "vllm_importance_sampling_correction": "algo.tis_cap (> 0 turns it on)",
     "use_adaptive_entropy": "algo.adaptive_entropy",
     "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions (a :weight after each function)",

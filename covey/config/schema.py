@@ -231,6 +231,8 @@ class AlgoConfig:
     """Importance sampling for the sampler-trainer mismatch (Yao et al. 2025): policy loss per token times min(pi_train/pi_sampler, cap), or as algo.tis_mode says; 0 = off (every engine)."""
     tis_mode: str = "token_truncate"
     """How algo.tis_cap bounds the ratio r = pi_train/pi_sampler (TRL's vllm_importance_sampling_mode): token_truncate (min(r, cap)) | token_mask (tokens with r > cap leave the loss) | sequence_truncate (the sequence's product of ratios, capped, on each token) | sequence_mask (sequences whose product exceeds the cap leave the loss)."""
+    tis_min: float = 0.0
+    """Lower bound c of the ratio in every algo.tis_mode (TRL's vllm_importance_sampling_clip_min): the truncate modes raise ratios below c to c, the mask modes drop tokens (or sequences) whose ratio is below c; 0 = none; needs algo.tis_cap > 0 and 0 <= c < algo.tis_cap."""
     top_entropy_quantile: float = 1.0
     """Policy gradient only on the tokens whose entropy is in this top share of the rollout's tokens (Wang et al. 2025, arXiv:2506.01939, whose choice is 0.2; TRL's top_entropy_quantile); 1 = every token."""
     adaptive_entropy: bool = False

@@ -77,6 +77,8 @@ class TokenOptions:
     """What acts on single tokens before the update (covey/train/token_weights.py)."""
     tis_mode: str = "token_truncate"
     """How algo.tis_cap bounds the sampler-trainer ratio (covey.algos.TIS_MODES)."""
+    tis_min: float = 0.0
+    """The ratio's lower bound in that mode (algo.tis_min; 0 = none)."""
     top_entropy_quantile: float = 1.0
     """Share of the rollout's tokens, by entropy, that keep their policy term (1 = all)."""
     cov: algos.CovOptions = algos.CovOptions()
@@ -254,7 +256,7 @@ def token_options(cfg: Config) -> TokenOptions:
     a = cfg.algo
     cov = algos.CovOptions(control=a.cov_control, clip_ratio=a.clip_cov_ratio, clip_lb=a.clip_cov_lb,
                            clip_ub=a.clip_cov_ub, kl_ratio=a.kl_cov_ratio, kl_coef=a.kl_cov_coef)
-    return TokenOptions(tis_mode=a.tis_mode, top_entropy_quantile=a.top_entropy_quantile, cov=cov,
+    return TokenOptions(tis_mode=a.tis_mode, tis_min=a.tis_min, top_entropy_quantile=a.top_entropy_quantile, cov=cov,
                         adaptive_entropy=a.adaptive_entropy, entropy_target=a.entropy_target,
                         entropy_coef_delta=a.entropy_coef_delta, entropy_coef_max=a.entropy_coef_max)
 
@@ -349,7 +351,8 @@ def print_plan(plan: Plan) -> None:
           + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else ""))
     extras = [f"reference refreshed every {ref.refresh_every} steps" if ref.refresh_every else "",
               f"reference EMA {ref.ema:g}" if ref.ema else "",
-              f"importance sampling {plan.tokens.tis_mode} cap {plan.tis_cap:g}" if plan.tis_cap else "",
+              (f"importance sampling {plan.tokens.tis_mode} cap {plan.tis_cap:g}"
+               + (f" min {plan.tokens.tis_min:g}" if plan.tokens.tis_min else "")) if plan.tis_cap else "",
               token_summary(plan.tokens),
               (f"step scores from {plan.step_scoring.source}" + (f" + outcome x {plan.step_scoring.outcome_weight:g}"
                if plan.step_scoring.outcome_weight else "")) if plan.step_scoring.enabled else ""]

@@ -47,16 +47,16 @@ def on_global_batch(fn, **rows):
 
 
 def correct_sampler_mismatch(run, rollout: Rollout) -> dict:
-    """Importance sampling (algo.tis_cap, algo.tis_mode): the engine sampled with its own kernels or
-    weight copy, so each token's policy term is weighted by its mode's bounded pi_old/pi_sampler (no
-    gradient, >= 0), folded into the advantage."""
+    """Importance sampling (algo.tis_cap, algo.tis_mode, algo.tis_min): the engine sampled with its own
+    kernels or weight copy, so each token's policy term is weighted by its mode's bounded pi_old/pi_sampler
+    (no gradient, >= 0), folded into the advantage."""
     if not run.plan.tis_cap:
         return {}
     sampler_logp = getattr(rollout, "sample_logp", None)
     if sampler_logp is None:
         raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs")
     weights, metrics = algos.importance_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
-                                                run.plan.tis_cap, run.plan.tokens.tis_mode)
+                                                run.plan.tis_cap, run.plan.tokens.tis_mode, run.plan.tokens.tis_min)
     rollout.advantages = rollout.advantages * weights
     return metrics
 

@@ -3,6 +3,10 @@ identical inputs, in float64: the loss and its gradient with respect to the poli
 included. TRL's own `_compute_loss` runs on an instance made without __init__, holding the attributes it
 reads, with a stand-in for the forward pass that returns the given log-probs.
 
+The sampler-trainer correction (covey's importance_weights: algo.tis_cap, tis_mode, tis_min) equals TRL's
+vLLM importance sampling (vllm_importance_sampling_mode, clip_max, clip_min): TRL computes it inline in
+`_generate_and_score_completions`, so its lines there run on their own, on the same inputs.
+
 Where covey departs from TRL on purpose, a test shows the case (cispo's bounds).
 """
 
@@ -12,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from covey.algos import Normalizer, PolicyLossOptions, policy_objective
+from covey.algos import TIS_MODES, Normalizer, PolicyLossOptions, importance_weights, policy_objective
 
 trl = pytest.importorskip("trl", reason="the comparison runs TRL's own loss code (pip install trl==1.16.0)")
 if trl.__version__ != "1.16.0":
@@ -52,8 +56,9 @@ def inputs(seed=0, spread=0.8):
     return logp, old, ref, mask, adv
 
 
-def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28), beta=BETA, gmpo=False, **args):
-    """TRL's loss and d loss / d logp."""
+def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28), beta=BETA, gmpo=False,
+             is_ratio=None, **args):
+    """TRL's loss and d loss / d logp; with `is_ratio`, its vLLM importance sampling ratio applied."""
     if gmpo:
         from trl.experimental.gmpo import GMPOTrainer as Trainer
     else:
@@ -63,8 +68,8 @@ def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28
     t._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
     t.__dict__.update(
         loss_type=loss_type, importance_sampling_level=level, epsilon_low=eps[0], epsilon_high=eps[1], beta=beta,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=MAX_LEN, accelerator=OneProcess(),
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(**{**ARGS, **args}))
@@ -72,14 +77,19 @@ def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28
              "completion_ids": torch.zeros(N, L, dtype=torch.long), "completion_mask": mask,
              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
              "num_items_in_batch": mask.sum()}
+    if is_ratio is not None:
+        batch["importance_sampling_ratio"] = is_ratio
     loss = t._compute_loss(None, batch)
     return loss.item(), torch.autograd.grad(loss, leaf)[0]
 
 
-def covey_loss(name, agg, logp, old, ref, mask, adv, beta=BETA, **opts):
+def covey_loss(name, agg, logp, old, ref, mask, adv, beta=BETA, weights=None, **opts):
+    """covey's loss and d loss / d logp; with `weights` (N, L), the advantages times them, as the loop folds
+    the sampler correction in."""
     leaf = logp.clone().requires_grad_(True)
     n = Normalizer.from_totals(agg, float(mask.sum()), N, MAX_LEN)
-    loss, _ = policy_objective(name, leaf, old, adv[:, None].expand(N, L), mask, n, PolicyLossOptions(**opts),
+    token_adv = adv[:, None].expand(N, L) * (1.0 if weights is None else weights)
+    loss, _ = policy_objective(name, leaf, old, token_adv, mask, n, PolicyLossOptions(**opts),
                                ref_logp=ref, kl_coef=beta, kl_kind="k3")
     return loss.item(), torch.autograd.grad(loss, leaf)[0]
 
@@ -154,3 +164,62 @@ def test_trl_cispo_default_caps_the_weight_at_0_2():
     covey_cispo = covey_loss("cispo", "token_mean", logp, old, ref, mask, adv, beta=0.0)
     assert torch.allclose(trl_default[1], 0.2 * covey_pg[1], atol=1e-12)
     assert torch.allclose(covey_cispo[1], covey_pg[1], atol=1e-12)
+
+
+# --- the sampler-trainer correction ---------------------------------------------------------------------------
+TIS_BOUNDS = (0.6, 1.5)  # (clip_min, clip_max): between them the two seeds' ratios fall below, between and above
+
+
+def sampler_logp(old, mask, seed):
+    """The sampler's log-probs: pi_old's off by up to 0.8 nats per token, garbage where masked."""
+    g = torch.Generator().manual_seed(100 + seed)
+    return (old + (torch.rand(N, L, generator=g, dtype=F64) * 2 - 1) * 0.8).masked_fill(mask == 0, -30.0)
+
+
+def trl_is_ratio(mode, old, sampler, mask, clip_min, clip_max):
+    """TRL's importance sampling ratio: the lines of `_generate_and_score_completions` from its comment
+    "Compute the importance sampling ratio when using vLLM" to the reference model's pass, run on their own
+    in its module's namespace; (N, L) in the token modes, (N, 1) in the sequence modes."""
+    import inspect
+    import textwrap
+
+    from trl.trainer import grpo_trainer
+    source = inspect.getsource(grpo_trainer.GRPOTrainer._generate_and_score_completions)
+    start = source.rindex("\n", 0, source.index("# Compute the importance sampling ratio when using vLLM")) + 1
+    end = source.rindex("\n", 0, source.index("# Compute the per-token log probabilities for the reference")) + 1
+    trainer = SimpleNamespace(use_vllm=True, vllm_importance_sampling_correction=True,
+                              vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+                              vllm_importance_sampling_clip_max=clip_max)
+    scope = {**vars(grpo_trainer), "self": trainer, "completion_mask": mask, "tool_mask": None,
+             "old_per_token_logps": old, "sampling_per_token_logps": sampler}
+    exec(compile(textwrap.dedent(source[start:end]), "trl GRPOTrainer", "exec"), scope)
+    return scope["vllm_importance_sampling_ratio"]
+
+
+@pytest.mark.parametrize("mode", TIS_MODES)
+@pytest.mark.parametrize("clip_min", [None, TIS_BOUNDS[0]])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampler_correction_equals_trl(mode, clip_min, seed):
+    """The weights on the valid tokens, then TRL's grpo loss with its ratio against covey's ppo_clip with
+    the advantages times covey's weights (KL term included: neither weights it). clip_min None is tis_min 0."""
+    logp, old, ref, mask, adv = inputs(seed)
+    sampler = sampler_logp(old, mask, seed)
+    theirs = trl_is_ratio(mode, old, sampler, mask, clip_min, TIS_BOUNDS[1])
+    ours, _ = importance_weights(old, sampler, mask, TIS_BOUNDS[1], mode, floor=clip_min or 0.0)
+    assert torch.allclose(ours, theirs.expand(N, L) * mask, atol=1e-6, rtol=0)
+    same(covey_loss("ppo_clip", "seq_mean_token_mean", logp, old, ref, mask, adv, weights=ours, **CLIP),
+         trl_loss("grpo", logp, old, ref, mask, adv, is_ratio=theirs))
+
+
+def test_the_sampler_cases_reach_both_bounds():
+    # token ratios and sequence products each fall below clip_min, between the bounds and above clip_max
+    # in one seed or the other: every branch of truncation and masking runs in the comparison above
+    low, high = TIS_BOUNDS
+    for level in ("token", "sequence"):
+        ratios = []
+        for seed in (0, 1):
+            _, old, _, mask, _ = inputs(seed)
+            log_r = (old - sampler_logp(old, mask, seed)) * mask
+            ratios.append(log_r.exp()[mask.bool()] if level == "token" else log_r.sum(-1).exp())
+        r = torch.cat(ratios)
+        assert bool((r < low).any() and ((r >= low) & (r <= high)).any() and (r > high).any()), level
