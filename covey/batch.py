@@ -50,6 +50,7 @@ class Rollout:
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
     old_entropy: Tensor | None = None  # (N, L) pi_old's entropy at each token (token selection, adaptive entropy)
     cov_tokens: Tensor | None = None   # (N, L) bool: the tokens a covariance control acts on (Clip-Cov, KL-Cov)
+    turn_steps: list | None = None     # (N,) an episode's model turns: (index of its last token, score) each
 
     @property
     def input_ids(self) -> Tensor:
@@ -135,6 +136,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         sample_logp=(torch.cat([pad(r.sample_logp, l_len, False, 0.0) for r in parts])  # the sampler's, per token
                      if all(r.sample_logp is not None for r in parts) else None),
         messages=[m for r in parts for m in r.messages] if all(r.messages is not None for r in parts) else None,
+        turn_steps=([t for r in parts for t in r.turn_steps] if all(r.turn_steps is not None for r in parts)
+                    else None),
         reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},
         response_attention=attention,
     )

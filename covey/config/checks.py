@@ -36,7 +36,7 @@ CHOICES = {
     "rollout.precision": ("auto", "float32", "bfloat16"),
     "rollout.decode": ("auto", "plain", "static", "graphs", "compile"),
     "reward.on_error": ("raise", "zero", "drop"),
-    "reward.step_source": ("prm", "exact"),
+    "reward.step_source": ("prm", "exact", "turns"),
     "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
     "rm.objective": ("bt", "prm"),
     "algo.learner": ("advantage", "dpo"),

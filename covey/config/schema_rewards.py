@@ -37,11 +37,11 @@ class RewardConfig:
     prm_weight: float = 0.0
     """Weight of the PRM's outcome score (min over step probabilities) in the total reward."""
     step_source: str = "prm"
-    """Step rewards of algo.estimator=grpo_process: prm (reward.prm_path) | exact (multistep verifier labels)."""
+    """Step rewards of algo.estimator=grpo_process: prm (reward.prm_path) | exact (multistep verifier labels) | turns (with tools, and only there: one step per model turn, scored by the environment's turn_reward() or 1 for a turn whose tool calls were all answered without an error; docs/agents.md)."""
     step_separator: str = "\n"
     """Separator between reasoning steps (escapes like \\n are decoded)."""
     process_outcome_weight: float = 0.0
-    """grpo_process: weight of the outcome reward added to each response's last step (0 = step rewards only)."""
+    """grpo_process: weight of the outcome reward added to each response's last step (0 = step rewards only). With reward.step_source=turns it is what carries correctness (added to the episode's last turn) and must be > 0."""
     remote_url: str = ""
     """Remote reward service (`covey serve-reward`), e.g. http://127.0.0.1:8765; empty = none."""
     remote_weight: float = 1.0

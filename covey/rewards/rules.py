@@ -177,6 +177,15 @@ def tool_use_reward(prompts: Sequence, completions: Sequence, **columns) -> list
     return out
 
 
+def tool_turn_score(replies: Sequence[dict]) -> float:
+    """One model turn's score by default (reward.step_source=turns, docs/agents.md): 1.0 when the turn
+    made at least one tool call and every call was answered without an error (`replies`: the tool
+    messages answering it, empty when it called none or its calls were not run), else 0.0. The
+    per-turn form of `tool_use_reward` (ToolRL, Qian et al. 2025, arXiv:2504.13958)."""
+    ok = bool(replies) and not any(_is_tool_error(m.get("content", "")) for m in replies)
+    return 1.0 if ok else 0.0
+
+
 RULE_REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": correctness_reward,
     "format": format_reward,

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from covey.batch import Rollout
+from covey.rewards.combine import describe_exception, run_to_end
 from covey.rollout.base import Prompt
 from covey.rollout.episodes import EpisodeOptions, run_episodes
 from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_prompt, append_to_last_user,
@@ -70,6 +71,19 @@ class ToolHost:
     def append_ids(self, messages: list[dict]) -> list[int]:
         self.history += messages
         return tool_messages_ids(self.agent.tokenizer, self.history, self.agent.template_tools)
+
+    def turn_reward(self) -> float | None:
+        """The environment's `turn_reward()` for the model turn just ended (covey's addition to TRL's
+        environments); None without one (the turn is then scored by the default rule)."""
+        environment = self.toolbox.environment
+        method = getattr(environment, "turn_reward", None)
+        if method is None:
+            return None
+        try:
+            value = run_to_end(method())
+        except Exception as e:  # noqa: BLE001 - one line naming the environment
+            raise ToolError(f"environment {type(environment).__name__}: turn_reward() {describe_exception(e)}") from e
+        return None if value is None else float(value)
 
 
 class Agent:

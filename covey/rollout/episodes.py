@@ -10,7 +10,8 @@ The result is a Rollout whose response is the whole episode after the prompt: `r
 is 1 on the tokens the model sampled (what is trained) and `response_attention` 1 on every token
 of the episode (the model's and the environment's: what every pass attends to). `messages`
 holds the episode as chat messages (assistant and tool), the completion TRL passes reward
-functions; `completions` the assistant text.
+functions; `completions` the assistant text; `turn_steps` each model turn's last token and score
+(the steps of `algo.estimator=grpo_process` with `reward.step_source=turns`).
 
 What the runner needs from the tools side is an `EpisodeHost` per episode (covey/rollout/
 agents.py builds them from tools or an environment); the sampling itself is a callable, so that
@@ -26,6 +27,7 @@ from typing import Callable, Protocol
 import torch
 
 from covey.batch import Rollout
+from covey.rewards.rules import tool_turn_score
 from covey.rollout.base import Prompt
 
 
@@ -46,7 +48,9 @@ class EpisodeOptions:
 
 
 class EpisodeHost(Protocol):
-    """The tools side of one episode."""
+    """The tools side of one episode. A host may also define `turn_reward() -> float | None`, the score of
+    the model turn just ended (an environment's own, docs/agents.md); without it, or where it gives None,
+    the turn is scored by `tool_turn_score` of its tool replies."""
 
     def calls_in(self, text: str) -> list:
         """The tool calls a model turn's text makes (empty: the episode ends)."""
@@ -76,6 +80,8 @@ class Episode:
     cut: bool = False  # ended by a budget (the turn limit with calls pending, or the token budget)
     done: bool = False
     logps: list[float] | None = field(default_factory=list)  # the sampler's log-probs (0: environment); None: unknown
+    turn_ends: list[int] = field(default_factory=list)  # index in `ids` of each model turn's last token (-1: empty)
+    turn_scores: list[float] = field(default_factory=list)  # each model turn's score, once its calls are answered
 
     def add(self, ids: list[int], by_model: bool, logps: list[float] | None = None) -> None:
         """Append ids; the model's come with the sampler's log-probs where the engine gives them."""
@@ -137,9 +143,21 @@ def end_turn(ep: Episode, ids: list[int], logps: list[float] | None, text: str, 
     run, or none and the end of the episode; `cut`: the turn ran out of its token budget."""
     ep.add(ids, by_model=True, logps=logps)
     ep.turns += 1
+    ep.turn_ends.append(len(ep.ids) - 1 if ids else -1)
     ep.messages.append({"role": "assistant", "content": text})
     ep.cut = cut
-    return tool_calls(ep, text, options)
+    calls = tool_calls(ep, text, options)
+    if not calls:  # nothing to answer: the turn is scored now (else once its replies are in, append_replies)
+        score_turn(ep, [])
+    return calls
+
+
+def score_turn(ep: Episode, replies: list[dict]) -> None:
+    """Score the model turn just ended, after its calls were answered (`replies`; empty when none ran): the
+    host's `turn_reward()` where it gives one, else `tool_turn_score(replies)`."""
+    own = getattr(ep.host, "turn_reward", None)
+    value = own() if own is not None else None
+    ep.turn_scores.append(tool_turn_score(replies) if value is None else float(value))
 
 
 def tool_calls(ep: Episode, text: str, options: EpisodeOptions) -> list:
@@ -159,6 +177,7 @@ def append_replies(ep: Episode, calls: list, replies: list[dict], options: Episo
     appended = ep.host.append_ids(replies)
     ep.tool_calls += len(calls)
     ep.messages += replies
+    score_turn(ep, replies)
     if len(ep.ids) + len(appended) >= options.max_episode_tokens:
         ep.done = ep.cut = True  # no room left for the model to read the reply and answer
         return
@@ -187,7 +206,12 @@ def episode_rollout(first: Rollout, episodes: list[Episode], tokenizer) -> Rollo
                    completions=["".join(m["content"] for m in ep.messages if m["role"] == "assistant")
                                 for ep in episodes],
                    example_index=list(first.example_index), messages=[ep.messages for ep in episodes],
-                   sample_logp=sample_logp)
+                   sample_logp=sample_logp, turn_steps=[turn_steps(ep) for ep in episodes])
+
+
+def turn_steps(ep: Episode) -> list[tuple[int, float]]:
+    """(last token index in the response, score) of each model turn that sampled a token."""
+    return [(end, score) for end, score in zip(ep.turn_ends, ep.turn_scores) if end >= 0]
 
 
 def episode_metrics(episodes: list[Episode]) -> dict:

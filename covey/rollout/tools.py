@@ -28,7 +28,7 @@ from covey.runtime.errors import first_line
 TOOL_CALL_FORMATS = ("qwen", "tags")
 MAX_TOOL_CHARS = 4000       # a tool result longer than this is cut, and the cut is said in the message
 MAX_CALLS_PER_TURN = 16     # calls after these in one turn are answered with an error, not run
-ENVIRONMENT_RESERVED = ("reset", "get_reward")
+ENVIRONMENT_RESERVED = ("reset", "get_reward", "turn_reward")
 _TAGS_TEMPLATE = {"start_anchor": "<|im_start|>assistant\n", "fields": {  # a transformers response_template
     "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "repeats": True, "content": "text"},  # kept raw
     "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>)", "content": "text"}}}

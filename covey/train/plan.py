@@ -149,7 +149,7 @@ class StepScoring:
     """Process supervision's step rewards (the estimator's `step_scores` trait)."""
     enabled: bool
     source: str
-    """prm | exact."""
+    """prm | exact | turns (one step per model turn of a tool-calling episode)."""
     separator: str
     outcome_weight: float
     """Weight of the outcome reward added to the last step (0 = none)."""
@@ -216,7 +216,7 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     code gets them too); then the option objects check themselves.
     """
     validate(cfg)
-    check_against_registries(cfg)
+    check_against_registries(cfg, episodes=bool(cfg.rollout.tools or cfg.rollout.environment or with_tools))
     a = cfg.algo
     traits = algos.ESTIMATORS[a.estimator]
     sizes = step_sizes(cfg)
@@ -240,9 +240,6 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
         episodes=episode_options(cfg, with_tools), tokens=tokens)
-    if plan.episodes is not None and traits.step_scores:
-        raise ConfigError(f"algo.estimator={a.estimator} scores the reasoning steps of one answer; tool-calling "
-                          "episodes (rollout.tools, rollout.environment) have no step scores yet: use grpo")
     for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage),
                   tokens.cov.validate):
         try:

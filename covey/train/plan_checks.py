@@ -34,12 +34,13 @@ LOSS_KEYS = tuple(f.name for f in fields(algos.PolicyLossOptions))
 """The policy losses' options: each is the algo key of the same name."""
 
 
-def check_against_registries(cfg: Config) -> None:
-    """Registry names first (so a typo is named as such), then what the estimator needs."""
+def check_against_registries(cfg: Config, episodes: bool = False) -> None:
+    """Registry names first (so a typo is named as such), then what the estimator needs; `episodes`: the
+    run samples tool-calling episodes."""
     check_choices(cfg, REGISTRY_CHOICES)
     check_estimator_needs(cfg)
     check_policy_loss(cfg)
-    check_step_scores(cfg)
+    check_step_scores(cfg, episodes)
 
 
 def check_estimator_needs(cfg: Config) -> None:
@@ -79,10 +80,21 @@ def check_policy_loss(cfg: Config) -> None:
                           f"{a.estimator} gives per-token advantages (use grpo, rloo or remax)")
 
 
-def check_step_scores(cfg: Config) -> None:
-    """Process supervision: where the step rewards come from, and the outcome added to the last step."""
+def check_step_scores(cfg: Config, episodes: bool = False) -> None:
+    """Process supervision: where the step rewards come from, and the outcome added to the last step. In
+    tool-calling episodes a step is a model turn (reward.step_source=turns, the only source there)."""
     r, name = cfg.reward, cfg.algo.estimator
-    if algos.ESTIMATORS[name].step_scores:
+    if r.step_source == "turns" and not episodes:
+        raise ConfigError("reward.step_source=turns scores the model turns of tool-calling episodes: set "
+                          "rollout.tools or rollout.environment")
+    if algos.ESTIMATORS[name].step_scores and episodes:
+        if r.step_source != "turns":
+            raise ConfigError(f"reward.step_source={r.step_source} scores the reasoning steps of one answer: "
+                              f"algo.estimator={name} with tools needs reward.step_source=turns")
+        if r.process_outcome_weight <= 0:
+            raise ConfigError("reward.process_outcome_weight must be > 0 with reward.step_source=turns: the "
+                              "outcome on the last turn is what rewards a right answer")
+    elif algos.ESTIMATORS[name].step_scores:
         if r.step_source == "prm" and not r.prm_path:
             raise ConfigError(f"algo.estimator={name} scores steps with a PRM: set reward.prm_path "
                               "(or reward.step_source=exact on task.name=multistep)")

@@ -155,12 +155,12 @@ def test_a_trl_environment_runs_unchanged_and_its_reward_scores_the_episode(tiny
     assert sample["messages"][1]["name"] == "guess"
 
 
-def test_process_supervision_with_tools_is_refused_at_start():
+def test_process_supervision_of_one_answer_with_tools_is_refused_at_start():
     import pytest
 
     from covey.config import ConfigError
     from covey.train.plan import make_plan
-    with pytest.raises(ConfigError, match="algo.estimator=grpo_process scores the reasoning steps of one answer"):
+    with pytest.raises(ConfigError, match="reward.step_source=exact scores the reasoning steps of one answer"):
         make_plan(load_config(None, ["rollout.tools=calculator", "algo.estimator=grpo_process",
                                      "reward.step_source=exact", "task.name=multistep"]))
 
