@@ -345,8 +345,6 @@ def validate_world(cfg: Config, world_size: int) -> None:
     unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
                                        ("train.grad_var_every", cfg.train.grad_var_every),
                                        ("reward.iterative_every", cfg.reward.iterative_every),
-                                       ("rollout.tools / rollout.environment (episodes of different turns per rank)",
-                                        cfg.rollout.tools or cfg.rollout.environment),
                                        ("rollout.precision=bfloat16 (a copy of a sharded policy)",
                                         cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
                   if on]

@@ -223,12 +223,20 @@ class EpisodeEngine:
             index = torch.arange(len(prompts)).repeat_interleave(group_size)
             rollout.group_ids, rollout.example_index = index, index.tolist()
         rollout.environment_rewards = environment_rewards(hosts)
-        self.pending.append({**metrics, "episodes": len(rollout)})
+        self.pending.append({**metrics, "episodes": len(rollout), "tokens": float(rollout.response_attended.sum())})
         return rollout
 
-    def take_metrics(self) -> dict:
-        """The episode and tool metrics since the last call, episodes weighting each batch's means."""
+    def take_metrics(self, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+        """The episode and tool metrics since the last call: `episode/*` over every batch's episodes
+        (`env_token_frac` over their tokens), `tools/*` counted. `total` sums a vector over processes
+        (under torchrun, every rank's: covey/train/global_batch.py); every rank must then call it."""
         batches, self.pending = self.pending, []
-        total = sum(b["episodes"] for b in batches)
-        out = {k: sum(b[k] * b["episodes"] for b in batches) / total for k in METRIC_KEYS} if total else {}
-        return {**out, **self.tool_metrics()}
+        tools = self.tool_metrics()
+        weight = {k: "tokens" if k == "episode/env_token_frac" else "episodes" for k in METRIC_KEYS}
+        sums = [sum(b[k] * b[weight[k]] for b in batches) for k in METRIC_KEYS]
+        vector = torch.tensor([sum(b["episodes"] for b in batches), sum(b["tokens"] for b in batches), *sums,
+                               *tools.values()], dtype=torch.float64)
+        episodes, tokens, *rest = (total(vector) if total is not None else vector).tolist()
+        out = {k: value / ({"episodes": episodes, "tokens": tokens}[weight[k]] or 1.0)
+               for k, value in zip(METRIC_KEYS, rest)} if episodes else {}
+        return {**out, **{k: int(v) for k, v in zip(tools, rest[len(METRIC_KEYS):])}}

@@ -1,7 +1,7 @@
 """What makes W ranks compute one global batch: the same prompts, samples, advantages and loss.
 
-So that W processes compute what one process computes on the same B prompts (the test in
-tests/test_distributed_torchrun.py):
+So that W processes compute what one process computes on the same B prompts (the tests in
+tests/train/test_torchrun.py and, with tool episodes, tests/train/test_torchrun_tools.py):
 
 1. prompts: every rank draws the same B ids from the same seeded PromptStream and keeps
    a contiguous share of B/W prompts; a prompt's G samples stay on one rank (`draw_share`);
@@ -14,10 +14,12 @@ tests/test_distributed_torchrun.py):
    because FSDP averages gradients over ranks (docs/algorithms.md, Aggregation);
 5. mini-batches: each rank shuffles its own share; with ``algo.minibatches=1`` the
    optimizer steps see exactly the global batch, with more they see other (equally
-   valid) splits than a single process would.
+   valid) splits than a single process would;
+6. tool episodes: each rank runs its own groups' episodes (tools, environments); their metrics
+   come from sums over every rank (`global_episode_metrics`).
 
-Generation with a local engine reads the sharded policy on whole parameters
-(`GatheredGeneration`); checkpoints are written by rank 0 from whole tensors (`save_on_main`).
+Generation with a local engine, tool episodes included, reads the sharded policy on whole
+parameters (`GatheredGeneration`); checkpoints are written by rank 0 from whole tensors (`save_on_main`).
 In one process every function here is a pass-through.
 """
 
@@ -100,6 +102,12 @@ class GatheredGeneration:
         with unsharded(self.policy):
             return self.engine.generate(*args, **kwargs)
 
+    def decode_episodes(self, *args, **kwargs):
+        """The fast engine's loop of whole tool episodes (covey/rollout/fast_episodes.py), whose decode
+        steps differ between ranks as well (held-out evaluation, greedy baselines, seeding=global)."""
+        with unsharded(self.policy):
+            return self.engine.decode_episodes(*args, **kwargs)
+
 
 # --------------------------------------------------------------------------- advantages and loss normaliser
 
@@ -149,6 +157,14 @@ def global_batch_view(rollout) -> SimpleNamespace:
     parts = {k.removeprefix("part/"): v for k, v in every.items() if k.startswith("part/")}
     return SimpleNamespace(scores=every["scores"], response_mask=every["response_mask"],
                            truncated=every["truncated"], reward_parts=parts)
+
+
+def global_episode_metrics(engine) -> dict:
+    """An engine of tool episodes: its episode and tool metrics (`take_metrics`) over every rank's episodes,
+    from all-reduced sums, so W ranks log what one process logs on the same episodes; {} for another
+    engine. Every rank calls it at the same point (after sampling, after an evaluation)."""
+    take = getattr(engine, "take_metrics", None)
+    return {} if take is None else take(total=all_reduce)
 
 
 def decorrelate_ranks(world: World, seed: int, step: int) -> None:

@@ -51,8 +51,8 @@ from covey.train.checkpoint import (check_resume_request, load_checkpoint, resol
                                     save_final)
 from covey.train.dpo import dpo_update
 from covey.train.evaluate import Judge, eval_settings, evaluate, read_cached_eval, settings_key, write_cached_eval
-from covey.train.global_batch import (decorrelate_ranks, global_advantages, global_batch_view, save_on_main,
-                                      whole_tensors)
+from covey.train.global_batch import (decorrelate_ranks, global_advantages, global_batch_view, global_episode_metrics,
+                                      save_on_main, whole_tensors)
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
@@ -387,7 +387,7 @@ def run_eval(run: Run, feed: Feed, stop: StopFlag | None = None) -> dict:
                    judge=feed.judge, batch_size=sampling.eval_batch_size, stop=stop if run.world.size == 1 else None,
                    max_new_tokens=sampling.eval_max_new_tokens, pass_k=schedule.eval_pass_k)
     out = reduce_eval(out)
-    out.update({f"eval/{k}": v for k, v in getattr(feed.eval_engine, "take_metrics", dict)().items()})  # episodes
+    out.update({f"eval/{k}": v for k, v in global_episode_metrics(feed.eval_engine).items()})  # episodes
     out["time/eval"] = time.perf_counter() - t0
     return record_gpu_peak(out, run.world.device, "eval")
 

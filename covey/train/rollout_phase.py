@@ -18,7 +18,7 @@ from covey.batch import Rollout, concat_rollouts
 from covey.rewards.combine import TrainerState
 from covey.rewards.scoring import score
 from covey.runtime.memory import halving_on_oom
-from covey.train.global_batch import draw_share, prompt_seed, sample_groups
+from covey.train.global_batch import draw_share, global_episode_metrics, prompt_seed, sample_groups
 from covey.train.setup import Run
 
 
@@ -33,7 +33,7 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
         rollout, metrics["groups/resampled"] = refill_groups(run, rollout, engine, rewarder, examples, prompts,
                                                              timings)
     rollout = drop_invalid(rollout)
-    episodes = getattr(engine, "take_metrics", dict)()  # an engine of tool-calling episodes: turns, calls, errors
+    episodes = global_episode_metrics(engine)  # an engine of tool-calling episodes: turns, calls, errors
     return rollout, {**metrics, **episodes, **timings}
 
 
