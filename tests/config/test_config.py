@@ -103,8 +103,9 @@ def test_checks_follow_the_estimator_traits():
 
 
 def test_presets_load_by_name():
-    assert preset_names() == ("dpo_iterative", "dr_grpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline",
-                              "remax", "rloo", "wordproblems_gpu")  # the last a recipe: the defaults' GRPO
+    assert preset_names() == ("cispo", "dapo", "dpo_iterative", "dr_grpo", "gmpo", "grpo", "gspo", "ppo",
+                              "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo", "sapo",
+                              "wordproblems_gpu")  # the last a recipe: the defaults' GRPO
     for name in preset_names():
         cfg = load_config(name)
         assert cfg.algo.learner == ("dpo" if name == "dpo_iterative" else "advantage")
@@ -118,8 +119,8 @@ def test_defaults_are_the_grpo_preset():
 
 
 @pytest.mark.parametrize("preset, message", [
-    ("ppo2", "unknown preset 'ppo2' (did you mean 'ppo'?); presets: dpo_iterative, dr_grpo, grpo, ppo,"),
-    ("xyz", "unknown preset 'xyz'; presets: dpo_iterative, "),
+    ("ppo2", "unknown preset 'ppo2' (did you mean 'ppo'?); presets: cispo, dapo, dpo_iterative, dr_grpo,"),
+    ("xyz", "unknown preset 'xyz'; presets: cispo, dapo, dpo_iterative, "),
     ("configs/ppo.yaml", "config file not found: configs/ppo.yaml"),
 ])
 def test_unknown_preset_is_one_line_listing_the_presets(preset, message):
