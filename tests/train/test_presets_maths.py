@@ -7,11 +7,13 @@ A preset YAML only sets what differs from the defaults, so `raw` is what the fil
 sequences per step in micro-batches of 8.
 """
 
+import math
+
 import pytest
 import torch
 import yaml
 
-from covey.algos import ESTIMATORS, AdvantageInput, compute_advantages
+from covey.algos import ESTIMATORS, AdvantageInput, compute_advantages, make_normalizer, policy_loss
 from covey.config import load_config, preset_names, preset_path
 from covey.train.plan import Sizes, make_plan
 
@@ -122,6 +124,96 @@ def test_dpo_iterative():
     assert plan.needs_reference and not plan.needs_old_logprobs and plan.sizes == ONE_STEP
 
 
+FOUR_STEPS = Sizes(sequences_per_step=64, sequences_per_minibatch=16, micro_batches_per_minibatch=2,
+                   optimizer_steps_per_rollout=4)
+"""The loss presets' off-policy update: 64 sequences in 4 mini-batches of 16 (2 micro-batches of 8), so
+after the first optimizer step pi_old differs from the policy and the loss's clip or weight acts."""
+
+
+def grpo_without_kl(plan):
+    # GRPO's group advantages (std division, group normalisation), no reference model, no critic
+    assert plan.traits.default_normalize == "group" and plan.advantage.std_normalize
+    assert plan.kl.placement == "none" and plan.kl.beta == 0.0 and not plan.needs_reference
+    assert not plan.needs_critic and plan.needs_old_logprobs and plan.sizes == FOUR_STEPS
+
+
+def test_dapo():
+    # DAPO (Yu et al. 2025, arXiv:2503.14476): clip-higher (1 - 0.2 <= r <= 1 + 0.28), the token-level
+    # loss (every token of the step weighs 1 / total tokens), dynamic sampling, overlong filtering and
+    # the soft overlong punishment, no KL.
+    raw, plan = preset("dapo")
+    assert (raw["clip_eps_low"], raw["clip_eps_high"]) == (0.2, 0.28) and plan.update.loss.clip_eps_high == 0.28
+    assert plan.update.loss_agg == "token_mean" and plan.update.policy_loss == "ppo_clip"
+    assert plan.sampling.dynamic_sampling and plan.update.mask_truncated
+    # the buffer is the paper's share of the budget: 4096 / 20480 = 0.2; 8 / 32 = 0.25 of the default 32
+    cfg = load_config("dapo")
+    assert cfg.reward.overlong_buffer == 8 and cfg.rollout.max_new_tokens == 32
+    grpo_without_kl(plan)
+
+
+def test_gspo():
+    # GSPO (Zheng et al. 2025, arXiv:2507.18071): the sequence ratio s_i = exp(mean_t log r_{i,t}),
+    # clipped to [1 - 3e-4, 1 + 4e-4], one term per sequence, averaged over the group.
+    raw, plan = preset("gspo")
+    assert plan.update.loss.ratio_level == "sequence" and plan.update.policy_loss == "ppo_clip"
+    assert (plan.update.loss.clip_eps_low, plan.update.loss.clip_eps_high) == (3e-4, 4e-4)
+    assert plan.update.loss_agg == "seq_mean_token_mean"
+    grpo_without_kl(plan)
+    # Two sequences of two tokens, A = +1 and -1, token log-ratios (0.001, 0.0002) and (-0.001, 0.0):
+    #   s_1 = exp(0.0006) = 1.00060018 > 1 + 4e-4: for A > 0 the clipped term 1.0004 * 1 is the min,
+    #       loss term -1.0004, no gradient;
+    #   s_2 = exp(-0.0005) = 0.99950012 < 1 - 3e-4: for A < 0, min(-s_2, -0.9997) = -0.9997 (clipped),
+    #       loss term +0.9997, no gradient.
+    # Each sequence's term sits on its two tokens; token mean then sequence mean:
+    #   loss = (-1.0004 + 0.9997) / 2 = -0.00035, and both sequences count as clipped.
+    logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.001, -0.0002], [0.001, 0.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+    norm = make_normalizer(plan.update.loss_agg, mask)
+    loss, metrics = policy_loss(plan.update.policy_loss, logp, old, adv, mask, norm, plan.update.loss)
+    assert float(loss.detach()) == pytest.approx(-0.00035, abs=1e-12) and metrics["policy/clipfrac"] == 1.0
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_cispo():
+    # CISPO (MiniMax 2025, arXiv:2506.13585): l = -sg(clip(r, 1 - 1, 1 + 0.28)) A log pi, token-level
+    # loss, no KL. One token, A = 1, log-ratio log 1.5 (r = 1.5): the weight is min(1.5, 1.28) = 1.28,
+    # the loss -1.28 * logp = 1.28 * log 1.5 at logp = -log 1.5 (old logp -2 log 1.5), and the
+    # gradient d loss / d logp = -1.28 (PPO's clip would give 0 here).
+    raw, plan = preset("cispo")
+    assert plan.update.policy_loss == "cispo" and plan.update.loss_agg == "token_mean"
+    assert (plan.update.loss.clip_eps_low, plan.update.loss.clip_eps_high) == (1.0, 0.28)
+    grpo_without_kl(plan)
+    half = math.log(1.5)
+    logp = torch.tensor([[-half]], dtype=torch.float64, requires_grad=True)
+    old, mask, adv = torch.tensor([[-2 * half]], dtype=torch.float64), torch.ones(1, 1), torch.ones(1, 1)
+    loss, _ = policy_loss("cispo", logp, old, adv.double(), mask, make_normalizer("token_mean", mask),
+                          plan.update.loss)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(1.28 * half, abs=1e-12) and float(logp.grad) == pytest.approx(-1.28)
+
+
+def test_sapo():
+    # SAPO (Gao et al. 2025, arXiv:2511.20347): the soft gate 4/tau sigmoid(tau (r - 1)) with
+    # tau_pos 1.0 (A > 0) and tau_neg 1.05 (A < 0), the sequence-mean of the token mean, no KL.
+    raw, plan = preset("sapo")
+    assert plan.update.policy_loss == "sapo" and plan.update.loss_agg == "seq_mean_token_mean"
+    assert (plan.update.loss.sapo_temperature_pos, plan.update.loss.sapo_temperature_neg) == (1.0, 1.05)
+    grpo_without_kl(plan)
+
+
+def test_gmpo():
+    # GMPO (Zhao et al. 2025, arXiv:2507.20673): the geometric mean of each sequence's token ratios,
+    # token log-ratios clipped at +-0.4; the loss is defined with the sequence mean of the token mean
+    # (the registry's aggregation, whatever algo.loss_agg says), no KL.
+    raw, plan = preset("gmpo")
+    assert plan.update.policy_loss == "gmpo" and plan.update.loss_agg == "seq_mean_token_mean"
+    assert (plan.update.loss.gmpo_log_clip_low, plan.update.loss.gmpo_log_clip_high) == (0.4, 0.4)
+    grpo_without_kl(plan)
+
+
 # One prompt, two one-token answers with rewards 1 and 0 (ReMax's greedy answer scores 0.5,
 # PPO's critic predicts 0). Worked by hand with eps = 1e-6:
 #   grpo:    mean 0.5, population std 0.5 -> (+-0.5) / (0.5 + 1e-6) = +-0.999998
@@ -131,7 +223,9 @@ def test_dpo_iterative():
 #   reinforce_pp: returns (1, 0), whitened over the batch's two tokens: mean 0.5, std 0.5 -> +-0.999998
 #   reinforce_pp_baseline: group mean subtracted (+-0.5), then whitened: std 0.5 -> +-0.999998
 #   ppo: GAE with V = 0 on a one-token answer: A = r - V = (1, 0), whitened -> +-0.999998
-ADVANTAGES = {"grpo": 0.999998, "dr_grpo": 0.5, "rloo": 1.0, "remax": 0.5, "reinforce_pp": 0.999998,
+#   dapo, gspo, cispo, sapo, gmpo: GRPO's advantages -> +-0.999998
+ADVANTAGES = {"grpo": 0.999998, "dapo": 0.999998, "gspo": 0.999998, "cispo": 0.999998, "sapo": 0.999998,
+              "gmpo": 0.999998, "dr_grpo": 0.5, "rloo": 1.0, "remax": 0.5, "reinforce_pp": 0.999998,
               "reinforce_pp_baseline": 0.999998, "ppo": 0.999998}
 
 

@@ -20,6 +20,10 @@ from tests.helpers import tiny_overrides
 
 SETTINGS = {"model.autocast": "none", "rollout.precision": "float32", "optim.lr": 1e-3,
             "reward.functions": "tests.helpers:varied_reward", "train.samples_every": 1}
+# The tiny random model never ends an answer within its 8 tokens, so DAPO's overlong filtering would leave
+# every token out of the loss (a zero gradient pins nothing); its soft overlong punishment still acts
+# (every answer at the budget scores -1 more: the negative rewards below).
+PRESET_KEYS = {"dapo": {"algo.mask_truncated": False}}
 
 PINNED = {
     "grpo": [
@@ -87,6 +91,46 @@ PINNED = {
          "policy/loss": 0.2295679822564125, "policy/entropy": 6.207754611968994, "policy/clipfrac": 0.0,
          "kl/ref": 0.01003347709774971, "optim/grad_norm": 0.8294277191162109},
     ],
+    "dapo": [
+        {"reward/mean": -0.6458333134651184, "advantages/std": 0.9999959468841553,
+         "advantages/max_abs": 1.6059012413024902, "policy/loss": 0.004472233355045319,
+         "policy/entropy": 6.207651421427727, "policy/clipfrac": 0.09375, "optim/grad_norm": 3.8071944415569305},
+        {"reward/mean": -0.5625, "advantages/std": 0.9999960064888, "advantages/max_abs": 1.341633677482605,
+         "policy/loss": -0.01151968538761139, "policy/entropy": 6.207583166658878, "policy/clipfrac": 0.015625,
+         "optim/grad_norm": 3.834206759929657},
+    ],
+    "gspo": [
+        {"reward/mean": 0.3541666865348816, "advantages/std": 0.9999959468841553,
+         "advantages/max_abs": 1.6059012413024902, "policy/loss": 0.0191110260784626,
+         "policy/entropy": 6.207259342074394, "policy/clipfrac": 0.375, "optim/grad_norm": 2.3531622886657715},
+        {"reward/mean": 0.3958333432674408, "advantages/std": 0.9999973773956299,
+         "advantages/max_abs": 1.6329890489578247, "policy/loss": 0.015674239955842495,
+         "policy/entropy": 6.204782955348492, "policy/clipfrac": 0.125, "optim/grad_norm": 2.759395979344845},
+    ],
+    "cispo": [
+        {"reward/mean": 0.3541666865348816, "advantages/std": 0.9999959468841553,
+         "advantages/max_abs": 1.6059012413024902, "policy/loss": -0.022630512714385986,
+         "policy/entropy": 6.207198359072208, "policy/clipfrac": 0.03125, "optim/grad_norm": 3.9525106549263},
+        {"reward/mean": 0.4583333730697632, "advantages/std": 0.9999948143959045,
+         "advantages/max_abs": 1.6329851150512695, "policy/loss": 0.010736346244812012,
+         "policy/entropy": 6.205936551094055, "policy/clipfrac": 0.0, "optim/grad_norm": 3.4032514691352844},
+    ],
+    "sapo": [
+        {"reward/mean": 0.3541666865348816, "advantages/std": 0.9999959468841553,
+         "advantages/max_abs": 1.6059012413024902, "policy/loss": -0.046039193868637085,
+         "policy/entropy": 6.207185044884682, "policy/clipfrac": 0.0, "optim/grad_norm": 3.9351130723953247},
+        {"reward/mean": 0.6041666865348816, "advantages/std": 0.9999929070472717,
+         "advantages/max_abs": 1.7320390939712524, "policy/loss": -0.06113700568675995,
+         "policy/entropy": 6.20527870208025, "policy/clipfrac": 0.0, "optim/grad_norm": 3.5037477612495422},
+    ],
+    "gmpo": [
+        {"reward/mean": 0.3541666865348816, "advantages/std": 0.9999959468841553,
+         "advantages/max_abs": 1.6059012413024902, "policy/loss": -0.0022050291299819946,
+         "policy/entropy": 6.207154713571072, "policy/clipfrac": 0.0, "optim/grad_norm": 3.922698974609375},
+        {"reward/mean": 0.5625, "advantages/std": 0.9999945759773254, "advantages/max_abs": 1.6059012413024902,
+         "policy/loss": -0.00034166499972343445, "policy/entropy": 6.20524537563324, "policy/clipfrac": 0.0,
+         "optim/grad_norm": 3.14661568403244},
+    ],
     "dpo_iterative": [
         {"reward/mean": 0.3541666865348816, "policy/entropy": 6.206672668457031, "kl/ref": 0.0,
          "optim/grad_norm": 3.3755433559417725, "dpo/loss": 0.6931471824645996},
@@ -124,7 +168,8 @@ def trained(tiny_model_dir, tmp_path_factory):
         key = (preset, tuple(sorted(keys.items())))
         if key not in runs:
             out = tmp_path_factory.mktemp(preset)
-            code = main(["train", preset, *tiny_overrides(tiny_model_dir, out, **{**SETTINGS, **keys})])
+            overrides = {**SETTINGS, **PRESET_KEYS.get(preset, {}), **keys}
+            code = main(["train", preset, *tiny_overrides(tiny_model_dir, out, **overrides)])
             runs[key] = Run(code, out / "t", read_rows(out / "t"))
         return runs[key]
     return run
