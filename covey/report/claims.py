@@ -1,10 +1,14 @@
-"""Claims commonly made about GRPO, PPO, REINFORCE++ and DPO, each turned into a test on the compare runs.
+"""Claims commonly made about GRPO, PPO, REINFORCE++, DPO and the 2025 policy losses (DAPO, CISPO,
+GSPO), each turned into a test on the compare runs.
 
 Each claim names its source: the paper that introduced the algorithm or the argument behind
 the claim (DeepSeekMath, Shao et al., 2024, arXiv:2402.03300, for GRPO against PPO; Hu, 2025,
 arXiv:2501.03262, for REINFORCE++; Rafailov et al., 2023, arXiv:2305.18290, for DPO; Xu et
-al., 2024, arXiv:2404.10719, for PPO against DPO). A size such as "about 50%" or "20-30%" is
-the figure commonly quoted, not a measurement from the paper.
+al., 2024, arXiv:2404.10719, for PPO against DPO; Yu et al., 2025, arXiv:2503.14476, for DAPO;
+MiniMax, 2025, arXiv:2506.13585, for CISPO; Zheng et al., 2025, arXiv:2507.18071, for GSPO). A
+size such as "about 50%" or "20-30%" is the figure commonly quoted, not a measurement from the
+paper. The papers measured their claims on models of 7-32B over hundreds of steps; on a small
+model and a short budget a claim may not show, which is what "inconclusive" says.
 
 Every verdict is computed from the run data (covey.report.data), never written by hand:
 
@@ -156,6 +160,9 @@ GRPO = "DeepSeekMath (Shao et al., 2024, arXiv:2402.03300)"
 REINFORCE_PP = "REINFORCE++ (Hu, 2025, arXiv:2501.03262)"
 DPO = "DPO (Rafailov et al., 2023, arXiv:2305.18290)"
 PPO_VS_DPO = "Is DPO Superior to PPO? (Xu et al., 2024, arXiv:2404.10719)"
+DAPO = "DAPO (Yu et al., 2025, arXiv:2503.14476)"
+CISPO = "MiniMax-M1 (MiniMax, 2025, arXiv:2506.13585)"
+GSPO = "GSPO (Zheng et al., 2025, arXiv:2507.18071)"
 
 CLAIMS = (
     Claim(GRPO, "GRPO drops the critic and saves about 50% of the model (parameter) memory of PPO",
@@ -173,6 +180,19 @@ CLAIMS = (
           pooled_metric("time/step", "seconds per step", " s", "lower")),
     Claim(PPO_VS_DPO, "PPO beats (iterative) DPO (same budget: larger held-out accuracy gain)",
           ("ppo", "dpo_iterative"), accuracy_gain),
+    Claim(DAPO, "Clip-higher keeps the policy's entropy from collapsing: DAPO's token entropy stays above GRPO's",
+          ("dapo", "grpo"), pooled_metric("policy/entropy", "mean token entropy of the sampled answers", " nats",
+                                          "higher")),
+    Claim(DAPO, "DAPO beats GRPO (same steps: larger held-out accuracy gain)", ("dapo", "grpo"), accuracy_gain),
+    Claim(CISPO, "CISPO learns faster than DAPO (same steps: larger held-out accuracy gain)", ("cispo", "dapo"),
+          accuracy_gain),
+    Claim(CISPO, "CISPO learns faster than GRPO (same steps: larger held-out accuracy gain)", ("cispo", "grpo"),
+          accuracy_gain),
+    Claim(GSPO, "GSPO clips a far larger share of the tokens than GRPO (whole sequences at a time)",
+          ("gspo", "grpo"), pooled_metric("policy/clipfrac", "share of tokens clipped", "", "higher")),
+    Claim(GSPO, "GSPO trains more efficiently than GRPO (same steps: larger held-out accuracy gain)",
+          ("gspo", "grpo"), accuracy_gain),
+    Claim(GSPO, "GSPO is more stable than GRPO (smaller reward fluctuations)", ("gspo", "grpo"), fluctuation),
 )
 
 

@@ -13,7 +13,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def write_run(root: Path, algo: str, seed: int, *, steps: int = 6, acc: tuple[float, float] = (0.2, 0.3),
               sec_per_step: float = 10.0, rewards: list[float] | None = None, roles: dict | None = None,
               peak_rss: float = 2000.0, grad_noise: float | None = 0.5, adv_std: float = 1.0,
-              finished: bool = True, jitter: float = 0.0) -> Path:
+              finished: bool = True, jitter: float = 0.0, entropy: float = 1.0, clipfrac: float = 0.02) -> Path:
     """One run folder <algo>-s<seed> with metrics.jsonl rows shaped like covey.train.loop writes them.
 
     time/step alternates sec_per_step +- jitter so pooled tests see a known spread.
@@ -27,8 +27,8 @@ def write_run(root: Path, algo: str, seed: int, *, steps: int = 6, acc: tuple[fl
         row = {"step": s, "reward/mean": rewards[s - 1], "accuracy": rewards[s - 1],
                "time/step": sec_per_step + (jitter if s % 2 else -jitter), "time/generate": sec_per_step * 0.6,
                "time/score": 0.1, "time/logprobs": sec_per_step * 0.1, "time/update": sec_per_step * 0.3 - 0.1,
-               "kl/ref": 0.01 * s, "policy/entropy": 1.0 - 0.01 * s, "response/len_mean": 20.0,
-               "policy/clipfrac": 0.02, "advantages/std": adv_std, "memory/peak_rss_mb": peak_rss}
+               "kl/ref": 0.01 * s, "policy/entropy": entropy - 0.01 * s, "response/len_mean": 20.0,
+               "policy/clipfrac": clipfrac, "advantages/std": adv_std, "memory/peak_rss_mb": peak_rss}
         row.update({f"memory/params_mb/{k}": v for k, v in roles.items()})
         if grad_noise is not None and s % 2 == 0:
             row["policy/grad_noise_frac"] = grad_noise + 0.01 * s

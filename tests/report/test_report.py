@@ -43,7 +43,33 @@ def test_report_and_every_figure_written(tmp_path):
     for algo in ("grpo", "ppo", "reinforce_pp", "dpo_iterative"):
         assert f"| {algo} | 3/3 |" in text
     claims = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
-    assert len(claims) == 9
+    assert len(claims) == 9  # the claims about these four; the 7 about dapo, cispo and gspo are only counted
+    assert "Claims about an algorithm this comparison did not run: 7 (" in text
+
+
+def test_the_loss_claims(tmp_path):
+    # grpo, dapo, cispo, gspo x 3 seeds of 6 steps. Entropy per step: grpo 1.0 - 0.01 s, dapo 1.5 - 0.01 s
+    # (the same spread, 0.5 higher: Welch t large, supported). Clip fraction: grpo 0.02 and gspo 0.2 on
+    # every step (no spread on either side: t = +inf, supported). Accuracy gain: every run 0.3 - 0.2 = 0.1
+    # but cispo's 0.2 + 0.02 s - 0.2 (0, 2, 4 pts): cispo 2 +- 2 pts against dapo's and grpo's 10 +- 0,
+    # t = (2 - 10) / sqrt(4/3) = -6.93 at df = 2 (critical 4.30): significant the other way, not supported.
+    # Reward changes are 0.1 a step everywhere: gspo's fluctuation equals grpo's, no spread: t = 0, inconclusive.
+    for s in range(3):
+        write_run(tmp_path, "grpo", s)
+        write_run(tmp_path, "dapo", s, entropy=1.5)
+        write_run(tmp_path, "cispo", s, acc=(0.2, 0.2 + 0.02 * s))
+        write_run(tmp_path, "gspo", s, clipfrac=0.2)
+    table = verdicts(tmp_path)
+    assert find(table, "Clip-higher keeps").verdict == SUPPORTED
+    assert find(table, "GSPO clips a far larger share").verdict == SUPPORTED
+    assert find(table, "CISPO learns faster than DAPO").verdict == NOT_SUPPORTED
+    assert find(table, "CISPO learns faster than GRPO").verdict == NOT_SUPPORTED
+    assert find(table, "DAPO beats GRPO").verdict == INCONCLUSIVE  # 10 +- 0 both: t = 0
+    assert find(table, "GSPO is more stable").verdict == INCONCLUSIVE
+    assert find(table, "GRPO drops the critic").verdict == NOT_MEASURED
+    text = build_report(tmp_path).read_text()
+    claims = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert len(claims) == 7 and "did not run: 9 (" in text
 
 
 def test_summary_numbers_come_from_the_logs(tmp_path):
