@@ -2,7 +2,8 @@
 
 `EpisodeEngine` wraps any engine (fast, hf, vllm) and answers `generate(prompts, G, ...)` with
 episodes (covey/rollout/episodes.py): the first turn is the inner engine's sample of the prompts
-(with their seeds), every later turn a continuation from the episode's token ids. So training,
+(with their seeds), every later turn a continuation from the episode's token ids (with seeds, each
+episode's from its own seed and the turn: `row_seed`, `turn_seed`). So training,
 held-out evaluation and pass@k run episodes through the code that runs single answers, and the
 wrapped engine's weights, seeding and out-of-memory policy stay as they are.
 
@@ -24,7 +25,7 @@ import torch
 from covey.batch import Rollout
 from covey.rewards.combine import describe_exception, run_to_end
 from covey.rollout.base import Prompt
-from covey.rollout.episodes import EpisodeOptions, run_episodes
+from covey.rollout.episodes import EpisodeOptions, row_seed, run_episodes
 from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_prompt, append_to_last_user,
                                  chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
                                  tool_call_format, tool_messages_ids)
@@ -200,26 +201,25 @@ class EpisodeEngine:
         turns = self.options.max_turns
         options = self.options if max_new_tokens is None else replace(
             self.options, max_turn_tokens=max_new_tokens, max_episode_tokens=2 * turns * max_new_tokens)
-        first_call = {"seeds": seeds} if seeds is not None else {}
+        # One seed per episode (rollout row order): its first turn's as a prompt of its own, and where its later
+        # turns' come from (episodes.py, turn_seed), so they do not depend on the other episodes of the batch.
+        rows = None if seeds is None else [row_seed(s, g) for s in seeds for g in range(group_size)]
 
-        def sample(batch: list[Prompt], g: int, budget: int) -> Rollout:
-            kwargs = first_call.copy()
-            first_call.clear()  # later turns continue from the global stream (seeds start an episode)
-            return self.engine.generate(batch, g, greedy=greedy, max_new_tokens=budget, **kwargs)
-
-        def episodes(batch: list[Prompt], g: int, hosts: list) -> tuple[Rollout, dict]:
+        def episodes(batch: list[Prompt], g: int, hosts: list, first: list[int] | None) -> tuple[Rollout, dict]:
             if getattr(self.engine, "continues_episodes", False):  # the fast engine: one loop, rows apart
-                return self.engine.decode_episodes(batch, g, hosts, options, greedy=greedy,
-                                                   seeds=first_call.get("seeds"))
-            return run_episodes(sample, self.tokenizer, batch, g, hosts, options)
+                return self.engine.decode_episodes(batch, g, hosts, options, greedy=greedy, seeds=first)
+
+            def sample(turn: list[Prompt], n: int, budget: int, seeds: list[int] | None = first) -> Rollout:
+                # the first turn: `first`, one per prompt of `batch`; later turns: run_episodes' turn seeds
+                seeded = {} if seeds is None else {"seeds": seeds}
+                return self.engine.generate(turn, n, greedy=greedy, max_new_tokens=budget, **seeded)
+            return run_episodes(sample, self.tokenizer, batch, g, hosts, options, seeds=rows)
 
         own, hosts = self.episodes(prompts, group_size)
         if own is None:
-            rollout, metrics = episodes(prompts, group_size, hosts)
+            rollout, metrics = episodes(prompts, group_size, hosts, seeds)
         else:  # each episode its own prompt (an environment's reset text): one row each, then grouped back
-            if seeds is not None:
-                first_call["seeds"] = [s * 1_000_003 + g for s in seeds for g in range(group_size)]
-            rollout, metrics = episodes(own, 1, hosts)
+            rollout, metrics = episodes(own, 1, hosts, rows)
             index = torch.arange(len(prompts)).repeat_interleave(group_size)
             rollout.group_ids, rollout.example_index = index, index.tolist()
         rollout.environment_rewards = environment_rewards(hosts)

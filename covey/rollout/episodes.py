@@ -15,7 +15,10 @@ functions; `completions` the assistant text; `turn_steps` each model turn's last
 
 What the runner needs from the tools side is an `EpisodeHost` per episode (covey/rollout/
 agents.py builds them from tools or an environment); the sampling itself is a callable, so that
-the caller keeps its seeding and out-of-memory policy.
+the caller keeps its seeding and out-of-memory policy. Given one seed per episode
+(rollout.seeding=per_prompt: `row_seed` of its prompt's seed), every later turn of an episode is
+sampled from `turn_seed(episode seed, turn)`, so an episode's tokens do not depend on which other
+episodes are still running, nor on how a batch is split into calls or across processes.
 """
 
 from __future__ import annotations
@@ -63,8 +66,24 @@ class EpisodeHost(Protocol):
         messages) and the start of the next assistant turn."""
 
 
-Sampler = Callable[[list[Prompt], int, int], Rollout]
-"""sample(prompts, group_size, max_new_tokens) -> Rollout of len(prompts) * group_size rows."""
+Sampler = Callable[..., Rollout]
+"""sample(prompts, group_size, max_new_tokens) -> Rollout of len(prompts) * group_size rows; with episode
+seeds, later turns are sample(prompts, 1, max_new_tokens, seeds=[one per prompt])."""
+
+SEED_MODULUS = 2**63 - 1
+"""Seeds stay below it: torch's generators and vLLM's take 64-bit integers."""
+
+
+def row_seed(prompt_seed: int, index: int) -> int:
+    """The seed of the episode `index` of a prompt's group: the seed its first turn takes as a prompt of
+    its own (an environment's reset text), and the one its later turns are derived from."""
+    return (prompt_seed * 1_000_003 + index) % SEED_MODULUS
+
+
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """The seed of an episode's model turn `turn` (0: the first; the runner uses it from 1), from the
+    episode's seed with a multiplier other than `row_seed`'s."""
+    return (episode_seed * 1_000_033 + turn) % SEED_MODULUS
 
 
 @dataclass
@@ -94,18 +113,23 @@ class Episode:
 
 
 def run_episodes(sample: Sampler, tokenizer, prompts: list[Prompt], group_size: int, hosts: list[EpisodeHost],
-                 options: EpisodeOptions) -> tuple[Rollout, dict]:
+                 options: EpisodeOptions, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
     """len(prompts) x group_size episodes (hosts: one per episode, in rollout row order); returns the
-    Rollout of whole episodes and the episode metrics of the batch."""
+    Rollout of whole episodes and the episode metrics of the batch. `seeds`: one per episode (rollout row
+    order): turn t >= 1 of episode i is sampled with seed `turn_seed(seeds[i], t)`; the first turn's
+    seeding is the sampler's (the engines' per-prompt seeds). None: no turn passes seeds."""
     first = sample(prompts, group_size, min(options.max_turn_tokens, options.max_episode_tokens))
-    if len(hosts) != len(first):
-        raise ValueError(f"run_episodes: {len(hosts)} hosts for {len(first)} episodes")
+    for name, given in (("hosts", hosts), ("seeds", seeds)):
+        if given is not None and len(given) != len(first):
+            raise ValueError(f"run_episodes: {len(given)} {name} for {len(first)} episodes")
     episodes = [Episode(prompt=first.prompt_ids[i][first.prompt_mask[i].bool()].tolist(), host=h)
                 for i, h in enumerate(hosts)]
     take_turn(episodes, range(len(episodes)), first, options, tokenizer)
     while active := [i for i, ep in enumerate(episodes) if not ep.done]:
         budgets = [min(options.max_turn_tokens, options.max_episode_tokens - len(episodes[i].ids)) for i in active]
-        turn = sample([episodes[i].prompt + episodes[i].ids for i in active], 1, max(budgets))
+        batch = [episodes[i].prompt + episodes[i].ids for i in active]
+        own = {} if seeds is None else {"seeds": [turn_seed(seeds[i], episodes[i].turns) for i in active]}
+        turn = sample(batch, 1, max(budgets), **own)
         take_turn(episodes, active, turn, options, tokenizer, budgets)
     return episode_rollout(first, episodes, tokenizer), episode_metrics(episodes)
 
