@@ -237,6 +237,8 @@ def claims_table(data: dict[str, AlgoData]) -> list[str]:
         measured = verdict.measured.replace("|", "\\|")  # a pipe would end the table cell
         lines.append(f"| {i} | {claim.source} | {claim.text} | **{verdict.verdict}** | {measured} |")
     left = len(evaluate_claims(data)) - len(shown)
+    if not shown:
+        lines = ["None of the claims is about algorithms that all ran in this comparison."]
     if left:
         lines += ["", f"Claims about an algorithm this comparison did not run: {left} (covey/report/claims.py "
                       "lists them all)."]

@@ -143,4 +143,6 @@ def test_real_compare_on_tiny_model_resumes_and_reports(tiny_model_dir, tmp_path
         assert_valid_png(s.root / name)
     text = out["report"].read_text()
     assert "| grpo | 1/1 |" in text and "| dpo_iterative | 1/1 |" in text
-    assert "ppo not in this comparison" in text
+    # every claim compares algorithms of which at least one did not run here (ppo, reinforce_pp, dapo, ...)
+    assert "None of the claims is about algorithms that all ran" in text
+    assert "Claims about an algorithm this comparison did not run: 16 (" in text
