@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from covey.models.tiny import tiny_llama, tiny_tokenizer
 from covey.rollout.agents import EpisodeEngine
 from covey.rollout.episodes import EpisodeOptions, row_seed, turn_seed
 from covey.rollout.fast import FastEngine
@@ -18,16 +17,6 @@ from covey.rollout.fast import FastEngine
 PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x", "tools, please"]
 SEEDS = [11, 22, 33, 44]
 G = 2
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def llama(tok):
-    return tiny_llama(len(tok)).eval()
 
 
 class NoEnvironment:

@@ -9,18 +9,13 @@ batch of episodes replays the graphs the first captured.
 import pytest
 import torch
 
-from covey.models.tiny import tiny_llama, tiny_tokenizer
+from covey.models.tiny import tiny_llama
 from covey.rollout.episodes import run_episodes
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import DecodeOptions
 from tests.rollout.test_fast_episodes import PROMPTS, hosts, options
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from covey.config import ConfigError, load_config
-from covey.models.tiny import tiny_llama, tiny_tokenizer
+from covey.models.tiny import tiny_llama
 from covey.rollout import static_decode
 from covey.rollout.fast import FastEngine
 from covey.rollout.hf import HFEngine
@@ -19,16 +19,6 @@ from covey.train.loop import open_run, steps
 from tests.helpers import tiny_overrides
 
 PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def llama(tok):
-    return tiny_llama(len(tok)).eval()
 
 
 def tiny_qwen2(vocab: int):

@@ -9,7 +9,7 @@ bf16 sampling copy reaches the replayed graphs; the last greedy tokens equal the
 import pytest
 import torch
 
-from covey.models.tiny import tiny_llama, tiny_tokenizer
+from covey.models.tiny import tiny_llama
 from covey.rollout.fast import FastEngine
 from covey.rollout.hf import HFEngine
 from covey.rollout.local import DecodeOptions, local_engine
@@ -18,11 +18,6 @@ from covey.rollout.precision import low_precision_copy
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
