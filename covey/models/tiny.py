@@ -71,3 +71,65 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+TINY_WINDOW = 8  # sliding window of the tiny family models: tests run responses longer than it
+FAMILY_NAMES = ("llama", "qwen2_window", "qwen3", "qwen3_5", "qwen3_moe", "gemma3", "gpt_oss", "smollm3",
+                "mistral_window")
+
+
+def tiny_family_config(family: str, vocab_size: int, num_layers: int = 4, window: int = TINY_WINDOW):
+    """The config of a tiny random model of `family` (FAMILY_NAMES): 4 layers of width 64, each family's own
+    layer pattern (sliding windows of `window` positions, Gated DeltaNet layers, experts), ids as the tiny
+    tokenizer's."""
+    import transformers as hf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    half = num_layers // 2
+    every_other = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    one_full_in_four = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(num_layers)]
+    one_full_in_four_linear = [k.replace("sliding", "linear") for k in one_full_in_four]
+    builders = {
+        "llama": lambda: hf.LlamaConfig(**common),
+        "qwen2_window": lambda: hf.Qwen2Config(**common, use_sliding_window=True, sliding_window=window,
+                                               max_window_layers=half),
+        "qwen3": lambda: hf.Qwen3Config(**common, head_dim=16),
+        "qwen3_5": lambda: hf.Qwen3_5TextConfig(**common, head_dim=16, linear_num_value_heads=4,
+                                                linear_num_key_heads=2, linear_key_head_dim=16,
+                                                linear_value_head_dim=16, layer_types=one_full_in_four_linear),
+        "qwen3_moe": lambda: hf.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, output_router_logits=False),
+        "gemma3": lambda: hf.Gemma3TextConfig(**common, head_dim=16, sliding_window=window,
+                                              layer_types=one_full_in_four),
+        "gpt_oss": lambda: hf.GptOssConfig(**{**common, "intermediate_size": 64}, head_dim=16,
+                                           sliding_window=window, layer_types=every_other, num_local_experts=4,
+                                           num_experts_per_tok=2,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "smollm3": lambda: hf.SmolLM3Config(**common),
+        "mistral_window": lambda: hf.MistralConfig(**common, sliding_window=window),
+    }
+    if family not in builders:
+        raise ValueError(f"unknown tiny family {family!r}: {', '.join(FAMILY_NAMES)}")
+    return builders[family]()
+
+
+def tiny_family_model(family: str, vocab_size: int, seed: int = 0, **kwargs):
+    """A randomly initialised causal LM of `family` (`tiny_family_config`), in train mode on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_family_config(family, vocab_size, **kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_tiny_family(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """`build_tiny_model` for another family: an HF folder `covey train model.path=...` loads."""
+    out_dir = Path(out_dir)
+    tokenizer = tiny_tokenizer(seed=seed)
+    model = tiny_family_model(family, len(tokenizer), seed=seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
