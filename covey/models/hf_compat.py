@@ -46,10 +46,17 @@ def cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def cache_from(model, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-    """A Cache for `model` (its layer kinds, e.g. sliding windows, from its config) holding `pairs` per layer."""
+def whole_cache():
+    """A Cache that keeps every position it is given in every layer (a `DynamicLayer` each): the passes
+    mask each layer to its own pattern themselves, where a model's own cache would keep only the last
+    window - 1 positions of a sliding-window layer (covey/passes/packing.py)."""
     from transformers import DynamicCache
-    cache = DynamicCache(config=model.config)
+    return DynamicCache()
+
+
+def cache_from(pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A `whole_cache` holding the (keys, values) `pairs`, one per layer."""
+    cache = whole_cache()
     for index, (keys, values) in enumerate(pairs):
         cache.update(keys, values, index)
     return cache

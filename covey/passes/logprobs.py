@@ -27,10 +27,11 @@ from covey.runtime import dist as distributed
 from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
+from covey.models.families import family_of
 from covey.models.hf_compat import last_positions, position_ids, with_cache
 from covey.models.kernels import FusedHead, fused_head
 from covey.models.load import checkpoints_activations
-from covey.passes.packing import pack, row_capacity, unpack
+from covey.passes.packing import layer_masks, pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
 from covey.batch import Rollout
 
@@ -134,9 +135,11 @@ def shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Ten
 
 def packs(model) -> bool:
     """The packed pass needs an attention that takes a 4-D mask (SDPA or eager, not flash-attention),
-    and a prompt KV cache that survives under grad (gradient checkpointing drops it)."""
-    return (getattr(getattr(model, "config", None), "_attn_implementation", None) in ("sdpa", "eager")
-            and not checkpoints_activations(model))
+    a prompt KV cache that survives under grad (gradient checkpointing drops it), and layers that a
+    mask keeps apart (not a recurrent state: covey/models/families.py); else the padded pass runs."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+            and not checkpoints_activations(model) and family_of(config).packs)
 
 
 def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:
@@ -165,9 +168,10 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
                    width_multiple=BF16_WIDTH_MULTIPLE if low else 1,
                    min_capacity=row_capacity(implementation))
-    attention = packing.attention
+    attention = layer_masks(packing, prompt_mask, family_of(model.config))
     if implementation == "eager":  # eager adds the mask to the scores
-        attention = torch.zeros(attention.shape, device=ids.device).masked_fill(~attention, float("-inf"))
+        attention = {kind: additive(mask) for kind, mask in attention.items()} if isinstance(attention, dict) \
+            else additive(attention)
     with autocast_context(precision, ids.device), attention_implementation(model, implementation):
         if view is None:
             cache, last = run_prompts(model, ids[shared[0], :width], prompt_mask)
@@ -193,6 +197,11 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     if with_entropy:
         entropy = torch.cat([head_entropy, unpack(rest_entropy, packing, n, resp_len - 1)], dim=1)
     return logp, entropy, resp_len
+
+
+def additive(mask: Tensor) -> Tensor:
+    """A boolean attention mask as eager attention takes it: 0 where a query may attend, -inf elsewhere."""
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def critic_values(critic, part: Rollout, precision: str = "none") -> tuple[Tensor, int]:

@@ -13,6 +13,14 @@ last logits, token j > 0 by the output at token j-1, and nothing reads the last 
 A packed row holds at most max(L'-1, MIN_CAPACITY) tokens, so the wasted attention over
 masked-out pairs stays small next to the linear layers; EAGER_CAPACITY with eager attention
 (covey/models/attention.py), which builds the masked score matrix of every row.
+
+Layers of another kind get their own mask (`layer_masks`): a sliding-window layer (Gemma 3,
+gpt-oss, Mistral) lets a token see only the keys of the last `window` positions of its own
+sequence, prompt included (key position > query position - window, transformers' rule), so
+it takes the block mask cut to that band. One mask for every layer would let a sliding layer
+attend its whole sequence: the log-probs of a response longer than the window would be
+another model's. Layers with a recurrent state (Qwen3.5's Gated DeltaNet) cannot be packed:
+their state would run from one response into the next (covey/models/families.py).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from covey.models.families import Family
+from covey.models.hf_compat import position_ids
 
 MIN_CAPACITY = 1024  # tokens per packed row; below it the quadratic masked attention is cheap
 EAGER_CAPACITY = 128  # eager attention materialises the masked scores: short rows ran 5% faster (dev/LOG.md)
@@ -120,6 +131,24 @@ def block_mask(block: Tensor, prompt_mask: Tensor) -> Tensor:
     own |= torch.eye(width, dtype=torch.bool, device=block.device) & ~real[:, :, None]
     prompt = prompt_mask.bool()[:, None, :] & real[:, :, None]
     return torch.cat([prompt, own], dim=-1)[:, None]
+
+
+def layer_masks(packing: Packing, prompt_mask: Tensor, family: Family) -> Tensor | dict[str, Tensor]:
+    """The packed pass's attention argument for a model of `family`: the block mask where every layer
+    attends fully, else one mask per layer kind ({kind: (K, 1, T, P + T)}), a sliding layer's cut to its
+    window; a model whose layers are all sliding takes its one mask alone (its forward takes no dict).
+
+    `prompt_mask` (U, P) is the mask of each distinct prompt, as given to `pack`.
+    """
+    if not family.sliding:
+        return packing.attention
+    prompt_positions = position_ids(prompt_mask[packing.prompt_of_bin])           # (K, P)
+    keys = torch.cat([prompt_positions, packing.position_ids], dim=1)              # (K, P + T)
+    in_window = keys[:, None, :] > packing.position_ids[:, :, None] - family.window  # (K, T, P + T)
+    sliding = packing.attention & in_window[:, None]
+    if not family.mixed:
+        return sliding
+    return {"full_attention": packing.attention, "sliding_attention": sliding}
 
 
 def unpack(packed: Tensor, packing: Packing, n_rows: int, width: int) -> Tensor:

@@ -19,13 +19,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from covey.models.hf_compat import cache_from, cache_of, cache_tensors, last_positions, position_ids
+from covey.models.hf_compat import (cache_from, cache_of, cache_tensors, last_positions, position_ids, whole_cache,
+                                    with_cache)
 
 
 def run_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor):
-    """The prompt pass: (KV cache, (U, 1, V) logits at each prompt's last position) of left-padded prompts."""
+    """The prompt pass: (KV cache, (U, 1, V) logits at each prompt's last position) of left-padded prompts.
+
+    The cache keeps every prompt position in every layer, a sliding-window layer's too (a model's own
+    cache keeps only its last window - 1 there): the packed pass masks each layer to its window itself."""
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                use_cache=True, logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))
+                use_cache=True, logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device),
+                **with_cache(whole_cache()))
     return cache_of(out), out.logits[:, -1:]
 
 
@@ -65,7 +70,7 @@ class EncodedPrompts:
         if self.differentiable:
             parts = [t.detach().requires_grad_() for t in parts]
         pairs = list(zip(parts[:-1:2], parts[1:-1:2]))
-        view = PromptView(cache_from(self.model, pairs), parts[-1], self.mask[prompts, self.width - width:], inverse,
+        view = PromptView(cache_from(pairs), parts[-1], self.mask[prompts, self.width - width:], inverse,
                           parts if self.differentiable else [], prompts)
         if self.differentiable:
             self.pending.append(view)
