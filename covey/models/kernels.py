@@ -115,6 +115,8 @@ def fused_head(model: nn.Module) -> FusedHead | None:
     head = target.get_output_embeddings()
     if type(head) is not nn.Linear:  # e.g. an adapted output layer: the model's own forward applies it
         return None
+    if getattr(getattr(target, "config", None), "final_logit_softcapping", None):  # Gemma's tanh cap on the logits
+        return None
     decoder = target.get_decoder()
     if viewed is not None:
         def base_decoder(**kwargs):

@@ -27,7 +27,7 @@ from covey.runtime import dist as distributed
 from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
-from covey.models.families import family_of
+from covey.models.families import Family, family_of
 from covey.models.hf_compat import last_positions, position_ids, with_cache
 from covey.models.kernels import FusedHead, fused_head
 from covey.models.load import checkpoints_activations
@@ -140,6 +140,16 @@ def packs(model) -> bool:
     config = getattr(model, "config", None)
     return (getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
             and not checkpoints_activations(model) and family_of(config).packs)
+
+
+def training_pass(family: Family) -> str:
+    """The start-up phrase for the training passes a model of `family` takes (when its attention kernel
+    takes a 4-D mask and no gradient checkpointing drops the prompt cache)."""
+    if not family.packs:
+        return "padded (a recurrent layer state would run from one packed response into the next)"
+    if family.sliding:
+        return f"packed, one mask per layer kind (window {family.window} in sliding layers)"
+    return "packed"
 
 
 def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:

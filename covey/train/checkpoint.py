@@ -321,10 +321,22 @@ def _load_policy_weights(run, path: Path) -> None:
         state.update(load_file(str(shard)))
     missing, unexpected = run.policy.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
+        # saved in the model's original layout (save_pretrained converts, e.g. fused experts to one tensor per
+        # expert): transformers' own loading converts back, exactly (reshapes and concatenations only)
+        missing, unexpected = _load_converted(run.policy, path / "policy")
+    if unexpected or [m for m in missing if "lm_head" not in m]:
         raise CheckpointError(f"{path}: policy weights do not match the model "
                               f"({len(missing)} missing, {len(unexpected)} unexpected)")
     if getattr(run.policy.config, "tie_word_embeddings", False):
         run.policy.tie_weights()
+
+
+def _load_converted(policy, folder: Path) -> tuple[list[str], list[str]]:
+    """Load `folder`'s weights into `policy` through `from_pretrained` (its conversions of saved layouts);
+    (missing, unexpected) names as `load_state_dict` gives them."""
+    loaded = type(policy).from_pretrained(str(folder), dtype=next(policy.parameters()).dtype)
+    result = policy.load_state_dict(loaded.state_dict(), strict=False)
+    return list(result.missing_keys), list(result.unexpected_keys)
 
 
 def _load_models(run, path: Path, st: dict) -> None:

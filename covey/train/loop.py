@@ -35,9 +35,10 @@ from tqdm import tqdm
 from covey import algos
 from covey.batch import Rollout
 from covey.config import Config
+from covey.models.families import check_model_family
 from covey.models.load import resolve_model_path
 from covey.models.offload import release_weights
-from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values
+from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values, training_pass
 from covey.rewards.build import build_rewarder, check_user_rewards
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
@@ -95,8 +96,10 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     # and a broken reward function (build.py), called once with a completion shaped as training will pass it
     user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None)
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
-    resolve_model_path(cfg.model.path)  # and a model that is not there, before anything is printed
+    # and a model that is not there, or of a family covey cannot serve, before anything is printed
+    family = check_model_family(resolve_model_path(cfg.model.path))
     print(f"covey: device {describe_device(world.device)}")
+    print(f"covey: model {family.describe()}; training pass {training_pass(family)}")
     print_header(run_dir, cfg.task.name, data)
     verifier = choose_verifier(cfg, data)
     print_plan(plan)
