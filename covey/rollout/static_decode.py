@@ -186,9 +186,11 @@ class StaticDecoder:
         self.runner.forget()
 
     def prefill(self, model, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[list, Tensor]:
-        """The distinct prompts through the model's forward: (keys/values per layer, last logits (U, V))."""
+        """The distinct prompts through the model's forward: (keys/values per layer, last logits (U, V)).
+        Every layer's cache keeps every position (no config: no window-sized layers), as the static
+        buffers do; sliding layers still attend their window, by the forward's own masks."""
         from transformers import DynamicCache
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
         out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                     **with_cache(cache), use_cache=True,
                     logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))

@@ -9,15 +9,37 @@ values at that column, unmasks it, attends over the first `length` columns (a bu
 columns rounded up, so one graph serves many steps), and advances the position and the column
 itself: replaying the graph again is the next step.
 
-Operations and precision follow the model's eager forward (Llama and Qwen2: RMSNorm, rotary
-embeddings from the module's own inverse frequencies, grouped-query attention, SwiGLU MLP) in
-fewer kernels, about 13 a layer instead of the forward's 30-odd: RMSNorm is torch's fused kernel;
-the rotation of queries and keys is one batched product with a per-row rotation matrix; the query
-heads of a key/value head enter SDPA as that head's query positions (one attention kernel, the
-keys read once, no copies per query head); the output and down projections add into the residual
-inside the matrix product (`addmm`); and where the weights are frozen (the sampling copy) the
-q/k/v and the gate/up projections are each one matrix (`fuse_linears`). Differences from the
-model's forward are float rounding only (tests compare greedy tokens with `generate`).
+Families (`STATIC_FAMILIES`; `supports_static_decode` refuses every other model, and these with options
+the step does not reproduce). Operations and precision follow each model's eager forward:
+
+- Llama, Qwen2: RMSNorm, rotary embeddings, grouped-query attention (Qwen2's q/k/v biases), SwiGLU MLP;
+- Qwen3: the same with QK-norm (an RMSNorm over each query and key head, before the rotation) and the
+  config's own head_dim; full attention in every layer (a config with sliding layers is refused);
+- Gemma 3 (text-only `Gemma3ForCausalLM`): embeddings scaled by sqrt(hidden) rounded to their dtype;
+  Gemma's RMSNorm (x / rms(x) * (1 + w), in float32, then cast); four norms a layer (before and after
+  the attention, before and after the MLP: each block's output is normed before the residual adds it);
+  QK-norm; attention scaled by query_pre_attn_scalar**-0.5; a GELU (tanh) gated MLP; two rotary tables
+  (the local one for sliding layers, the global one, with its own parameters, for full layers); final
+  logit softcapping where the config sets it; sliding layers attend only the last `sliding_window`
+  positions (transformers' rule: key position > query position - window). Sliding layers keep the
+  full-length cache and mask the older columns (one extra mask a step, shared by those layers): exact,
+  but the memory saving of a window-sized buffer is not taken on this path.
+
+Rotary tables are read from the model's rotary module (inverse frequencies and cos/sin scaling, per
+layer kind), so every rope type whose tables are fixed at load (`FIXED_ROPE_TYPES`: default, linear,
+llama3, yarn) is exact; types whose tables change with the sequence length (dynamic, longrope) are
+refused. So are other classes (mixtures of experts, gpt-oss, Qwen3.5's linear-attention layers,
+Mistral), sliding windows outside Gemma 3, attention-logit softcapping, bidirectional attention and MLP
+biases (attention biases are applied, where a config sets them).
+
+In fewer kernels than the forward, about 13 a layer for Llama instead of 30-odd: RMSNorm is torch's
+fused kernel; the rotation of queries and keys is one batched product with a per-row rotation matrix;
+the query heads of a key/value head enter SDPA as that head's query positions (one attention kernel,
+the keys read once, no copies per query head); where no norm follows them (all but Gemma) the output
+and down projections add into the residual inside the matrix product (`addmm`); and where the weights
+are frozen (the sampling copy) the q/k/v and the gate/up projections are each one matrix
+(`fuse_linears`). Differences from the model's forward are float rounding only (tests compare greedy
+tokens with `generate` for every family).
 """
 
 from __future__ import annotations
@@ -28,58 +50,90 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-STATIC_FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+STATIC_FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+FIXED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+GEMMA = "Gemma3ForCausalLM"
 
 
 def supports_static_decode(model) -> bool:
-    """A plain Llama or Qwen2 (SiLU MLP without biases, default rotary embeddings, full attention in
-    every layer) whose parameters are ordinary tensors (not FSDP shards, not a PEFT wrapper)."""
-    if type(model).__name__ not in STATIC_FAMILIES:
+    """A model of `STATIC_FAMILIES` the step reproduces: its own activation (SiLU; Gemma 3: GELU tanh), no MLP
+    biases, rotary tables fixed at load, full attention in every layer (Gemma 3: full or sliding), no
+    attention-logit softcapping or bidirectional attention, parameters that are ordinary tensors (not FSDP
+    shards, not a PEFT wrapper)."""
+    name = type(model).__name__
+    if name not in STATIC_FAMILIES:
         return False
     config = model.config
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return (config.hidden_act == "silu" and not getattr(config, "mlp_bias", False)
-            and getattr(config, "pretraining_tp", 1) == 1 and rope.get("rope_type", "default") == "default"
-            and all(kind == "full_attention" for kind in layer_types)
+    gemma = name == GEMMA
+    activation = config.hidden_activation if gemma else config.hidden_act
+    kinds = {"full_attention", "sliding_attention"} if gemma else {"full_attention"}
+    return (activation == ("gelu_pytorch_tanh" if gemma else "silu") and not getattr(config, "mlp_bias", False)
+            and getattr(config, "pretraining_tp", 1) == 1 and rope_types(config) <= set(FIXED_ROPE_TYPES)
+            and set(getattr(config, "layer_types", None) or ["full_attention"]) <= kinds
+            and getattr(config, "attn_logit_softcapping", None) is None
+            and not getattr(config, "use_bidirectional_attention", False)
             and all(type(p.data) is torch.Tensor for p in model.parameters()))
+
+
+def rope_types(config) -> set[str]:
+    """The rope types of a config's rotary tables: one, or one per layer kind (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested = [p for p in params.values() if isinstance(p, dict)]
+    return {p.get("rope_type", "default") for p in nested or [params]}
+
+
+@dataclass
+class Rope:
+    """A rotary table as the model's rotary module holds it: inverse frequencies and the cos/sin scaling."""
+    inv_freq: Tensor
+    scale: float
 
 
 @dataclass
 class LayerWeights:
-    norm1: Tensor
+    norm1: Tensor                                # before the attention
     qkv: list[tuple[Tensor, Tensor | None]]      # one fused (weight, bias) or q, k, v apart
     out: tuple[Tensor, Tensor | None]
-    norm2: Tensor
+    norm2: Tensor                                # before the MLP
     gate_up: list[tuple[Tensor, Tensor | None]]  # one fused (weight, bias) or gate, up apart
     down: tuple[Tensor, Tensor | None]
+    qk_norm: tuple[Tensor, Tensor] | None = None    # Qwen3, Gemma 3: each query head's and key head's RMSNorm
+    out_norms: tuple[Tensor, Tensor] | None = None  # Gemma 3: the attention's and the MLP's outputs, normed
+    sliding: bool = False                           # attends the last `DecodeWeights.window` positions only
+
+    def tensors(self) -> list[Tensor | None]:
+        pairs = [t for pair in self.qkv + self.gate_up for t in pair]
+        return [self.norm1, self.norm2, *self.out, *self.down, *pairs, *(self.qk_norm or ()), *(self.out_norms or ())]
 
 
 @dataclass
 class DecodeWeights:
-    """The tensors a step reads, by reference to the model's own parameters."""
+    """The tensors a step reads, by reference to the model's own parameters, and the family's options."""
     embed: Tensor
     layers: list[LayerWeights]
     norm: Tensor
     head: Tensor
-    inv_freq: Tensor
-    rope_scale: float
+    rope: Rope                       # full-attention layers' (every layer's, where there is one table)
     eps: float
     heads: int
     kv_heads: int
     head_dim: int
     intermediate: int
     scaling: float
+    local_rope: Rope | None = None   # sliding layers' (Gemma 3)
+    window: int | None = None        # sliding layers' window, in positions
+    embed_scale: float | None = None  # Gemma 3: sqrt(hidden), rounded to the embeddings' dtype
+    offset_norms: bool = False        # Gemma 3: RMSNorm weights applied as 1 + w, in float32
+    gelu: bool = False                # Gemma 3: GELU (tanh) gate; SiLU otherwise
+    softcap: float | None = None      # final logits -> cap * tanh(logits / cap)
 
     def signature(self) -> tuple[int, ...]:
         """Addresses of every tensor read: a captured graph is valid while they do not change."""
-        tensors = [self.embed, self.norm, self.head, self.inv_freq]
+        tensors = [self.embed, self.norm, self.head, self.rope.inv_freq]
+        tensors += [self.local_rope.inv_freq] if self.local_rope is not None else []
         for layer in self.layers:
-            tensors += [layer.norm1, layer.norm2, *layer.out, *layer.down]
-            tensors += [t for pair in layer.qkv + layer.gate_up for t in pair]
+            tensors += layer.tensors()
         return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
-
-
 def fuse_linears(linears: list[nn.Linear], fused: dict, key) -> list[tuple[Tensor, Tensor | None]]:
     """One (weight, bias) whose rows are the linears' stacked, the linears' parameters re-pointed to
     views of it (so copying new weights into them updates it); `fused[key]` keeps it between calls.
@@ -122,28 +176,56 @@ def repoint(whole: Tensor, params: list[Tensor]) -> None:
 def gather_weights(model, fused: dict | None = None) -> DecodeWeights:
     """The model's tensors for `decode_step`; with `fused` (a frozen model), q/k/v and gate/up fused."""
     body, config = model.model, model.config
-    layers = []
-    for i, layer in enumerate(body.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        layers.append(LayerWeights(
-            norm1=layer.input_layernorm.weight,
-            qkv=fuse_linears(qkv, fused, (i, "qkv")) if fused is not None else [(m.weight, m.bias) for m in qkv],
-            out=(attn.o_proj.weight, attn.o_proj.bias),
-            norm2=layer.post_attention_layernorm.weight,
-            gate_up=(fuse_linears(gate_up, fused, (i, "gate_up")) if fused is not None
-                     else [(m.weight, m.bias) for m in gate_up]),
-            down=(mlp.down_proj.weight, mlp.down_proj.bias)))
+    gemma = type(model).__name__ == GEMMA
+    layers = [layer_weights(layer, i, fused, gemma) for i, layer in enumerate(body.layers)]
     attn = body.layers[0].self_attn
+    rope, local_rope = rotary_tables(body.rotary_emb)
+    windows = {layer.self_attn.sliding_window for layer in body.layers if getattr(layer.self_attn, "is_sliding", False)}
+    embed_scale = None
+    if gemma:  # as transformers scales: by the (float32) scale cast to the embeddings' dtype; read on the host
+        scale = torch.tensor(body.embed_tokens.scalar_embed_scale, dtype=torch.float32)
+        embed_scale = float(scale.to(body.embed_tokens.weight.dtype))
     return DecodeWeights(
         embed=body.embed_tokens.weight, layers=layers, norm=body.norm.weight, head=model.lm_head.weight,
-        inv_freq=body.rotary_emb.inv_freq, rope_scale=float(body.rotary_emb.attention_scaling),
-        eps=float(body.norm.variance_epsilon), heads=attn.q_proj.out_features // attn.head_dim,
+        rope=rope, eps=norm_eps(body.norm), heads=attn.q_proj.out_features // attn.head_dim,
         kv_heads=attn.k_proj.out_features // attn.head_dim, head_dim=attn.head_dim,
-        intermediate=config.intermediate_size, scaling=float(attn.scaling))
+        intermediate=config.intermediate_size, scaling=float(attn.scaling), local_rope=local_rope,
+        window=windows.pop() if windows else None, embed_scale=embed_scale, offset_norms=gemma, gelu=gemma,
+        softcap=getattr(config, "final_logit_softcapping", None))
 
 
+def layer_weights(layer, index: int, fused: dict | None, gemma: bool) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_proj, mlp.up_proj]
+    qk_norm = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else None
+    if gemma:  # its post_attention_layernorm norms the attention's output; pre_feedforward_layernorm the MLP's input
+        norm2, out_norms = layer.pre_feedforward_layernorm, (layer.post_attention_layernorm.weight,
+                                                            layer.post_feedforward_layernorm.weight)
+    else:
+        norm2, out_norms = layer.post_attention_layernorm, None
+    return LayerWeights(
+        norm1=layer.input_layernorm.weight,
+        qkv=fuse_linears(qkv, fused, (index, "qkv")) if fused is not None else [(m.weight, m.bias) for m in qkv],
+        out=(attn.o_proj.weight, attn.o_proj.bias), norm2=norm2.weight,
+        gate_up=(fuse_linears(gate_up, fused, (index, "gate_up")) if fused is not None
+                 else [(m.weight, m.bias) for m in gate_up]),
+        down=(mlp.down_proj.weight, mlp.down_proj.bias), qk_norm=qk_norm, out_norms=out_norms,
+        sliding=bool(getattr(attn, "is_sliding", False)))
+
+
+def rotary_tables(rotary) -> tuple[Rope, Rope | None]:
+    """(every layer's or the full layers', the sliding layers' or None) from the model's rotary module."""
+    if hasattr(rotary, "inv_freq"):
+        return Rope(rotary.inv_freq, float(rotary.attention_scaling)), None
+    full = Rope(rotary.full_attention_inv_freq, float(rotary.full_attention_attention_scaling))
+    if not hasattr(rotary, "sliding_attention_inv_freq"):
+        return full, None
+    return full, Rope(rotary.sliding_attention_inv_freq, float(rotary.sliding_attention_attention_scaling))
+
+
+def norm_eps(norm: nn.Module) -> float:
+    return float(norm.eps if hasattr(norm, "eps") else norm.variance_epsilon)
 class StaticState:
     """Every buffer a step reads or writes, for `rows` sequences and `capacity` positions."""
 
@@ -228,41 +310,79 @@ def add_linear(residual: Tensor, x: Tensor, pair: tuple[Tensor, Tensor | None]) 
 def decode_step(w: DecodeWeights, s: StaticState, length: int) -> Tensor:
     """Logits (rows, V) after feeding `s.tokens` at `s.positions`; writes column `s.column` of the
     cache, attends over columns 0..length-1, then advances positions and column by one."""
-    rows, d, kv = s.rows, w.head_dim, w.kv_heads
     x = F.embedding(s.tokens, w.embed)
-    rotation = rotation_matrices(w, s.positions, x.dtype)
+    if w.embed_scale is not None:
+        x = x * w.embed_scale
     s.mask.index_fill_(1, s.column, 0.0)  # the scalar goes to the kernel: no host copy inside a capture
     mask = s.mask.narrow(1, 0, length)[:, None, None, :]  # narrow, not a slice: no clamping to guard on
+    full = (rotation_matrices(w.rope, s.positions, x.dtype), mask)
+    local = full
+    if w.window is not None:  # a sliding layer sees a key column c from query column q where c > q - window
+        columns = torch.arange(length, device=mask.device)
+        local = (rotation_matrices(w.local_rope or w.rope, s.positions, x.dtype),
+                 torch.where(columns > s.column - w.window, mask, torch.finfo(mask.dtype).min))
     for layer, keys, values in zip(w.layers, s.keys, s.values):
-        qkv = linear(F.rms_norm(x, (x.shape[-1],), layer.norm1, w.eps), layer.qkv)
-        qk = torch.bmm(qkv[:, :(w.heads + kv) * d].view(rows, w.heads + kv, d), rotation)
-        keys[:, :, s.column] = qk[:, w.heads:].unsqueeze(2)  # index_put_: compiled into an in-place scatter
-        values[:, :, s.column] = qkv[:, (w.heads + kv) * d:].view(rows, kv, 1, d)
-        # the query heads of a key/value head as its query positions: one attention kernel, no copies of the keys
-        attn = F.scaled_dot_product_attention(qk[:, :w.heads].view(rows, kv, w.heads // kv, d),
-                                              keys.narrow(2, 0, length), values.narrow(2, 0, length),
-                                              attn_mask=mask, scale=w.scaling)
-        x = add_linear(x, attn.reshape(rows, w.heads * d), layer.out)
-        gate_up = linear(F.rms_norm(x, (x.shape[-1],), layer.norm2, w.eps), layer.gate_up)
-        x = add_linear(x, F.silu(gate_up[:, :w.intermediate]) * gate_up[:, w.intermediate:], layer.down)
+        attn = attend(w, layer, s, rms_norm(w, x, layer.norm1), local if layer.sliding else full, (keys, values))
+        if layer.out_norms is None:
+            x = add_linear(x, attn, layer.out)
+            x = add_linear(x, gated_mlp(w, layer, rms_norm(w, x, layer.norm2)), layer.down)
+        else:  # Gemma 3: each block's output normed before the residual adds it
+            x = x + rms_norm(w, F.linear(attn, *layer.out), layer.out_norms[0])
+            x = x + rms_norm(w, F.linear(gated_mlp(w, layer, rms_norm(w, x, layer.norm2)), *layer.down),
+                             layer.out_norms[1])
     s.positions.add_(1)
     s.column.add_(1)
-    return F.linear(F.rms_norm(x, (x.shape[-1],), w.norm, w.eps), w.head)
+    logits = F.linear(rms_norm(w, x, w.norm), w.head)
+    return logits if w.softcap is None else torch.tanh(logits / w.softcap) * w.softcap
 
 
-def rotation_matrices(w: DecodeWeights, positions: Tensor, dtype: torch.dtype) -> Tensor:
+def attend(w: DecodeWeights, layer: LayerWeights, s: StaticState, h: Tensor, where: tuple[Tensor, Tensor],
+           cache: tuple[Tensor, Tensor]) -> Tensor:
+    """(rows, heads * d) attention of the normed hidden states `h` over the cache, before the output
+    projection; `where` is the layer kind's (rotation matrices, additive mask); writes the step's column."""
+    (rotation, mask), (keys, values) = where, cache
+    rows, d, heads, kv, length = s.rows, w.head_dim, w.heads, w.kv_heads, mask.shape[-1]
+    qkv = linear(h, layer.qkv)
+    qk = qkv[:, :(heads + kv) * d].view(rows, heads + kv, d)
+    if layer.qk_norm is not None:  # each head's RMSNorm, before the rotation
+        qk = torch.cat([rms_norm(w, qk[:, :heads], layer.qk_norm[0]), rms_norm(w, qk[:, heads:], layer.qk_norm[1])], 1)
+    qk = torch.bmm(qk, rotation)
+    keys[:, :, s.column] = qk[:, heads:].unsqueeze(2)  # index_put_: compiled into an in-place scatter
+    values[:, :, s.column] = qkv[:, (heads + kv) * d:].view(rows, kv, 1, d)
+    # the query heads of a key/value head as its query positions: one attention kernel, no copies of the keys
+    attn = F.scaled_dot_product_attention(qk[:, :heads].view(rows, kv, heads // kv, d), keys.narrow(2, 0, length),
+                                          values.narrow(2, 0, length), attn_mask=mask, scale=w.scaling)
+    return attn.reshape(rows, heads * d)
+
+
+def gated_mlp(w: DecodeWeights, layer: LayerWeights, h: Tensor) -> Tensor:
+    """act(gate) * up of the normed hidden states `h`, before the down projection."""
+    gate_up = linear(h, layer.gate_up)
+    gate, up = gate_up[:, :w.intermediate], gate_up[:, w.intermediate:]
+    return (F.gelu(gate, approximate="tanh") if w.gelu else F.silu(gate)) * up
+
+
+def rms_norm(w: DecodeWeights, x: Tensor, weight: Tensor) -> Tensor:
+    """RMSNorm over the last dimension: torch's fused kernel (Llama, Qwen), or Gemma's x / rms(x) * (1 + w)
+    computed in float32 and cast back."""
+    if not w.offset_norms:
+        return F.rms_norm(x, (x.shape[-1],), weight, w.eps)
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=w.eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def rotation_matrices(rope: Rope, positions: Tensor, dtype: torch.dtype) -> Tensor:
     """(rows, d, d) M with x @ M = x * cos + rotate_half(x) * sin: the rotary embedding of each row's
     position as one batched matrix product per layer (for queries and keys together) instead of four
     elementwise kernels. rotate_half(x)_j is -x_(j+d/2) for j < d/2 and x_(j-d/2) above, so M holds cos
     on its diagonal and -sin, sin on the diagonals d/2 below and above it."""
-    cos, sin = rotary_tables_scaled(w, positions, dtype)
-    half = w.head_dim // 2
+    cos, sin = rotary_tables_scaled(rope, positions, dtype)
+    half = cos.shape[-1] // 2
     return (torch.diag_embed(cos) + torch.diag_embed(-sin[:, :half], offset=-half)
             + torch.diag_embed(sin[:, half:], offset=half))
 
 
-def rotary_tables_scaled(w: DecodeWeights, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary_tables_scaled(rope: Rope, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(cos, sin) (rows, d) as the model's rotary module makes them: float32 angles, scaled, then cast."""
-    freqs = positions[:, None].float() * w.inv_freq.float()
+    freqs = positions[:, None].float() * rope.inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * w.rope_scale).to(dtype), (emb.sin() * w.rope_scale).to(dtype)
+    return (emb.cos() * rope.scale).to(dtype), (emb.sin() * rope.scale).to(dtype)

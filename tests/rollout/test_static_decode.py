@@ -1,14 +1,16 @@
 """The fast engine on a static KV cache (covey/rollout/static_decode.py), run eagerly on the CPU: the
-tokens of the plain loop, greedy ones equal to `generate`'s, and their log-probs for importance sampling;
-row buckets, fused projections, reused buffers; the config keys that select it. The same decoding under
-CUDA graph capture: test_static_decode_gpu.py.
+tokens of the plain loop, greedy ones equal to `generate`'s (Llama, Qwen2, Qwen3, Gemma 3 with its sliding
+layers), and their log-probs for importance sampling; row buckets, fused projections, reused buffers; the
+families it refuses; the config keys that select it. The same decoding under CUDA graph capture:
+test_static_decode_gpu.py.
 """
 
 import pytest
 import torch
 
 from covey.config import ConfigError, load_config
-from covey.models.tiny import tiny_llama
+from covey.models.hf_compat import position_ids
+from covey.models.tiny import TINY_WINDOW, tiny_family_config, tiny_family_model, tiny_llama
 from covey.rollout import static_decode
 from covey.rollout.fast import FastEngine
 from covey.rollout.hf import HFEngine
@@ -31,6 +33,34 @@ def tiny_qwen2(vocab: int):
     return Qwen2ForCausalLM(config).eval()
 
 
+def with_varied_norms(model, seed: int = 0):
+    """Every norm weight moved off its initial value (ones, or Gemma's zeros), so that a norm applied
+    wrongly (Gemma's 1 + w, the QK-norms) changes the tokens; in eval mode."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def family_model(name: str, vocab: int):
+    """A tiny model of a family the static step covers, its norms varied; `qwen3_wide_heads`: head_dim 32 with
+    4 heads of a width 64 (not hidden / heads); `gemma3_softcap`: final logits softcapped, the full layers'
+    rotary table linearly scaled."""
+    if name in ("qwen3", "gemma3"):
+        return with_varied_norms(tiny_family_model(name, vocab))
+    from transformers import AutoModelForCausalLM
+    config = tiny_family_config(name.split("_")[0], vocab)
+    if name == "qwen3_wide_heads":
+        config.head_dim = 32
+    else:
+        config.final_logit_softcapping = 3.0
+        config.rope_parameters["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    torch.manual_seed(0)
+    return with_varied_norms(AutoModelForCausalLM.from_config(config))
+
+
 def frequent_eos(engine, tok):
     """Many stop tokens, so rows finish at different steps (rows move to smaller buckets)."""
     engine.eos = sorted({tok.eos_token_id, *range(40, 90)})
@@ -48,6 +78,59 @@ def test_greedy_tokens_equal_generate(family, llama, tok):
     assert engine.static.steps > 0  # the static loop ran, not the plain one
     assert torch.equal(hf.response_ids, ours.response_ids)
     assert torch.equal(hf.response_mask, ours.response_mask) and hf.completions == ours.completions
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_wide_heads", "gemma3", "gemma3_softcap"])
+def test_greedy_tokens_equal_generate_for_qwen3_and_gemma3(family, tok):
+    """Left-padded prompts of different lengths (the longest longer than the window), 60 new tokens: Gemma's
+    sliding layers attend only the last TINY_WINDOW positions, the attended columns cross a LENGTH_STEP bucket.
+    The frozen model (fused q/k/v and gate/up) gives the same tokens."""
+    model = family_model(family, len(tok))
+    assert supports_static_decode(model)
+    hf = HFEngine(model, tok, max_new_tokens=60).generate(PROMPTS, 1, greedy=True)
+    assert hf.prompt_mask.sum(1).max() > TINY_WINDOW and torch.all(hf.response_mask.sum(1) > 3 * TINY_WINDOW)
+    engine = FastEngine(model, tok, max_new_tokens=60, static_cache=True)
+    ours = engine.generate(PROMPTS, 1, greedy=True)
+    assert engine.static.steps > 0 and not engine.static.fused
+    assert torch.equal(hf.response_ids, ours.response_ids) and torch.equal(hf.response_mask, ours.response_mask)
+    model.requires_grad_(False)
+    frozen = FastEngine(model, tok, max_new_tokens=60, static_cache=True)
+    assert torch.equal(frozen.generate(PROMPTS, 1, greedy=True).response_ids, hf.response_ids)
+    assert frozen.static.fused
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256, "rope_theta": 10000.0}])
+def test_rope_types_with_fixed_tables_equal_generate(rope, tok):
+    """The step reads the rotary module's own frequencies and scaling: yarn's scaled cos/sin, llama3's bands."""
+    from transformers import AutoModelForCausalLM
+    config = tiny_family_config("llama", len(tok))
+    config.rope_parameters = rope
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert supports_static_decode(model)
+    hf = HFEngine(model, tok, max_new_tokens=30).generate(PROMPTS, 1, greedy=True)
+    ours = FastEngine(model, tok, max_new_tokens=30, static_cache=True).generate(PROMPTS, 1, greedy=True)
+    assert torch.equal(hf.response_ids, ours.response_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma3_softcap"])
+def test_sampled_logprobs_equal_a_plain_forward(family, tok):
+    """Float32: each sampled token's log-prob the static step returns (at the sampler's temperature) is a plain
+    forward's over prompt + response, past the window, within 1e-5 (softcapping, monotone, shows here only)."""
+    model = family_model(family, len(tok))
+    engine = FastEngine(model, tok, max_new_tokens=32, temperature=0.8, static_cache=True)
+    torch.manual_seed(7)
+    out = engine.generate(PROMPTS, 2)
+    assert engine.static.steps > 0 and torch.all(out.response_mask.sum(1) > TINY_WINDOW)
+    mask, width = out.attention_mask, out.prompt_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=out.input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    forward = torch.log_softmax(logits[:, width - 1:-1].float() / 0.8, -1)
+    forward = forward.gather(2, out.response_ids.unsqueeze(2)).squeeze(2) * out.response_mask
+    assert torch.allclose(out.sample_logp, forward, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 16, 17])
@@ -140,10 +223,32 @@ def test_a_frozen_copy_decodes_with_fused_projections_that_sync_updates(llama, t
 def test_models_it_does_not_cover_take_the_plain_loop(tok):
     model = tiny_llama(len(tok))
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    assert not supports_static_decode(model)
+    assert not supports_static_decode(model)  # tables that change with the length
     engine = FastEngine(model, tok, max_new_tokens=4, static_cache=True)
     engine.generate(PROMPTS, 1)
     assert engine.static.steps == 0
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5", "qwen3_moe", "qwen2_window", "mistral_window", "smollm3"])
+def test_families_it_does_not_reproduce_are_refused(family, tok):
+    """Experts, linear-attention layers, sliding windows outside Gemma 3, layers without rotary embeddings."""
+    assert not supports_static_decode(tiny_family_model(family, len(tok)))
+
+
+@pytest.mark.parametrize("family, change", [
+    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}),
+    ("gemma3", {"attn_logit_softcapping": 50.0}), ("gemma3", {"use_bidirectional_attention": True}),
+    ("gemma3", {"hidden_activation": "gelu"}),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}}),
+])
+def test_options_the_step_does_not_reproduce_are_refused(family, change, tok):
+    model = tiny_family_model(family, len(tok))
+    assert supports_static_decode(model)
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    assert not supports_static_decode(model)
 
 
 def test_decode_options_resolve_by_device():
