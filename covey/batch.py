@@ -46,6 +46,7 @@ class Rollout:
     valid: Tensor | None = None        # (N,) bool, False where a reward fault asks for a drop
     messages: list | None = None       # (N,) an episode's chat messages (assistant and tool); None: one turn
     environment_rewards: Tensor | None = None  # (N,) an episode's environment get_reward() (NaN: none)
+    environments: list | None = None   # (N,) an episode's environment instance (a reward function's `environments`)
     sample_logp: Tensor | None = None  # (N, L) the sampler's log-prob of each token it drew, 0 on padding
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
     old_entropy: Tensor | None = None  # (N, L) pi_old's entropy at each token (token selection, adaptive entropy)
@@ -136,6 +137,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         sample_logp=(torch.cat([pad(r.sample_logp, l_len, False, 0.0) for r in parts])  # the sampler's, per token
                      if all(r.sample_logp is not None for r in parts) else None),
         messages=[m for r in parts for m in r.messages] if all(r.messages is not None for r in parts) else None,
+        environments=([e for r in parts for e in r.environments] if all(r.environments is not None for r in parts)
+                      else None),
         turn_steps=([t for r in parts for t in r.turn_steps] if all(r.turn_steps is not None for r in parts)
                     else None),
         reward_parts={k: torch.cat([r.reward_parts[k] for r in parts]) for k in parts[0].reward_parts},

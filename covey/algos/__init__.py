@@ -12,7 +12,7 @@ kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full
 from hidden states and the output layer, no full logits),
 dpo (DPO loss on best-vs-worst pairs), tis (importance weights of the four TIS modes, sampler vs trainer),
 token_select (high-entropy tokens, Clip-Cov / KL-Cov selections), entropy_control (fixed or adaptive
-entropy coefficient),
+entropy coefficient), router (the load-balancing loss of a mixture of experts' routers, its step share),
 rm_losses (reward-model losses: Bradley-Terry pairs, labelled steps).
 """
 
@@ -35,6 +35,7 @@ from covey.algos.returns import (
     discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
 )
 from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
+from covey.algos.router import load_balancing_loss, step_share
 from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 from covey.algos.tis import TIS_MODES, importance_weights, sampler_mismatch, truncated_is_weights
 from covey.algos.token_select import (
@@ -50,10 +51,10 @@ __all__ = [
     "aggregate", "best_worst_pairs", "cispo_loss", "compute_advantages", "discounted_returns", "dpo_loss",
     "entropy_from_logits", "entropy_loss", "explained_variance", "full_kl", "logprobs_and_entropy",
     "gae", "gae_advantages", "group_stats", "grpo", "grpo_process", "kl_loss", "kl_penalty",
-    "linear_logprobs_and_entropy", "make_normalizer",
+    "linear_logprobs_and_entropy", "load_balancing_loss", "make_normalizer",
     "mask_truncated", "masked_mean", "masked_std", "pg_loss", "policy_loss", "policy_objective", "ppo_clip_loss",
     "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
-    "step_totals",
+    "step_share", "step_totals",
     "steps_to_tokens", "token_rewards", "sampler_mismatch", "truncated_is_weights", "value_loss", "whiten",
 ]

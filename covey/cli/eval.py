@@ -27,6 +27,9 @@ def run(args) -> int:
 
     from covey.cli.common import config_with_cpu_settings
     items, run_dir = list(args.args), None
+    first = items[0] if items else ""
+    if first and "=" not in first and not Path(first).exists() and ("/" in first or first.startswith(".")):
+        raise ValueError(f"{first}: no such run folder or YAML file (give a run folder, a preset name or a YAML file)")
     if items and "=" not in items[0] and Path(items[0]).is_dir():
         run_dir = Path(items[0])
         if not (run_dir / "config.yaml").is_file():
@@ -96,7 +99,7 @@ def with_tools(cfg, engine, tokenizer, examples) -> tuple:
     """The engine of whole episodes with rollout.tools / rollout.environment, and the prompts that show the tools."""
     from covey.rollout.agents import EpisodeEngine
     from covey.train.plan import make_plan
-    from covey.train.setup import make_agent
+    from covey.train.inputs import make_agent
     agent = make_agent(cfg, tokenizer)
     prompts = agent.prompts(examples, cfg.task.system_prompt)
     return EpisodeEngine(engine, tokenizer, agent.episodes, make_plan(cfg).episodes, agent.metrics), prompts

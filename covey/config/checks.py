@@ -101,11 +101,21 @@ def validate(cfg: Config) -> None:
     validate_scale(cfg)
 
 
+VALUE_HINTS = {
+    ("algo.estimator", "ppo"): "PPO's advantages are algo.estimator=gae (with a critic); the preset: covey train ppo",
+    ("algo.estimator", "dapo"): "DAPO uses GRPO's advantages (algo.estimator=grpo); the preset: covey train dapo",
+    ("algo.estimator", "dr_grpo"): "Dr. GRPO is a preset: covey train dr_grpo",
+}
+"""Values users reach for that name something else here: what to set instead."""
+
+
 def check_choices(cfg: Config, choices: dict) -> None:
     """Each key's value is one of its options ({dotted key: options}); else one line naming the key."""
     for key, options in choices.items():
-        if value_of(cfg, key) not in options:
-            raise ConfigError(f"{key}={value_of(cfg, key)!r} is not one of: {', '.join(options)}")
+        value = value_of(cfg, key)
+        if value not in options:
+            hint = VALUE_HINTS.get((key, str(value).lower()))
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(options)}" + (f" ({hint})" if hint else ""))
 
 
 def validate_choices(cfg: Config) -> None:
@@ -267,6 +277,7 @@ def validate_scale(cfg: Config) -> None:
     if m.lora_rank and (a.ref_refresh_every or a.ref_ema):
         raise ConfigError("with model.lora_rank > 0 the reference is the base model (adapters off): "
                           "algo.ref_refresh_every / algo.ref_ema cannot move it")
+    validate_router_aux(cfg)
     validate_optimizer(cfg)
     if a.tis_cap and a.tis_cap < 1:
         raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
@@ -287,6 +298,17 @@ def validate_scale(cfg: Config) -> None:
     if r.vllm_sync_bucket_mb <= 0 or r.vllm_sync_timeout_s <= 0 or cfg.train.dist_timeout_s <= 0:
         raise ConfigError("rollout.vllm_sync_bucket_mb, rollout.vllm_sync_timeout_s and "
                           "train.dist_timeout_s must be > 0")
+
+
+def validate_router_aux(cfg: Config) -> None:
+    """model.router_aux_coef: not negative, and only where the update adds it (whether the model has
+    experts is checked from its config before it loads: covey/models/routers.py)."""
+    coef = cfg.model.router_aux_coef
+    if coef is not None and coef < 0:
+        raise ConfigError(f"model.router_aux_coef must be >= 0 (0 = off; unset = the model's own), got {coef}")
+    if coef and cfg.algo.learner != "advantage":
+        raise ConfigError(f"model.router_aux_coef={coef:g} joins the policy loss of algo.learner=advantage; "
+                          f"algo.learner={cfg.algo.learner} does not add it")
 
 
 def validate_optimizer(cfg: Config) -> None:

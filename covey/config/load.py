@@ -155,9 +155,18 @@ TRL_NAMES = {
                                    "the sequences per forward/backward)",
     "generation_batch_size": "rollout.prompts_per_step (times rollout.group_size samples)",
     "steps_per_generation": "algo.minibatches", "num_iterations": "algo.epochs",
-    "epsilon": "algo.clip_eps_low and algo.clip_eps_high", "epsilon_high": "algo.clip_eps_high",
+    "epsilon": "algo.clip_eps_low and algo.clip_eps_high",
+    "epsilon_high": "algo.clip_eps_high (the same number with loss_type grpo, bnpo, dr_grpo, dapo; with "
+                    "loss_type=cispo TRL's epsilon_high is the cap on the weight itself: "
+                    "algo.clip_eps_high = epsilon_high - 1)",
     "importance_sampling_level": "algo.ratio_level",
-    "loss_type": "algo.loss_agg (grpo, bnpo, dr_grpo, dapo) or algo.policy_loss (cispo, sapo, luspo, vespo)",
+    "loss_type": "algo.loss_agg (grpo, bnpo, dr_grpo, dapo) or algo.policy_loss (cispo, sapo, luspo, vespo); "
+                 "loss_type=X names X's exact setting",
+    "mask_truncated_completions": "algo.mask_truncated",
+    "max_tool_calling_iterations": "rollout.max_turns (model turns: TRL's N tool-calling iterations are "
+                                   "rollout.max_turns = N + 1)",
+    "environment_factory": "rollout.environment=module:Class (or covey.train(..., environment_factory=...))",
+    "reward_funcs": "reward.functions=module:function[:weight],... (or covey.train(..., reward_funcs=...))",
     "delta": "algo.dual_clip (TRL's two-sided clip at delta is the dual clip c = delta)",
     "scale_rewards": "algo.std_normalize",
     "max_steps": "train.steps", "num_train_epochs": "train.steps",
@@ -174,6 +183,17 @@ TRL_NAMES = {
     "bf16": "model.dtype=bfloat16", "model_name_or_path": "model.path", "use_peft": "model.lora_rank",
     "lora_r": "model.lora_rank", "lora_target_modules": "model.lora_targets",
     "dataset_name": "task.path", "dataset_train_split": "task.split", "dataset_test_split": "task.eval_split",
+}
+
+# TRL 1.16's loss_type values and the covey settings that reproduce each (tests/algos/test_trl_parity.py
+# checks them on identical inputs; docs/algorithms.md, "TRL's loss types").
+TRL_LOSS_TYPES = {
+    "grpo": "algo.loss_agg=seq_mean_token_mean", "bnpo": "algo.loss_agg=token_mean",
+    "dr_grpo": "algo.loss_agg=constant", "dapo": "algo.loss_agg=token_mean",
+    "cispo": "algo.policy_loss=cispo algo.loss_agg=token_mean algo.clip_eps_low=1 "
+             "algo.clip_eps_high=<TRL's epsilon_high - 1>",
+    "sapo": "algo.policy_loss=sapo", "luspo": "algo.policy_loss=luspo",
+    "vespo": "algo.policy_loss=vespo algo.loss_agg=token_mean",
 }
 
 # Names users of verl, OpenRLHF and vLLM type, and covey's keys for them.
@@ -206,10 +226,10 @@ GENERIC_LEAVES = ("name", "path", "data", "output")
 """Leaf names too general to suggest from another section ('model.name' is not task.name)."""
 
 
-def resolve_key(key: str) -> tuple[str, str]:
+def resolve_key(key: str, value=None) -> tuple[str, str]:
     """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works, except the
     names other trainers use (PEER_NAMES), which fail with covey's key for them, bare or under a
-    section ('algo.kl_coef')."""
+    section ('algo.kl_coef'); TRL's loss_type with a `value` it has fails with that value's setting."""
     keys = leaf_keys()
     if key in keys:
         section, name = key.split(".")
@@ -217,6 +237,9 @@ def resolve_key(key: str) -> tuple[str, str]:
     if retired_key(key):
         raise ConfigError(retired_line(retired_key(key)))
     section, _, name = key.rpartition(".")
+    if name == "loss_type" and str(value).strip().lower() in TRL_LOSS_TYPES:
+        setting = TRL_LOSS_TYPES[str(value).strip().lower()]
+        raise ConfigError(f"unknown config key '{key}': TRL's loss_type={value} is {setting} here")
     if name in TRL_NAMES:
         raise ConfigError(f"unknown config key '{key}': TRL's {name} is {TRL_NAMES[name]} here")
     if name in OTHER_NAMES:
@@ -262,7 +285,9 @@ COMMA_LISTS = ("reward.functions", "model.lora_targets", "rm.corruption_kinds", 
 
 
 def convert(key: str, raw, typ: str):
-    """Convert a YAML or command-line value to the field's declared type."""
+    """Convert a YAML or command-line value to the field's declared type (`float | None`: null, or a float)."""
+    if typ.endswith(" | None"):
+        return None if raw is None or str(raw).strip().lower() in ("", "null", "none") else convert(key, raw, typ[:-7])
     try:
         if typ == "bool":
             return to_bool(raw)
@@ -299,14 +324,14 @@ def field_type(cfg: Config, section: str, name: str) -> str:
 
 
 def set_value(cfg: Config, key: str, raw) -> None:
-    section, name = resolve_key(key)
+    section, name = resolve_key(key, raw)
     setattr(getattr(cfg, section), name, convert(f"{section}.{name}", raw, field_type(cfg, section, name)))
 
 
 def parse_override(cfg: Config, key: str, text: str):
     """A command-line value: the text itself for a string field (a template such as
     'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
-    section, name = resolve_key(key)
+    section, name = resolve_key(key, text)
     if field_type(cfg, section, name) == "str":
         return text
     try:

@@ -35,7 +35,9 @@ class ModelConfig:
     lora_alpha: int = 16
     """LoRA scaling numerator: adapters are scaled by lora_alpha / lora_rank."""
     lora_targets: str = "all-linear"
-    """Modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)."""
+    """What gets adapters: all-linear (every linear layer but the output head; with experts also each expert's fused weights and the routers, as PEFT target_parameters), or comma-separated names of modules (q_proj,v_proj) or of parameters (experts.gate_up_proj)."""
+    router_aux_coef: float | None = None
+    """Weight of the routers' load-balancing loss (Fedus et al. 2021, arXiv:2101.03961) in the policy loss, for a model with experts (docs/algorithms.md): unset = the model's own (its config's router_aux_loss_coef where it sets output_router_logits, else off) | 0 = off | a weight, e.g. 0.001; refused for a model without experts."""
     fused_kernels: str = "auto"
     """Liger's fused RMSNorm, rotary and SwiGLU kernels (Hsu et al. 2024, arXiv:2410.10989; pip install 'covey[kernels]') and covey's fused linear log-prob (no micro-batch-wide logits) on CUDA: auto (on where CUDA and liger-kernel are present) | on | off."""
     load_in_4bit: bool = False
@@ -276,7 +278,7 @@ class OptimConfig:
     max_skipped_steps: int = 5
     """Abort after this many consecutive non-finite updates."""
     name: str = "adamw"
-    """Optimizer: adamw (torch's fused AdamW, fp32 moments) | adamw_8bit (8-bit block-wise moments, Dettmers et al. 2021, arXiv:2110.02861) | adamw_4bit (4-bit moments, Li et al. 2023, arXiv:2309.01507) | adamw_bf16 (needs model.dtype=bfloat16: bf16 weights and moments, each update rounded stochastically, Zamirai et al. 2020, arXiv:2010.06192) | paged_adamw_8bit (bitsandbytes' 8-bit AdamW, state paged to CPU memory under pressure; CUDA only). The low-bit ones are torchao's and round bf16 weights stochastically too; pip install 'covey[lowmem]'."""
+    """Optimizer: adamw (torch's fused AdamW, fp32 moments) | adamw_8bit (8-bit block-wise moments, Dettmers et al. 2021, arXiv:2110.02861) | adamw_4bit (4-bit moments, Li et al. 2023, arXiv:2309.01507) | adamw_bf16 (needs model.dtype=bfloat16: bf16 weights and moments, each update rounded stochastically, Zamirai et al. 2020, arXiv:2010.06192) | paged_adamw_8bit (bitsandbytes' 8-bit AdamW, state paged to CPU memory under pressure; CUDA only; pip install 'covey[lowmem-cuda]'). The low-bit ones are torchao's and round bf16 weights stochastically too; pip install 'covey[lowmem]'."""
     offload: bool = False
     """Hold the optimizer state in CPU memory and step there (torchao's CPUOffloadOptimizer; CUDA only, one process): no GPU memory for the state, a host copy of weights and gradients each step. pip install 'covey[lowmem]'."""
 

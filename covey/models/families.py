@@ -36,6 +36,8 @@ class Family:
     layer_types: tuple[str, ...]
     window: int | None
     moe: bool
+    context: int | None = None
+    """The positions the model was trained for (max_position_embeddings), where the config says."""
 
     @property
     def sliding(self) -> bool:
@@ -85,8 +87,9 @@ def family_of(config) -> Family:
     if "sliding_attention" not in layer_types:
         window = None
     moe = any(getattr(text, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    context = getattr(text, "max_position_embeddings", None)
     return Family(str(getattr(text, "model_type", type(text).__name__)), layer_types,
-                  int(window) if window else None, bool(moe))
+                  int(window) if window else None, bool(moe), int(context) if context else None)
 
 
 def check_family(config) -> Family:

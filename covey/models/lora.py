@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from covey.models.load import ModelError, load_policy, load_reference
+from covey.models.routers import num_experts, router_modules
 
 
 def _peft():
@@ -33,18 +34,53 @@ def _peft():
 
 
 def target_modules(targets: str):
-    """'all-linear' (PEFT: every linear layer but the output head) or a list of module names."""
+    """'all-linear' (PEFT: every linear layer but the output head) or a list of names."""
     names = [t.strip() for t in targets.split(",") if t.strip()]
     if not names:
         raise ModelError("model.lora_targets is empty: use all-linear or names such as q_proj,v_proj")
     return "all-linear" if names == ["all-linear"] else names
 
 
+def expert_parameters(model: nn.Module) -> list[str]:
+    """PEFT `target_parameters` for the weights of a mixture of experts that are no nn.Linear: every
+    (experts, out, in) parameter (transformers 5 fuses each projection of the experts into one), and the
+    weight of each router module that is no nn.Linear (covey/models/routers.py), by their last two name
+    parts (experts.gate_up_proj, experts.down_proj, gate.weight ...); [] for a model without experts."""
+    experts = num_experts(getattr(model, "config", None))
+    if not experts:
+        return []
+    names = [".".join(name.split(".")[-2:]) for name, p in model.named_parameters()
+             if p.ndim == 3 and p.shape[0] == experts]
+    for router, _ in router_modules(model):
+        if not isinstance(router, nn.Linear) and isinstance(getattr(router, "weight", None), nn.Parameter):
+            module = next(name for name, m in model.named_modules() if m is router)
+            names.append(f"{module.rsplit('.', 1)[-1]}.weight")
+    return list(dict.fromkeys(names))
+
+
+def lora_targets(model: nn.Module, targets: str) -> tuple[str | list[str], list[str]]:
+    """(target_modules, target_parameters) of `model.lora_targets`: all-linear adds `expert_parameters`;
+    a listed name that is no module's but ends a parameter's name is a target parameter."""
+    named = target_modules(targets)
+    if named == "all-linear":
+        return named, expert_parameters(model)
+    modules = [name for name, _ in model.named_modules()]
+    params = [name for name, _ in model.named_parameters()]
+    is_param = {name: not any(m == name or m.endswith(f".{name}") for m in modules)
+                and any(p.endswith(f".{name}") for p in params) for name in named}
+    return [n for n in named if not is_param[n]], [n for n in named if is_param[n]]
+
+
 def add_adapters(model: nn.Module, rank: int, alpha: int, targets: str = "all-linear") -> nn.Module:
-    """The model with trainable LoRA adapters (B = 0 at start, so it still computes the base model)."""
+    """The model with trainable LoRA adapters (B = 0 at start, so it still computes the base model).
+
+    With experts, all-linear also adapts each expert's fused weights and the routers through PEFT's
+    `target_parameters` (one A, B pair per expert: rank x experts rows); PEFT gives the fused
+    gate_up_proj of a Qwen-MoE-style model rank 2r and alpha 2 alpha, as the two projections it fuses."""
     peft = _peft()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules(targets),
-                             task_type="CAUSAL_LM")
+    modules, params = lora_targets(model, targets)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=modules,
+                             target_parameters=params or None, task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, config)
     except ValueError as err:  # e.g. a target name that no module has

@@ -3,6 +3,7 @@ functions loaded and checked before any model loads (`check_user_rewards`)."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -15,7 +16,7 @@ from typing import Callable, Iterable
 
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.rewards.learned import load_learned_rewards
-from covey.rewards.remote import RemoteReward
+from covey.rewards.remote import RemoteReward, check_reachable
 from covey.rewards.rules import (correctness_reward, format_reward, language_consistency, overlong_penalty,
                                  tool_use_reward)
 from covey.rewards.scoring import placeholder_inputs
@@ -23,24 +24,31 @@ from covey.runtime.errors import first_line
 
 BUILT_IN_NAMES = ("correctness", "format", "overlong", "language", "rm", "prm", "remote")
 """Names of covey's own terms: a user function of one of these names is reported as reward/user:<name>."""
+NON_FINITE = ("returned nan", "returned inf", "returned -inf")
+"""A reward function's faults that are values, not exceptions."""
 ERRORS_LOG = "reward_errors.log"
 """The file in the run folder that keeps the traceback of each distinct reward-function error."""
 
 
-def load_callable(spec: str) -> Callable:
-    """'package.module:function' or 'path/to/file.py:function' -> the function; one clear line when
-    it cannot be found. A module in the current folder imports however covey was started (the
-    `covey` script does not put the current folder on sys.path; `python -m` does)."""
+def load_callable(spec: str, kind: str = "reward function") -> Callable:
+    """'package.module:function' or 'path/to/file.py:function' -> the function; one clear line naming the
+    `kind` of thing asked for (reward function, tool, environment) when it cannot be found. A module in the
+    current folder imports however covey was started (the `covey` script does not put the current folder on
+    sys.path; `python -m` does)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward function '{spec}' must look like module:function or file.py:function")
+        raise ValueError(f"{kind} '{spec}' must look like module:{'Class' if kind == 'environment' else 'function'} "
+                         f"or file.py:{'Class' if kind == 'environment' else 'function'}")
     try:
         module = import_file(Path(module_name)) if module_name.endswith(".py") else import_here(module_name)
     except Exception as e:  # noqa: BLE001 - the user's module: any error while importing it, in one line
-        raise ValueError(f"reward function '{spec}': cannot import {module_name}: {first_line(e)}") from None
+        raise ValueError(f"{kind} '{spec}': cannot import {module_name}: {first_line(e)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function '{spec}': {module_name} has no callable '{attr}'")
+        names = {n.lower(): n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))}
+        close = difflib.get_close_matches(attr.lower(), names, n=1)
+        hint = f" (did you mean {names[close[0]]}?)" if close else ""
+        raise ValueError(f"{kind} '{spec}': {module_name} has no callable '{attr}'{hint}")
     return fn
 
 
@@ -117,6 +125,11 @@ def user_term(fn: Callable | str | RewardTerm) -> RewardTerm:
         term = RewardTerm(spec.rsplit(":", 1)[1], load_callable(spec), weight, source=spec)
     elif callable(fn):
         term = RewardTerm(getattr(fn, "__name__", type(fn).__name__), fn, 1.0)
+    elif isinstance(fn, tuple) and len(fn) == 2 and (callable(fn[0]) or isinstance(fn[0], str)):
+        name = getattr(fn[0], "__name__", fn[0])
+        raise ValueError(f"reward function ({name}, {fn[1]!r}) is a (function, weight) pair: give the functions in "
+                         f"reward_funcs=[...] and their weights in reward_weights=[...], one per function, in "
+                         "order (TRL's reward_weights)")
     else:
         raise ValueError(f"reward function {fn!r} is neither a callable nor a 'module:function[:weight]' string")
     if term.name in BUILT_IN_NAMES:
@@ -151,28 +164,55 @@ def user_reward_terms(cfg, extra=()) -> list[RewardTerm]:
     return user_terms([*filter(None, (s.strip() for s in cfg.reward.functions.split(","))), *function_list(extra)])
 
 
-def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: bool = False) -> list[RewardTerm]:
+def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: bool = False,
+                       environments: list | None = None) -> list[RewardTerm]:
     """The user's reward functions (reward.functions, then `extra`) loaded and checked before any model
     loads: each imports, takes only keywords that exist (or **kwargs), and one call on the first
     training example with a placeholder completion returns a list of one number or None. A failure is
-    one line naming the function; an exception's traceback goes to the run folder's reward_errors.log."""
+    one line naming the function; an exception's traceback goes to the run folder's reward_errors.log.
+    `environments`: the run's probe environment instances (reset on the first training row); the call
+    then passes the first as TRL's `environments` keyword."""
     terms = user_reward_terms(cfg, extra)
     if not terms or not data.train:
         return terms
     example = data.train[0]
     prompts, completions, columns = placeholder_inputs(example, cfg.train.steps, episodes)
+    if environments:
+        columns["environments"] = environments[:1]
     for term in terms:
         check_signature(term, sorted({"prompts", "completions", *columns}))
     rewarder = Rewarder(terms, on_error="raise", timeout_s=cfg.reward.timeout_s,
                         errors_log=run_dir / ERRORS_LOG if run_dir else None)
     for term in terms:
         values, faults = rewarder.run_term(term, prompts, completions, columns)
-        fault = next((f for f in faults if f and f not in ("returned nan", "returned inf", "returned -inf")), None)
-        if fault:
-            text = completions[0] if isinstance(completions[0], str) else completions[0][0]["content"]
-            raise RewardError(f"reward function '{term.source or term.name}' {fault}, called before training on "
-                              f"the first training prompt ({str(prompts[0])[:60]!r}) with the completion {text!r}")
+        fault = next((f for f in faults if f), None)
+        text = completions[0] if isinstance(completions[0], str) else completions[0][0]["content"]
+        where = (f"called before training on the first training prompt ({str(prompts[0])[:60]!r}) with the "
+                 f"completion {text!r}")
+        if fault in NON_FINITE:
+            if cfg.reward.on_error == "raise":  # the first such value in training would stop the run
+                raise RewardError(f"reward function '{term.source or term.name}' {fault}, {where}: return a "
+                                  "finite number (None: not scored), or set reward.on_error=zero or drop")
+            print(f"covey: warning: reward function '{term.source or term.name}' {fault}, {where}; "
+                  f"reward.on_error={cfg.reward.on_error} applies to such values")
+        elif fault:
+            raise RewardError(f"reward function '{term.source or term.name}' {fault}, {where}")
     return terms
+
+
+def check_reward_sources(cfg, user: list[RewardTerm], environment_reward: bool = False) -> None:
+    """A run needs something that scores its samples: a rule term with a weight, a user function, a learned
+    or remote scorer, or an environment with get_reward (`environment_reward`); else one line, before loading
+    (TRL refuses a trainer without reward source the same way). A remote scorer must accept a connection."""
+    r = cfg.reward
+    if r.remote_url:
+        check_reachable(r.remote_url)
+    if (r.correctness or r.format or r.tool_use or r.overlong_buffer or r.language or user or r.model_path
+            or r.prm_path or r.remote_url or environment_reward):
+        return
+    raise RewardError("no reward source: reward.correctness is 0 and no reward function, learned or remote scorer, "
+                      "or environment with a get_reward() method scores the samples: the run could not learn; set "
+                      "reward.correctness=1, reward.functions=module:function, or give the environment get_reward()")
 
 
 def check_signature(term: RewardTerm, keywords: list[str]) -> None:

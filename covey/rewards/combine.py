@@ -286,6 +286,7 @@ class Rewarder:
         if key not in self.logged:
             self.logged.add(key)
             trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            self.errors_log.parent.mkdir(parents=True, exist_ok=True)  # a run folder made on first use
             with open(self.errors_log, "a", encoding="utf-8") as log:
                 log.write(f"reward function '{term.source or term.name}' {text}\n{trace}\n")
         return f"{text} (traceback in {self.errors_log})"

@@ -34,6 +34,8 @@ def reward_inputs(rollout: Rollout, examples, state: TrainerState | None = None)
     columns = example_columns(picked)
     columns.update(completion_lengths=lengths, trainer_state=state or TrainerState(),
                    completion_ids=[ids[:n] for ids, n in zip(rollout.response_ids.tolist(), spans)])
+    if rollout.environments is not None:  # TRL's `environments`: each episode's live environment instance
+        columns["environments"] = list(rollout.environments)
     if rollout.environment_rewards is not None:  # each episode's environment get_reward(), read by the term
         columns["environment_reward"] = [None if math.isnan(v) else v for v in rollout.environment_rewards.tolist()]
     completions = rollout.messages if rollout.messages is not None else as_completions(picked, rollout.completions)

@@ -30,10 +30,9 @@ from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_
                                  chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
                                  tool_call_format, tool_messages_ids)
 from covey.tasks.base import Example, build_messages
-from covey.tasks.tools import CALCULATOR_DEMO, calculator
+from covey.rollout.environments import Environments, construct
+from covey.tasks.tools import CALCULATOR_DEMO
 
-BUILTIN_TOOLS = {"calculator": calculator}
-"""Tools covey ships, by the name rollout.tools takes."""
 BUILTIN_DEMOS = {"calculator": CALCULATOR_DEMO}
 """Their worked exchanges (rollout.tool_demo=builtin)."""
 
@@ -56,11 +55,13 @@ class EpisodePrompt(str):
 
 class ToolHost:
     """The tools side of one episode: its messages so far (for the chat template), its tools (the run's,
-    or its own environment's), the format."""
+    or its own environment's), the schemas its chat template shows, the format."""
 
-    def __init__(self, agent: "Agent", messages: list[dict], toolbox: Toolbox | None = None):
+    def __init__(self, agent: "Agent", messages: list[dict], toolbox: Toolbox | None = None,
+                 template_tools: list[dict] | None = None):
         self.agent, self.history = agent, list(messages)
         self.toolbox = toolbox or agent.toolbox
+        self.template_tools = template_tools
 
     def calls_in(self, text: str) -> list:
         self.history.append({"role": "assistant", "content": text})
@@ -71,7 +72,7 @@ class ToolHost:
 
     def append_ids(self, messages: list[dict]) -> list[int]:
         self.history += messages
-        return tool_messages_ids(self.agent.tokenizer, self.history, self.agent.template_tools)
+        return tool_messages_ids(self.agent.tokenizer, self.history, self.template_tools)
 
     def turn_reward(self) -> float | None:
         """The environment's `turn_reward()` for the model turn just ended (covey's addition to TRL's
@@ -88,53 +89,69 @@ class ToolHost:
 
 
 class Agent:
-    """What a run's episodes share: the tools (one Toolbox, whose counters are the run's), the model's
-    tool-call format, and each prompt's messages. A chat template that renders `tools=` shows the
-    tools itself; one that does not (SmolLM2-135M-Instruct's) gets a system prompt teaching the
-    <tool_call>{json}</tool_call> format (covey/rollout/tools.py, tool_system_prompt)."""
+    """What a run's episodes share: the tools (one Toolbox, whose counters are the run's), the environments
+    (covey/rollout/environments.py), the model's tool-call format, and each prompt's messages. A chat template
+    that renders `tools=` shows the tools itself; one that does not (SmolLM2-135M-Instruct's) gets a system
+    prompt teaching the <tool_call>{json}</tool_call> format (covey/rollout/tools.py, tool_system_prompt).
+    With named environments (a dict environment_factory) each example's prompt shows its own environment's
+    tools, as TRL's does."""
 
-    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float, environment_factory=None,
+    def __init__(self, tokenizer, tools: list[Callable], timeout_s: float, environments: Environments | None = None,
                  demo: list[dict] | None = None):
         self.tokenizer, self.timeout_s, self.tools = tokenizer, timeout_s, list(tools)
-        self.environment_factory, self.demo = environment_factory, list(demo or ())
-        # The run's toolbox: the tools' schemas (an environment's methods first, read off one instance) and the
-        # run's call counters; an episode with an environment calls its own instance's methods.
-        self.toolbox = Toolbox(tools, environment=environment_factory() if environment_factory else None)
+        self.environments, self.demo = environments, list(demo or ())
+        self.toolbox = Toolbox(tools)  # the run's call counters, and the tools of an episode without environment
+        # each environment's schemas (its methods first, then the tools), read off its probe instance
+        self.schemas = {None: self.toolbox.schemas}
+        if environments is not None:
+            probes = {name: environments.probes.get(name) or construct(factory)
+                      for name, factory in environments.factories.items()}
+            self.schemas = {name: Toolbox(tools, environment=probe).schemas for name, probe in probes.items()}
         self.format = tool_call_format(tokenizer)
-        self.template_tools = self.toolbox.schemas if chat_template_supports_tools(tokenizer) else None
+        self.template_shows_tools = chat_template_supports_tools(tokenizer)
         self.seen = ToolStats()
+
+    def schemas_of(self, example: Example) -> list[dict]:
+        return self.schemas[self.environments.name_of(example) if self.environments is not None else None]
+
+    def template_tools(self, example: Example) -> list[dict] | None:
+        """The schemas the chat template renders for the example's episode (None: a system prompt shows them)."""
+        return self.schemas_of(example) if self.template_shows_tools else None
 
     def prompts(self, examples: list[Example], system_prompt: str = "") -> list[EpisodePrompt]:
         """The examples' chat prompts with the tools shown, each carrying its messages and example."""
         out = []
         for ex in examples:
             messages = build_messages(ex, system_prompt or None)
-            if self.template_tools is None:
-                messages = add_tool_system_prompt(messages, self.toolbox.schemas)
+            if not self.template_shows_tools:
+                messages = add_tool_system_prompt(messages, self.schemas_of(ex))
             if self.demo:  # the worked exchange between the system message and the question
                 at = 1 if messages and messages[0].get("role") == "system" else 0
                 messages = messages[:at] + self.demo + messages[at:]
-            out.append(EpisodePrompt(self.render(messages), messages, ex))
+            out.append(EpisodePrompt(self.render(messages, self.template_tools(ex)), messages, ex))
         return out
 
-    def render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.template_tools, tokenize=False,
+    def render(self, messages: list[dict], template_tools: list[dict] | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=template_tools, tokenize=False,
                                                   add_generation_prompt=True)
 
     def episodes(self, prompts: list[Prompt], group_size: int) -> tuple[list[str] | None, list[ToolHost]]:
         """The tools side of each of the prompts' episodes (group_size each, in rollout order), and with an
         environment each episode's own prompt: its instance's reset(**row) text appended to the last user
         message (None when no reset wrote any: the group then shares its prompt)."""
-        if self.environment_factory is None:
-            return None, [ToolHost(self, p.messages) for p in prompts for _ in range(group_size)]
+        if self.environments is None:
+            return None, [ToolHost(self, p.messages, template_tools=self.template_tools(p.example))
+                          for p in prompts for _ in range(group_size)]
         hosts, own, changed = [], [], False
         for p in prompts:
             row = {**p.example.meta, "prompt": p.example.given_prompt, "answer": p.example.answer}
+            factory = self.environments.factories[self.environments.name_of(p.example)]
+            shown = self.template_tools(p.example)
             for _ in range(group_size):
-                toolbox, text = start_episode(self.environment_factory, row, self.tools)
+                toolbox, text = start_episode(factory, row, self.tools)
                 messages = append_to_last_user(p.messages, text)
-                hosts.append(ToolHost(self, messages, toolbox))
-                own.append(self.render(messages) if text else p)
+                hosts.append(ToolHost(self, messages, toolbox, shown))
+                own.append(self.render(messages, shown) if text else p)
                 changed = changed or bool(text)
         return (own if changed else None), hosts
 
@@ -223,6 +240,8 @@ class EpisodeEngine:
             index = torch.arange(len(prompts)).repeat_interleave(group_size)
             rollout.group_ids, rollout.example_index = index, index.tolist()
         rollout.environment_rewards = environment_rewards(hosts)
+        if any(host.toolbox.environment is not None for host in hosts):  # a reward function's `environments=`
+            rollout.environments = [host.toolbox.environment for host in hosts]
         self.pending.append({**metrics, "episodes": len(rollout), "tokens": float(rollout.response_attended.sum())})
         return rollout
 

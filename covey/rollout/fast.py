@@ -6,7 +6,9 @@ SmolLM2-135M decode step at N=32 in docs/benchmark.md):
 - each prompt is encoded once and its KV cache expanded to its G samples
   (`generate` encodes G copies of every prompt);
 - keys and values are written in place into a buffer sized for prompt + max_new_tokens
-  (`DynamicCache` concatenates a growing tensor at every step: ~25% of a decode step);
+  (`DynamicCache` concatenates a growing tensor at every step: ~25% of a decode step); a sliding-window
+  layer's buffer holds two windows, a linear-attention layer its conv and recurrent states
+  (covey/rollout/decode_cache.py), so every family of covey/models/families.py decodes here;
 - rows that finished are dropped from the batch at once, and decoding stops as soon as
   every row has;
 - a token is drawn by inverse CDF from one uniform per row (`torch.multinomial` draws V
@@ -30,75 +32,20 @@ import functools
 import torch
 from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
 from covey.models.attention import sampling_attention
 from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
 from covey.rollout.base import Prompt, encode_prompts
-from covey.rollout.fast_episodes import EpisodeDecoder
+from covey.rollout.decode_cache import BufferLayer as BufferLayer, buffer_cache, cache_plan, held_bytes
+from covey.rollout.fast_episodes import EpisodeDecoder, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.static_step import supports_static_decode
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
-
-
-class BufferLayer(DynamicLayer):
-    """One layer's keys/values in a preallocated (n, heads, capacity, dim) buffer, written in place.
-
-    `update` returns views of the filled part, so attention sees exactly what a
-    `DynamicLayer` would hand it, without a concatenation per step.
-    """
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.filled = 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        n, heads, _, dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buf = key_states.new_empty(n, heads, self.capacity, dim)
-        self.value_buf = value_states.new_empty(n, value_states.shape[1], self.capacity, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.filled + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV buffer of {self.capacity} positions overflows at {end}")
-        self.key_buf[:, :, self.filled:end] = key_states
-        self.value_buf[:, :, self.filled:end] = value_states
-        self.filled = end
-        self.keys, self.values = self.key_buf[:, :, :end], self.value_buf[:, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.filled
-
-    def take_columns(self, source: Tensor, width: int) -> None:
-        """Row r's first `width` positions become its positions source[r] (n, width): the episode loop's
-        packing of its cache (covey/rollout/fast_episodes.py)."""
-        if self.is_initialized:
-            for name in ("key_buf", "value_buf"):
-                buf = getattr(self, name)
-                buf[:, :, :width] = buf.gather(2, source[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
-            self.filled = width
-            self.keys, self.values = self.key_buf[:, :, :width], self.value_buf[:, :, :width]
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        """Keep (or repeat) rows `indices`: expands a prompt to its samples, drops finished rows."""
-        if self.is_initialized:
-            self.key_buf, self.value_buf = self.key_buf[indices], self.value_buf[indices]
-            self.keys, self.values = self.key_buf[:, :, :self.filled], self.value_buf[:, :, :self.filled]
-
-
-def buffer_cache(model, capacity: int) -> Cache:
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    return Cache(layers=[BufferLayer(capacity) for _ in range(layers)])
 
 
 def hf_warpers(temperature: float, top_k: int, top_p: float) -> list:
@@ -156,6 +103,7 @@ class FastEngine:
         self.lean = lean  # False: every step through the model's forward (for tests)
         self.eos = eos_ids(model, tokenizer)
         self.static = StaticDecoder(cuda_graphs, compile_decode, persistent) if static_cache else None
+        self.cache_bytes = 0  # of the last call's cache, after its prefill and expansion to every row
 
     @property
     def keeps_weights(self) -> bool:
@@ -167,14 +115,39 @@ class FastEngine:
 
     @property
     def continues_episodes(self) -> bool:
-        """Whether `decode_episodes` runs tool episodes in one loop (not on a static cache's graphs)."""
-        return self.static is None
+        """Whether `decode_episodes` runs tool episodes in one loop: not on a static cache's graphs, nor for
+        a model whose layers the loop's holes would change (`loop_refusal`: sliding windows)."""
+        return self.static is None and loop_refusal(self.model) is None
+
+    def decode_path(self) -> str:
+        """One start-up line: how this engine decodes its model's rows and tool episodes, and why."""
+        model = self.model
+        runner = self.static.runner if self.static is not None else None
+        if runner is not None and supports_static_decode(model):
+            kind = "CUDA graphs" if runner.graphs_on else "compiled steps" if runner.whole_capacity else "eager steps"
+            steps = f"static cache ({kind}, buffers allocated once)"
+        else:
+            if runner is not None:
+                why = f"the static step does not cover {type(model).__name__}"
+            elif self.lean and supports_lean_step(model):
+                why = None
+            else:
+                why = "lean steps off" if not self.lean else "the lean step takes plain Llamas in bf16/fp16 on a CPU"
+            steps = "lean steps (a plain Llama in eager attention)" if why is None else f"plain forward steps ({why})"
+            steps += f"; cache: {cache_plan(model)}"
+        refusal = loop_refusal(model)
+        episodes = ("tool episodes in one loop" if self.continues_episodes else
+                    f"turn-by-turn episodes: {refusal or 'the static cache decodes their turns'}")
+        return f"fast engine, {steps}; {episodes}"
 
     @torch.inference_mode()
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *, greedy: bool = False,
                         seeds: list[int] | None = None) -> tuple[Rollout, dict]:
         """len(prompts) x group_size tool episodes (covey/rollout/fast_episodes.py): the Rollout of the
-        whole episodes and their metrics."""
+        whole episodes and their metrics. Refused (ValueError) for a model the loop does not decode exactly."""
+        refusal = loop_refusal(self.model)
+        if refusal is not None:
+            raise ValueError(f"decode_episodes: {refusal}; run its episodes turn by turn (covey/rollout/episodes.py)")
         was_training = self.model.training
         self.model.eval()
         try:
@@ -241,6 +214,7 @@ class FastEngine:
         if self.share_prefix:
             cache.batch_select_indices(index)
             logits = logits[index]
+        self.cache_bytes = held_bytes(cache)  # its largest: rows only leave it
         return cache, logits
 
     def _decode(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, max_new: int, greedy: bool,

@@ -25,6 +25,15 @@ depend on which rows were waiting at a step (up to the float rounding of a batch
 when finished rows leave the single-turn loop). Greedy episodes are the turn-by-turn runner's
 (tests/rollout/test_fast_episodes.py).
 
+Layer kinds (covey/models/families.py). Full attention is exact with holes: a hole's column is masked
+out. Linear attention (Qwen3.5's Gated DeltaNet) is made exact: its conv and recurrent states run through
+every step of the batch, so a waiting row's hole step would advance them; the step restores the waiting
+rows' states as they were (covey/rollout/decode_cache.py, `rows_held`). Sliding-window attention is not
+run here: transformers builds a sliding layer's mask over columns, so a row's holes would push valid
+positions out of its window (exact holes would need each kind's mask built from positions, and sliding
+buffers that keep a window of valid columns per row). `loop_refusal` names such a model;
+`FastEngine.continues_episodes` is then False and its episodes run turn by turn.
+
 Used by `FastEngine` without a static cache (the CPU default, and rollout.decode=plain on a GPU); with
 rollout.decode=static|graphs|compile the turn-by-turn runner drives the engine's graphs instead.
 """
@@ -38,7 +47,9 @@ import torch
 from torch import Tensor
 
 from covey.batch import Rollout
+from covey.models.families import family_of
 from covey.rollout.base import Prompt, encode_prompts
+from covey.rollout.decode_cache import column_layers, rows_held
 from covey.rollout.episodes import (MAX_EPISODES_AT_ONCE, Episode, EpisodeHost, EpisodeOptions, append_replies,
                                     end_turn, episode_metrics, episode_rollout)
 from covey.rollout.lean_decode import supports_lean_step
@@ -61,6 +72,15 @@ class Row:
     drawn: int = 0                                       # uniforms used
 
 
+def loop_refusal(model) -> str | None:
+    """Why this loop would not decode `model`'s episodes exactly (None: it does)."""
+    family = family_of(model.config)
+    if family.sliding:
+        return (f"{family.model_type} has sliding-window layers, whose window would count the holes of "
+                "waiting rows")
+    return None
+
+
 def draw_uniforms(uniforms, length: int) -> Tensor:
     """(N, length): row r's k-th uniform at [r, k], drawn up front from the engine's `Uniforms` (torch's
     global generator, or one generator per prompt from its seed: covey/rollout/fast.py)."""
@@ -69,16 +89,16 @@ def draw_uniforms(uniforms, length: int) -> Tensor:
 
 def pack_cache(cache, key_mask: Tensor) -> Tensor:
     """Move each row's valid cache columns to the right end of the smallest width that holds them all
-    (left padding, as after a prefill); returns the new key mask (n, capacity)."""
-    filled = cache.layers[0].filled
-    valid = key_mask[:, :filled].bool()
+    (left padding, as after a prefill); returns the new key mask (n, capacity). Linear-attention states
+    have no columns: they stay."""
+    valid = key_mask.bool()
     counts = valid.sum(1)
     width = int(counts.max())
     # source column of each destination slot: the row's valid columns in order, column 0 where padding
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid columns first, in order
     slot = torch.arange(width, device=key_mask.device)[None, :] - (width - counts)[:, None]
     source = torch.where(slot >= 0, order.gather(1, slot.clamp(min=0)), torch.zeros_like(slot))
-    for layer in cache.layers:
+    for layer in column_layers(cache):
         layer.take_columns(source, width)
     packed = torch.zeros_like(key_mask)
     packed[:, :width] = (slot >= 0).to(key_mask.dtype)
@@ -126,6 +146,7 @@ class EpisodeDecoder:
         position = prompt_mask[index].sum(-1).to(device)
         rows = torch.arange(len(index), device=device)  # episode of each cache row, in cache order
         lean = engine.lean and supports_lean_step(engine.model)
+        column = width  # cache columns written (the next step writes this one)
         while True:
             self.take_replies(block=False)
             modes = [self.rows[r].mode for r in rows.tolist()]
@@ -140,12 +161,13 @@ class EpisodeDecoder:
                 self.take_replies(block=True)
                 continue
             tokens, valid = self.next_inputs(rows, logits)
-            if cache.layers[0].filled == capacity:
+            if column == capacity:
                 key_mask = pack_cache(cache, key_mask)
-            column = cache.layers[0].filled
+                column = int(key_mask.sum(1).max())
             key_mask[:, column] = valid.long()
-            logits = engine._next_logits(tokens, position, key_mask[:, :column + 1], cache, lean)
-            position = position + valid.long()
+            with rows_held(cache, ~valid):
+                logits = engine._next_logits(tokens, position, key_mask[:, :column + 1], cache, lean)
+            position, column = position + valid.long(), column + 1
 
     def next_inputs(self, rows: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Each cache row's token for this step and whether it is real (a waiting row's is not)."""

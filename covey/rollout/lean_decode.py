@@ -28,11 +28,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from covey.models.attention import fastest_attention, half_precision
+from covey.models.families import family_of
 
 
 def supports_lean_step(model) -> bool:
-    """A plain `LlamaForCausalLM` whose decode steps run eager attention."""
+    """A plain `LlamaForCausalLM` (full attention in every layer: the step masks no window and keeps no
+    recurrent state) whose decode steps run eager attention."""
     if type(model).__name__ != "LlamaForCausalLM":
+        return False
+    if set(family_of(model.config).layer_types) != {"full_attention"}:
         return False
     config = model.config
     # rotary tables from the module's inv_freq hold for every rope type fixed at load time;

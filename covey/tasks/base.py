@@ -25,6 +25,8 @@ class Example:
     answer: str
     meta: dict[str, Any] = field(default_factory=dict, hash=False)
     messages: tuple | None = field(default=None, hash=False, compare=False)
+    source: str | None = field(default=None, hash=False, compare=False)
+    """Where the row was read ('file:line'; None for generated tasks): errors about it name this."""
 
     @property
     def given_prompt(self) -> str | list[dict]:

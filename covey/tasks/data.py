@@ -111,8 +111,11 @@ def settle_config(cfg: Config, data: TaskData, extra_rewards: bool = False) -> C
         return cfg
     where = f"{t.path}" + (f" and {t.eval_path}" if t.eval_path else "")
     columns = {k for ex in examples for k in ex.meta}
+    sources = [ex.source for ex in examples if ex.answer is None and ex.source]
+    first = min(sources, key=source_order) if sources else None  # by line, whatever order the split left
     why = (f"{missing} of {len(examples)} rows have no reference answer a verifier reads (null, a list, ...)"
-           if t.answer_key in columns else f"there is no {t.answer_key!r} column")
+           + (f", the first at {first}" if first else "") if t.answer_key in columns
+           else f"there is no {t.answer_key!r} column")
     hint = key_hint(columns, t.answer_key, "task.answer_key", ANSWER_COLUMNS)
     hint = f"{hint} if that column holds the answers" if hint else ""
     if missing < len(examples) and cfg.reward.correctness:
@@ -133,10 +136,20 @@ def settle_config(cfg: Config, data: TaskData, extra_rewards: bool = False) -> C
     return cfg
 
 
+def source_order(source: str) -> tuple[str, int]:
+    """'file:12' -> ('file', 12), for ordering rows by where they were read."""
+    path, _, line = source.rpartition(":")
+    return (path, int(line)) if line.isdigit() else (source, 0)
+
+
 def absolute_reward_file(item: str) -> str:
-    """'rewards.py:fn:0.5' -> '/abs/rewards.py:fn:0.5' when the file is there; any other item trimmed."""
+    """'rewards.py:fn:0.5' -> '/abs/rewards.py:fn:0.5' when the file is there, and 'rewards:fn' -> the same when
+    the module is a file of the current folder (so a run's config.yaml finds it from any folder: covey eval RUN_DIR);
+    any other item trimmed (an installed or dotted module is found by its name)."""
     item = item.strip()
     module, sep, rest = item.partition(":")
+    if sep and module.isidentifier() and Path(f"{module}.py").is_file():
+        module = f"{module}.py"
     return os.path.abspath(module) + sep + rest if module.endswith(".py") and Path(module).is_file() else item
 
 
@@ -159,13 +172,17 @@ def format_prompts(tokenizer, examples: list[Example], system_prompt: str = "") 
             for ex in examples]
 
 
-def check_prompt_lengths(tokenizer, prompts: list[str], limit: int, where: str) -> None:
-    """Refuse prompts that leave no room for the response in the model's context."""
+def check_prompt_lengths(tokenizer, prompts: list[str], limit: int, where: str,
+                         examples: list[Example] | None = None) -> None:
+    """Refuse prompts that leave no room for the response in the model's context; the error names the
+    row's file and line where the examples were read from a file."""
     for i, text in enumerate(prompts):
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n > limit:
-            raise ValueError(f"{where} example {i}: prompt is {n} tokens; the model context leaves room "
-                             f"for {limit} (context minus max_new_tokens)")
+            source = examples[i].source if examples is not None else None
+            row = f"{source}: {where} prompt" if source else f"{where} example {i}: prompt"
+            raise ValueError(f"{row} is {n} tokens; the model context leaves room for {limit} (context "
+                             "minus max_new_tokens)")
 
 
 class PromptStream:

@@ -13,6 +13,8 @@ file and the row, or be skipped and counted when the user asks for that.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 from typing import Any, Iterable
@@ -115,7 +117,7 @@ def _collect(rows: Iterable[tuple[str, Any]], prompt_key: str, answer_key: str,
         try:
             if isinstance(row, _RowError):
                 raise row
-            example = row_to_example(row, prompt_key, answer_key)
+            example = dataclasses.replace(row_to_example(row, prompt_key, answer_key), source=where)
             has_answer = answer_key in row
             if answered and not has_answer:
                 raise _RowError(f"missing field {answer_key!r} (other rows have it)")
@@ -175,7 +177,7 @@ def _read_file(path: str | Path, reader, prompt_key: str, answer_key: str, on_er
     _check_on_error(on_error)
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: file not found")
+        raise DataError(f"{path}: file not found" + (HUB_HINT if looks_like_hub_id(str(path)) else ""))
     examples, skipped = _collect(reader(path), prompt_key, answer_key, on_error)
     _require_nonempty(examples, skipped, str(path))
     return examples, skipped
@@ -199,10 +201,11 @@ def _pick_split(ds: Any, split: str | None, path: Path) -> Any:
     names = list(ds.keys())
     if split is None:
         if len(names) != 1:
-            raise DataError(f"{path}: choose a split, one of: {', '.join(names)}")
+            raise DataError(f"{path}: the dataset has splits {', '.join(names)}: choose one with task.split "
+                            "(and task.eval_split for the held-out one)")
         split = names[0]
     if split not in names:
-        raise DataError(f"{path}: no split {split!r}; available: {', '.join(names)}")
+        raise DataError(f"{path}: no split {split!r} (task.split / task.eval_split); available: {', '.join(names)}")
     return ds[split]
 
 
@@ -280,6 +283,16 @@ def load_file(path: str | Path, prompt_key: str = "prompt", answer_key: str = "a
     other suffix is read as JSONL. -> (examples, rows skipped)."""
     reader = FILE_READERS.get(Path(path).suffix.lower(), _jsonl_rows)
     return _read_file(path, reader, prompt_key, answer_key, on_error)
+
+
+HUB_HINT = (": it looks like a Hugging Face hub id, and covey reads data from files only (no hub access at run "
+            "time): save it first with datasets.load_dataset(...).save_to_disk(FOLDER), then task.path=FOLDER")
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """'org/name' with no file suffix and nothing of it on disk: what a TRL script's dataset_name looks like."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not Path(text).suffix and not Path(parts[0]).exists()
 
 
 def load_examples(source: str | Path, **kwargs) -> tuple[list[Example], int]:

@@ -1,13 +1,20 @@
-"""The RL run: plan, loop (open_run -> steps -> finish), setup, optim, update, iterative DPO, global batch,
-checkpoints, evaluation, gradient variance.
+"""covey.train(config, reward_funcs=None, reward_weights=None, tools=None, environment_factory=None): train a
+policy as `config` (covey.load_config) says and return a TrainResult (run folder, held-out accuracy before and
+after, metrics). reward_funcs: TRL-style callables or "module:function[:weight]" strings; tools: functions the
+model may call, or one function; environment_factory: a class (one instance per episode) or a dict of them by
+name, as TRL 1.16 takes them. The full text: help(covey.train.api.train); docs/your-task.md, docs/agents.md.
 
-`covey.train` is both this package and the function that trains: `covey.train(cfg, reward_funcs=...)`
-(covey.train.api.train). A package is a module object, and a module object cannot be called; binding
-the function to the name `covey.train` instead would lose the package, and the import system binds
-the package back onto that name as soon as any submodule (`covey.train.loop`) is imported. So this
-module's class is swapped for a ModuleType subclass whose `__call__` runs covey.train.api.train:
-`covey.train(cfg)` trains, and `covey.train.loop` is still a module. The API module is imported on
-the first call (as `covey` imports this package), so `covey.train.plan` alone loads no model code.
+The package holds the run: plan, loop (open_run -> steps -> finish), setup, optim, update, iterative DPO,
+global batch, checkpoints, evaluation, gradient variance, signal_watch (steps without learning signal),
+router_aux (mixtures of experts).
+
+`covey.train` is both this package and the function that trains (covey.train.api.train). A package is a
+module object, and a module object cannot be called; binding the function to the name `covey.train` instead
+would lose the package, and the import system binds the package back onto that name as soon as any
+submodule (`covey.train.loop`) is imported. So this module's class is swapped for a ModuleType subclass
+whose `__call__` runs covey.train.api.train: `covey.train(cfg)` trains, and `covey.train.loop` is still a
+module. The API module is imported on the first call (as `covey` imports this package), so
+`covey.train.plan` alone loads no model code.
 """
 
 import importlib

@@ -44,4 +44,4 @@ def train(config: Config, reward_funcs: Iterable[Callable | str] | Callable | st
     if not isinstance(config, Config):
         raise TypeError(f"covey.train takes the Config of covey.load_config(...), not {type(config).__name__}")
     return loop.train(config, user_terms(reward_funcs, reward_weights),
-                      agent={"tools": list(tools or ()), "environment_factory": environment_factory})
+                      agent={"tools": tools, "environment_factory": environment_factory})

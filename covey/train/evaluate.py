@@ -81,6 +81,7 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
     evaluation before training): once raised, EvaluationStopped before the next batch."""
     hits: list[bool] = []
     values: list[float] = []
+    cut = 0  # answers that hit max_new_tokens
     for start in range(0, len(prompts), batch_size):
         if stop is not None and stop.requested:
             raise EvaluationStopped(stop.signum, start, len(prompts))
@@ -89,6 +90,7 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         passed, scored = judge(out, examples[batch], prompts[batch])
         hits += passed
         values += scored
+        cut += int(out.truncated.sum())
         if replies is not None:
             replies += [{**reply_record(examples[batch][i], out.completions[j], passed[j], scored[j],
                                         bool(out.truncated[j])),
@@ -99,6 +101,7 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         result = {"eval/reward_mean": sum(values) / n, "eval/reward_pass": sum(hits) / n, "eval/n": len(hits)}
     else:
         result = {"eval/accuracy": sum(hits) / n, "eval/n": len(hits)}
+    result["eval/truncated_frac"] = cut / n
     if pass_k > 0:
         name = f"eval/reward_pass@{pass_k}" if judge.by_reward else f"eval/pass@{pass_k}"
         result[name] = pass_at_k(engine, prompts, examples, judge, batch_size, max_new_tokens, pass_k, stop)

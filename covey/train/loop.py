@@ -35,11 +35,9 @@ from tqdm import tqdm
 from covey import algos
 from covey.batch import Rollout
 from covey.config import Config
-from covey.models.families import check_model_family
-from covey.models.load import resolve_model_path
 from covey.models.offload import release_weights
 from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values, training_pass
-from covey.rewards.build import build_rewarder, check_user_rewards
+from covey.rewards.build import build_rewarder, check_reward_sources, check_user_rewards
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
@@ -57,6 +55,8 @@ from covey.train.global_batch import (decorrelate_ranks, global_advantages, glob
 from covey.train.gradvar import measure_grad_variance
 from covey.train.plan import make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
+from covey.train.signal_watch import signal_metrics
+from covey.train.inputs import check_model_inputs, prepare_agent
 from covey.train.setup import (Feed, Run, Session, TrainResult, attach_reward_models, build_run, choose_verifier,
                                open_feed, open_world, prepare_run_dir, print_header, print_precision,
                                seed_everything, size_update)
@@ -92,12 +92,18 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     world = open_world(cfg)
     scorers = bool(reward_funcs) or bool(cfg.rollout.environment or (agent or {}).get("environment_factory"))
     cfg, data = load_run_data(cfg, scorers)  # bad data fails before a model loads; cfg as recorded
+    # so do tools and environments (covey/rollout/environments.py: schemas, one instance, reset on a row)
+    agent = prepare_agent(cfg, agent, data.train) if plan.episodes is not None else None
+    environments = agent.environments if agent is not None else None
     run_dir = prepare_run_dir(cfg, plan.label)
     # and a broken reward function (build.py), called once with a completion shaped as training will pass it
-    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None)
+    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None,
+                                      environments=list(environments.probes.values()) if environments else None)
+    check_reward_sources(cfg, user_rewards, environment_reward=bool(environments and environments.owns_reward()))
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
-    # and a model that is not there, or of a family covey cannot serve, before anything is printed
-    family = check_model_family(resolve_model_path(cfg.model.path))
+    # and a model that is not there, of a family covey cannot serve, or whose tokenizer cannot take the prompts
+    family = check_model_inputs(cfg, data, agent)
+    run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run has a folder
     print(f"covey: device {describe_device(world.device)}")
     print(f"covey: model {family.describe()}; training pass {training_pass(family)}")
     print_header(run_dir, cfg.task.name, data)
@@ -106,7 +112,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     seed_everything(cfg.train.seed)
     learned = load_learned_rewards(cfg.reward, world.device)
     rewarder = build_rewarder(cfg, learned, verifier=verifier, user=user_rewards, run_dir=run_dir,
-                              environment=bool((agent or {}).get("environment_factory")))
+                              environment=environments is not None)
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)
@@ -145,6 +151,9 @@ def start_or_resume(session: Session, resume_from, evaluate_before: bool = True)
     if before:  # none when not asked for, or without a held-out set (task.eval_size=0)
         print(f"covey: held-out {feed.judge.describe()} before training: {eval_figure(feed.judge, before)} "
               f"({before['eval/n']} problems, greedy{source})")
+        warning = session.watch.before_training(before)
+        if warning and run.world.is_main:
+            print(warning)
     return before
 
 
@@ -185,6 +194,9 @@ def steps(session: Session) -> Iterator[dict]:
                             **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
                             kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
             bar.update(1)
+            note = session.watch.observe(run.step, metrics)
+            if note and run.world.is_main:
+                tqdm.write(note)  # above the progress bar, once: the first step that could not learn
             if schedule.save_every and run.step % schedule.save_every == 0:
                 save_on_main(run, lambda r: save_checkpoint(r, session.before))
                 session.last_saved = run.step
@@ -239,7 +251,7 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     metrics.update(memory_metrics(run))
     every = run.plan.schedule.samples_every
     if every and (run.step % every == 0 or run.step == 1):  # the first step too: a short run shows samples
-        run.logger.log_samples(run.step, sample_rows(rollout, data.train))
+        run.logger.log_samples(run.step, sample_rows(rollout, data.train, tokenizer=run.tokenizer))
     return reduce_metrics(metrics)  # under torchrun: pooled over ranks (docs/scale.md, Metrics)
 
 
@@ -262,6 +274,7 @@ def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict
     if run.plan.update.mask_truncated:  # DAPO's overlong filtering: in the advantages above, out of the loss below
         rollout.response_mask = algos.mask_truncated(rollout.response_mask, rollout.truncated)
     metrics.update(select_tokens(run, rollout))  # over the trained tokens of every rank
+    metrics.update(signal_metrics(rollout))  # tokens in the loss and their largest |advantage| (signal_watch.py)
     metrics.update(observe_entropy(run, rollout))
     metrics.update(update(run, rollout))
     return metrics
@@ -422,8 +435,8 @@ def finish(session: Session, *, evaluate: bool = True, save: bool = True) -> Tra
     if evaluate and before:
         print(f"covey: held-out {feed.judge.describe()} {eval_figure(feed.judge, before)} -> "
               f"{eval_figure(feed.judge, after)} after {run.step} steps"
-              + (f"; model saved to {final_dir}" if save else "") + stopped)
+              + (f"; model saved to {final_dir}" if save else "") + session.watch.summary(run.step) + stopped)
     elif save:
-        print(f"covey: {run.step} steps; model saved to {final_dir}{stopped}")
+        print(f"covey: {run.step} steps; model saved to {final_dir}{session.watch.summary(run.step)}{stopped}")
     close_distributed()
     return result

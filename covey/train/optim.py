@@ -55,8 +55,8 @@ OPTIMIZERS = {
     "adamw_bf16": OptimizerKind(_torchao("_AdamW"), "torchao"),  # in torchao.optim's __all__ (0.18): full-width state
     "paged_adamw_8bit": OptimizerKind(_paged_adamw_8bit, "bitsandbytes", cuda_only=True),
 }
-LOWMEM_EXTRA = "lowmem"
-"""The pip extra that installs torchao and bitsandbytes (pyproject.toml)."""
+LOWMEM_EXTRA = {"torchao": "lowmem", "bitsandbytes": "lowmem-cuda"}
+"""The pip extra that installs each optional optimizer package (pyproject.toml): torchao alone is CPU-safe."""
 
 
 def check_optimizer(optim: OptimConfig, device: str) -> None:
@@ -75,7 +75,8 @@ def check_optimizer(optim: OptimConfig, device: str) -> None:
     for package in filter(None, needed):
         if importlib.util.find_spec(package) is None:
             key = f"optim.name={optim.name}" if package == kind.package else "optim.offload=true"
-            raise ConfigError(f"{key} needs the optional package {package}: pip install 'covey[{LOWMEM_EXTRA}]'")
+            raise ConfigError(f"{key} needs the optional package {package}: "
+                              f"pip install 'covey[{LOWMEM_EXTRA[package]}]'")
     if optim.name != "adamw" or optim.offload:
         compiles = "; its first step compiles the update for each parameter shape" if kind.package == "torchao" else ""
         print(f"covey: optimizer {optim.name} ({kind.package or 'torch'})"

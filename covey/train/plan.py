@@ -70,6 +70,9 @@ class UpdateOptions:
     """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis_cap, or 2)."""
     cov: algos.CovOptions | None = None
     """The covariance control acting on `Rollout.cov_tokens` (Clip-Cov, KL-Cov); None: off."""
+    router_aux_coef: float | None = None
+    """Weight of the routers' load-balancing loss (model.router_aux_coef; None until set-up resolves it from
+    the model's config, covey/train/router_aux.py; 0 = off)."""
 
 
 @dataclass(frozen=True)
@@ -311,7 +314,7 @@ def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
         value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated,
-        cov=token_options(cfg).cov if a.cov_control != "none" else None)
+        cov=token_options(cfg).cov if a.cov_control != "none" else None, router_aux_coef=cfg.model.router_aux_coef)
 
 
 def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:

@@ -27,8 +27,7 @@ from covey.models.load import enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
-from covey.rewards.build import load_callable
-from covey.rollout.agents import BUILTIN_TOOLS, Agent, EpisodeEngine, load_demo
+from covey.rollout.agents import EpisodeEngine
 from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
 from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
@@ -37,12 +36,15 @@ from covey.runtime.memory import MicroBatchSizes, on_gpu, size_update_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.signals import StopFlag
 from covey.runtime.precision import resolve_autocast
-from covey.tasks.data import PromptStream, check_prompt_lengths, format_prompts
+from covey.tasks.data import PromptStream, format_prompts
+from covey.train.inputs import AgentInputs, make_agent
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
 from covey.train.memory_fit import GpuFit, check_loaded_policy, fit_batches, trained_pairs
 from covey.train.optim import check_optimizer, make_kl_controller, make_optimizer, make_scheduler
 from covey.train.plan import Plan, make_plan
+from covey.train.signal_watch import SignalWatch
+from covey.train.router_aux import with_router_aux
 from covey.train.token_weights import make_entropy_controller
 from covey.train.update import UpdateState
 
@@ -118,6 +120,11 @@ class Session:
     last_saved: int | None = None
     stop: StopFlag = field(default_factory=StopFlag)
     signals: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    watch: SignalWatch | None = None  # steps without learning signal (covey/train/signal_watch.py)
+
+    def __post_init__(self):
+        if self.watch is None:
+            self.watch = SignalWatch.of(self.run.plan)
 
     def close(self) -> None:
         """Give the stop-signal handlers back (finish calls it; so does a caller that never finishes)."""
@@ -192,11 +199,11 @@ def check_extras(cfg: Config) -> None:
 
 
 def prepare_run_dir(cfg: Config, label: str) -> Path:
-    """runs/<train.run_name>, or runs/<label>-<start time> (rank 0's clock on every rank)."""
+    """runs/<train.run_name>, or runs/<label>-<start time> (rank 0's clock on every rank); not made yet: a run
+    refused before its model loads leaves no empty folder (a reward function's traceback makes it, to keep the
+    traceback)."""
     name = cfg.train.run_name or broadcast_object(f"{label}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir = Path(cfg.train.output_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return Path(cfg.train.output_dir) / name
 
 
 def print_header(run_dir: Path, task: str, data) -> None:
@@ -239,6 +246,7 @@ def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None =
               plan: Plan | None = None) -> Run:
     """Models, optimizers and controllers, in the order they are needed (`plan`: made from cfg if None)."""
     plan, dtype, world = plan or make_plan(cfg), getattr(torch, cfg.model.dtype), world or World()
+    plan = with_router_aux(plan, cfg.model.path, cfg.model.router_aux_coef)  # from the model's config, before it loads
     policy, tokenizer = load_trained_policy(cfg, world)
     check_loaded_policy(policy, plan, cfg, world.device, world.size)  # a run that cannot fit stops here
     reference = frozen_reference(policy) if plan.needs_reference else None
@@ -307,15 +315,18 @@ def print_precision(run: Run, cfg: Config) -> None:
         rollout = "bfloat16"
     print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
           f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
+    if cfg.train.gpu_memory_gib and not on_gpu(device):
+        print(f"covey: note: train.gpu_memory_gib={cfg.train.gpu_memory_gib:g} budgets a GPU's memory: on the CPU it "
+              "is not used (micro-batches stay at algo.micro_batch_size)")
 
 
 # --------------------------------------------------------------------------- logger, prompts, engines
 
 
-def open_feed(run: Run, data, rewarder, cfg: Config, agent: dict | None = None) -> Feed:
+def open_feed(run: Run, data, rewarder, cfg: Config, agent: AgentInputs | None = None) -> Feed:
     """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines; with
-    tools or an environment (rollout.tools / rollout.environment, or the Python API's `tools` and
-    `environment_factory` in `agent`), engines that sample whole episodes (covey/rollout/agents.py)."""
+    tools or an environment (`agent`, from `prepare_agent`), engines that sample whole episodes
+    (covey/rollout/agents.py)."""
     run.logger = (MetricsLogger(run.run_dir, tensorboard=cfg.train.logger == "tensorboard") if run.world.is_main
                   else SilentLogger())
     if run.world.is_main:
@@ -328,9 +339,6 @@ def open_feed(run: Run, data, rewarder, cfg: Config, agent: dict | None = None) 
     else:
         prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
         eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
-    context = getattr(run.policy.config, "max_position_embeddings", 2048)
-    check_prompt_lengths(run.tokenizer, prompts, context - cfg.rollout.max_new_tokens, "train")
-    check_prompt_lengths(run.tokenizer, eval_prompts, context - cfg.rollout.eval_max_new_tokens, "held-out")
     if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
         fit_batches(run, cfg, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
     engine, eval_engine = open_engines(run, cfg)
@@ -349,23 +357,6 @@ def open_engines(run: Run, cfg: Config) -> tuple:
         engine = GatheredGeneration(engine, run.policy)
     eval_engine = make_eval_engine(cfg.rollout, run.policy, run.tokenizer, engine)
     return engine, engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy)
-
-
-def make_agent(cfg: Config, tokenizer, agent: dict | None = None) -> Agent:
-    """The episodes' tools side (covey/rollout/agents.py): rollout.tools plus the Python API's `tools`, and
-    its `environment_factory` or else rollout.environment."""
-    factory = (agent or {}).get("environment_factory") or (
-        load_callable(cfg.rollout.environment) if cfg.rollout.environment else None)
-    names = [item.strip() for item in cfg.rollout.tools.split(",") if item.strip()]
-    return Agent(tokenizer, resolve_tools(cfg.rollout.tools, (agent or {}).get("tools")), cfg.rollout.tool_timeout_s,
-                 factory, demo=load_demo(cfg.rollout.tool_demo, names))
-
-
-def resolve_tools(spec: str, extra=None) -> list:
-    """rollout.tools (built-in names such as calculator, module:function, file.py:function), then the
-    Python API's tools."""
-    named = [item.strip() for item in spec.split(",") if item.strip()]
-    return [BUILTIN_TOOLS[item] if item in BUILTIN_TOOLS else load_callable(item) for item in named] + list(extra or ())
 
 
 def size_update(run: Run, rollout) -> None:

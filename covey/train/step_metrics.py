@@ -43,12 +43,15 @@ def memory_metrics(run) -> dict:
     return out
 
 
-def sample_rows(rollout: Rollout, examples, limit: int = 8) -> list[dict]:
-    """The first `limit` samples of the step as samples.jsonl rows."""
+def sample_rows(rollout: Rollout, examples, limit: int = 8, tokenizer=None) -> list[dict]:
+    """The first `limit` samples of the step as samples.jsonl rows: the dataset's prompt, and with `tokenizer`
+    the prompt the model saw (`model_prompt`: its ids decoded, chat template, tools and demonstration included)."""
     rows = []
     for i in range(min(limit, len(rollout))):
         ex = examples[rollout.example_index[i]]
-        rows.append({"prompt": ex.prompt, "answer": ex.answer, "completion": rollout.completions[i],
+        seen = ({"model_prompt": tokenizer.decode(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist())}
+                if tokenizer is not None else {})
+        rows.append({"prompt": ex.prompt, **seen, "answer": ex.answer, "completion": rollout.completions[i],
                      "reward": float(rollout.scores[i]), "advantage": float(rollout.advantages[i][0]),
                      **({"messages": rollout.messages[i]} if rollout.messages is not None else {})})
     return rows

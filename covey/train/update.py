@@ -9,6 +9,7 @@ the gradient does not depend on `micro_batch_size`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from covey.runtime.memory import MicroBatchSizes, halving_on_oom
 from covey.runtime.precision import model_device, shared_weight_casts
 from covey.train.global_batch import global_normalizer
 from covey.train.plan import UpdateOptions
+from covey.train.router_aux import router_aux
 
 
 class NonFiniteError(RuntimeError):
@@ -155,21 +157,27 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: Up
 def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions, kl_coef: float,
                     avg: MetricAverager, micro_batch_size: int | None = None) -> tuple[bool, float]:
     """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss).
-    `micro_batch_size`: the size in use (halved after an out-of-memory); default opts.micro_batch_size."""
+    `micro_batch_size`: the size in use (halved after an out-of-memory); default opts.micro_batch_size.
+    With a router loss (opts.router_aux_coef), each micro-batch's share of it joins that micro-batch's
+    backward (covey/train/router_aux.py); it is logged as loss/router_aux, not in the step's loss."""
     step_loss = 0.0
     # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
     encoded = encode_prompts(policy, rollout, batch, opts.autocast)
-    for micro in by_prompt(batch, rollout.group_ids).split(micro_batch_size or opts.micro_batch_size):
-        part = on_device(rollout.select(micro), model_device(policy))
-        prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
-        loss, metrics = micro_policy_loss(policy, part, norm, opts, kl_coef, prompts)
-        if not all_finite(loss):  # checked before backward: no NaN reaches a gradient
-            return False, step_loss
-        loss.backward()
-        if encoded is not None:
-            encoded[0].collect()
-        step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
-        avg.add(metrics, float(part.response_mask.sum()))
+    with router_aux(policy, rollout, batch, opts.router_aux_coef) as router:  # None without a router loss
+        for micro in by_prompt(batch, rollout.group_ids).split(micro_batch_size or opts.micro_batch_size):
+            part = on_device(rollout.select(micro), model_device(policy))
+            prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
+            with router.recording() if router is not None else contextlib.nullcontext():
+                loss, metrics = micro_policy_loss(policy, part, norm, opts, kl_coef, prompts)
+            aux = router.term(part, avg) if router is not None else None  # the routers' load-balancing share
+            total = loss if aux is None else loss + aux
+            if not all_finite(total):  # checked before backward: no NaN reaches a gradient
+                return False, step_loss
+            total.backward()
+            if encoded is not None:
+                encoded[0].collect()
+            step_loss += float(loss.detach())  # the micro-batch shares add up to the step's loss
+            avg.add(metrics, float(part.response_mask.sum()))
     if encoded is not None:
         encoded[0].backward()  # the summed gradient of every micro-batch into the prompt pass
     return True, step_loss

@@ -71,3 +71,60 @@ def test_each_bad_input_is_one_line_and_exit_2_within_seconds(case, tmp_path, ca
     assert err.startswith("covey train: error: ") and expected in err, err
     assert "model path not found" not in err  # caught before the model is looked for
     assert seconds < 10, f"{seconds:.1f} s before the error"
+    # no empty run folder is left behind (tiny_overrides names the run "t"); a reward function's traceback keeps one
+    assert not (tmp_path / "t").exists() or any((tmp_path / "t").iterdir())
+
+
+def long_prompt(tmp_path):
+    rows = [*ROWS[:5], {"prompt": "word " * 3000, "solution": "1"}, *ROWS[5:]]  # line 6: past a 1024 context
+    return write(tmp_path / "long.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def chat_rows(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "solution": r["solution"]} for r in ROWS]
+    return write(tmp_path / "chat.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def nan_reward(tmp_path):
+    return write(tmp_path / "nan_rewards.py", "def score(completions, **kwargs):\n"
+                                              "    return [float('nan') for _ in completions]\n")
+
+
+def no_template(model_dir, tmp_path):
+    """The tiny model's folder without its chat template."""
+    import shutil
+    folder = shutil.copytree(model_dir, tmp_path / "no_template")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+MODEL_CASES = {
+    "an over-long prompt, named by its file and line": (
+        lambda t: ["task.name=file", f"task.path={long_prompt(t)}", "task.answer_key=solution"], None,
+        "long.jsonl:6: train prompt is"),
+    "chat prompts for a model without a chat template": (
+        lambda t: ["task.name=file", f"task.path={chat_rows(t)}", "task.answer_key=solution"], no_template,
+        "the task's prompts are chat messages but the model's tokenizer has no chat template"),
+    "an unreachable remote scorer": (
+        lambda t: ["reward.remote_url=http://127.0.0.1:9"], None,
+        "reward.remote_url=http://127.0.0.1:9: no connection"),
+    "a reward function that returns NaN on the call before loading": (
+        lambda t: [f"reward.functions={nan_reward(t)}:score"], None, "returned nan, called before training"),
+}
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_checks_that_need_the_tokenizer_or_a_socket_come_before_the_model_loads(case, tiny_model_dir, tmp_path,
+                                                                                capsys, monkeypatch):
+    import covey.train.setup
+    monkeypatch.setattr(covey.train.setup, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    items, model, expected = MODEL_CASES[case]
+    model_dir = model(tiny_model_dir, tmp_path) if model else tiny_model_dir
+    started = time.perf_counter()
+    code = main(["train", *items(tmp_path), *tiny_overrides(model_dir, tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert time.perf_counter() - started < 10

@@ -3,6 +3,7 @@ landing in some section, numbers are checked against their ranges before any mod
 run ended by its time budget says so."""
 
 import json
+import re
 
 import pytest
 
@@ -14,8 +15,11 @@ from tests.helpers import tiny_overrides
 @pytest.mark.parametrize("name,covey_key", [
     ("learning_rate", "optim.lr (the policy's; the reward model's is rm.learning_rate)"),
     ("num_generations", "rollout.group_size"), ("max_completion_length", "rollout.max_new_tokens"),
-    ("epsilon_high", "algo.clip_eps_high"),
-    ("loss_type", "algo.loss_agg (grpo, bnpo, dr_grpo, dapo) or algo.policy_loss (cispo, sapo, luspo, vespo)"),
+    ("epsilon_high", "algo.clip_eps_high (the same number with loss_type grpo, bnpo, dr_grpo, dapo; with "
+                     "loss_type=cispo TRL's epsilon_high is the cap on the weight itself: "
+                     "algo.clip_eps_high = epsilon_high - 1)"),
+    ("loss_type", "algo.loss_agg (grpo, bnpo, dr_grpo, dapo) or algo.policy_loss (cispo, sapo, luspo, vespo); "
+                  "loss_type=X names X's exact setting"),
     ("delta", "algo.dual_clip (TRL's two-sided clip at delta is the dual clip c = delta)"),
     ("num_iterations", "algo.epochs"),
     ("max_steps", "train.steps"), ("epsilon", "algo.clip_eps_low and algo.clip_eps_high"),
@@ -138,3 +142,41 @@ def test_a_folder_without_a_model_says_what_it_lacks(files, lacks, tmp_path, cap
     out, err = capsys.readouterr()
     assert code == 2 and out == ""  # before anything is printed
     assert err.strip() == f"covey train: error: model folder {folder} {lacks.format(folder=folder)}"
+
+
+@pytest.mark.parametrize("value, setting", [
+    ("dapo", "algo.loss_agg=token_mean"), ("grpo", "algo.loss_agg=seq_mean_token_mean"),
+    ("dr_grpo", "algo.loss_agg=constant"), ("bnpo", "algo.loss_agg=token_mean"),
+    ("cispo", "algo.policy_loss=cispo algo.loss_agg=token_mean algo.clip_eps_low=1 "
+              "algo.clip_eps_high=<TRL's epsilon_high - 1>"),
+    ("vespo", "algo.policy_loss=vespo algo.loss_agg=token_mean"),
+])
+def test_trl_loss_type_names_the_exact_setting_of_its_value(value, setting):
+    # the settings tests/algos/test_trl_parity.py checks against TRL 1.16 on identical inputs
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"loss_type={value}"])
+    assert str(err.value) == f"unknown config key 'loss_type': TRL's loss_type={value} is {setting} here"
+
+
+def test_every_trl_name_points_to_keys_that_exist():
+    # each covey key a TRL name's hint gives (section.leaf, with or without =value) is a real key
+    import re
+
+    from covey.config.load import TRL_LOSS_TYPES, TRL_NAMES
+    from covey.config.schema import leaf_keys
+    keys = set(leaf_keys())
+    for name, hint in {**TRL_NAMES, **TRL_LOSS_TYPES}.items():
+        named = re.findall(r"\b(model|task|rollout|reward|rm|algo|optim|train|eval)\.(\w+)", hint)
+        assert named, name
+        for section, leaf in named:
+            assert f"{section}.{leaf}" in keys, (name, f"{section}.{leaf}")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("mask_truncated_completions", "algo.mask_truncated"), ("max_tool_calling_iterations", "rollout.max_turns"),
+    ("environment_factory", "rollout.environment"), ("reward_funcs", "reward.functions"),
+    ("epsilon_high", "algo.clip_eps_high = epsilon_high - 1"),
+])
+def test_trl_agent_and_cispo_names_get_a_pointer(name, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(None, [f"{name}=1"])

@@ -197,7 +197,7 @@ def broken_reward(completions, **kwargs):
 
 def test_a_broken_function_fails_in_seconds_before_any_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
     loaded = []
-    monkeypatch.setattr(covey.train.loop, "resolve_model_path", lambda *a, **k: loaded.append("found"))
+    monkeypatch.setattr(covey.train.inputs, "resolve_model_path", lambda *a, **k: loaded.append("found"))
     monkeypatch.setattr(covey.train.setup, "load_policy", lambda *a, **k: loaded.append("loaded"))
     t0 = time.perf_counter()
     code = main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{

@@ -20,6 +20,8 @@ G = 2
 
 
 class NoEnvironment:
+    environment = None  # a Toolbox's: no environment instance to hand reward functions
+
     def reward(self):
         return None
 

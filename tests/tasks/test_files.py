@@ -89,9 +89,9 @@ def test_hf_dataset_and_dataset_dict(tmp_path):
 
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
     assert load_examples(tmp_path / "dd", split="test") == ([Example("a", "1", {"answer": 1, "extra": 1})], 0)
-    with pytest.raises(DataError, match="choose a split, one of: train, test"):
+    with pytest.raises(DataError, match="the dataset has splits train, test: choose one with task.split"):
         load_hf_dataset(tmp_path / "dd")
-    with pytest.raises(DataError, match="no split 'tset'; available: train, test"):
+    with pytest.raises(DataError, match=r"no split 'tset' \(task.split / task.eval_split\); available: train, test"):
         load_hf_dataset(tmp_path / "dd", split="tset")
     (ex,), _ = load_hf_dataset(tmp_path / "dd", split="test", answer_key="solution")  # no such column: prompt-only
     assert ex.answer is None and ex.meta == {"answer": 1, "extra": 1}
@@ -304,9 +304,10 @@ def test_some_rows_without_a_readable_answer_need_the_correctness_reward_off(tmp
     keys = ["task.name=file", f"task.path={path}", "task.eval_size=0"]
     with pytest.raises(ValueError) as info:
         load_run_data(load_config(None, keys))
+    # rows 1 to 3 hold lists: the first is named by its line, whatever order the rows were shuffled into
     assert str(info.value) == (f"{path}: 3 of 10 rows have no reference answer a verifier reads (null, a list, ...), "
-                               "which the correctness reward needs in every row: set reward.correctness=0 to train "
-                               "on your reward functions alone")
+                               f"the first at {path}:1, which the correctness reward needs in every row: set "
+                               "reward.correctness=0 to train on your reward functions alone")
     settled, _ = load_run_data(load_config(None, [*keys, "reward.correctness=0", "reward.format=1"]))
     assert settled.eval.metric == "reward"
 

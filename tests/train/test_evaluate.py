@@ -42,7 +42,7 @@ def test_replies_are_recorded_with_how_each_answer_was_read():
     result = evaluate(engine, prompts, examples, judge=Judge("math"), batch_size=2, max_new_tokens=64,
                       replies=replies)
     assert engine.calls == [2, 2, 1]  # batches of 2: the records follow the batches in order
-    assert result == {"eval/accuracy": 1 / 5, "eval/n": 5}
+    assert result == {"eval/accuracy": 1 / 5, "eval/n": 5, "eval/truncated_frac": 1 / 5}  # reply 4 hit the limit
     assert [r["prompt"] for r in replies] == prompts and [r["reply"] for r in replies] == REPLIES
     assert [r["passed"] for r in replies] == [True, False, False, False, False]
     assert [r["marked"] for r in replies] == ["29", "43", None, None, None]
@@ -58,7 +58,7 @@ def test_evaluate_without_replies_records_nothing():
     examples = [Example(prompt=f"problem {i}", answer="29") for i in range(2)]
     result = evaluate(FixedEngine(), [e.prompt for e in examples], examples, judge=Judge("math"),
                       batch_size=8, max_new_tokens=64)
-    assert result == {"eval/accuracy": 0.5, "eval/n": 2}
+    assert result == {"eval/accuracy": 0.5, "eval/n": 2, "eval/truncated_frac": 0.0}
 
 
 def test_covey_eval_writes_the_replies_and_prints_the_breakdown(tiny_model_dir, tmp_path, capsys):

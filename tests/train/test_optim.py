@@ -58,17 +58,18 @@ def test_gpu_only_options_are_refused_on_a_cpu(optim, message):
         check_optimizer(optim, "cpu")
 
 
-@pytest.mark.parametrize("optim, device, key, package", [
-    (OptimConfig(name="adamw_8bit"), "cpu", "optim.name=adamw_8bit", "torchao"),
-    (OptimConfig(name="paged_adamw_8bit"), "cuda", "optim.name=paged_adamw_8bit", "bitsandbytes"),
-    (OptimConfig(offload=True), "cuda", "optim.offload=true", "torchao"),
+@pytest.mark.parametrize("optim, device, key, package, extra", [
+    (OptimConfig(name="adamw_8bit"), "cpu", "optim.name=adamw_8bit", "torchao", "lowmem"),
+    (OptimConfig(name="paged_adamw_8bit"), "cuda", "optim.name=paged_adamw_8bit", "bitsandbytes", "lowmem-cuda"),
+    (OptimConfig(offload=True), "cuda", "optim.offload=true", "torchao", "lowmem"),
 ])
-def test_a_missing_package_is_one_line_naming_the_key_and_the_extra(monkeypatch, optim, device, key, package):
+def test_a_missing_package_is_one_line_naming_the_key_and_the_extra(monkeypatch, optim, device, key, package, extra):
+    # torchao is a CPU-safe wheel (lowmem); bitsandbytes' CUDA builds come only with lowmem-cuda
     real = importlib.util.find_spec
     monkeypatch.setattr(optim_module.importlib.util, "find_spec", lambda name: None if name == package else real(name))
     with pytest.raises(ConfigError) as err:
         check_optimizer(optim, device)
-    assert str(err.value) == f"{key} needs the optional package {package}: pip install 'covey[lowmem]'"
+    assert str(err.value) == f"{key} needs the optional package {package}: pip install 'covey[{extra}]'"
 
 
 @pytest.mark.parametrize("overrides", [["optim.name=adamw_8bit"], ["optim.offload=true"]])
