@@ -28,7 +28,7 @@ from covey.runtime.precision import autocast_context, model_device, resolve_auto
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
 from covey.models.families import Family, family_of
-from covey.models.hf_compat import last_positions, position_ids, with_cache
+from covey.models.hf_compat import position_ids, with_cache
 from covey.models.kernels import FusedHead, fused_head
 from covey.models.load import checkpoints_activations
 from covey.passes.packing import layer_masks, pack, row_capacity, unpack
@@ -102,19 +102,56 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
         view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
         shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
         return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision, view)
-    head = fused_head(model)
+    head, targets = fused_head(model), ids[:, -resp_len:]
+    # a recurrent layer's state runs through left padding (transformers' chunked Gated DeltaNet is not exact
+    # there): such models read each row from its first real token, padding after the response instead
+    shift = leading_padding(mask) if family_of(model.config).recurrent else None
+    if shift is not None:
+        ids, mask = align_left(ids, shift), align_left(mask, shift)
+    keep = kept_positions(resp_len, ids.shape[1], shift, ids.device)
     with autocast_context(precision, ids.device):
         if head is not None:  # hidden states, then log-probs a block at a time: no (n, L', V) logits
             hidden = head.decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                                  use_cache=False).last_hidden_state[:, -(resp_len + 1):-1]
-            logp, entropy = head_logprobs(head, hidden, ids[:, -resp_len:], temperature, with_entropy)
+                                  use_cache=False).last_hidden_state[:, keep]
+            logp, entropy = head_logprobs(head, rows_of(hidden, resp_len, shift), targets, temperature, with_entropy)
             return logp, entropy, resp_len
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                    logits_to_keep=last_positions(resp_len + 1, ids.shape[1], ids.device), use_cache=False)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep,
+                    use_cache=False)
     # bf16 logits are read block by block in float32 (covey/algos/logits.py): no full float copy
-    logp, entropy = algos.logprobs_and_entropy(out.logits[:, :-1], ids[:, -resp_len:], temperature,
-                                               logit_chunk(out.logits), with_entropy=with_entropy)
+    logits = rows_of(out.logits, resp_len, shift)
+    logp, entropy = algos.logprobs_and_entropy(logits, targets, temperature, logit_chunk(logits),
+                                               with_entropy=with_entropy)
     return logp, entropy, resp_len
+
+
+def leading_padding(mask: Tensor) -> Tensor:
+    """(n,) the padding columns before each row's first attended token."""
+    return mask.long().cumsum(1).eq(0).sum(1)
+
+
+def align_left(t: Tensor, shift: Tensor) -> Tensor:
+    """Each row of (n, W) moved `shift` columns to the left, the freed columns at the end zero."""
+    width = t.shape[1]
+    source = torch.arange(width, device=t.device)[None, :] + shift[:, None]
+    moved = t.gather(1, source.clamp(max=width - 1))
+    return torch.where(source < width, moved, torch.zeros_like(moved))
+
+
+def kept_positions(resp_len: int, width: int, shift: Tensor | None, device) -> Tensor:
+    """The positions whose outputs score the last `resp_len` tokens of every row (each row's shifted by its
+    `shift` when rows are aligned left): one contiguous range, as `logits_to_keep` indices."""
+    first = width - resp_len - 1 - (int(shift.max()) if shift is not None else 0)
+    last = width - 1 - (int(shift.min()) if shift is not None else 0)  # exclusive
+    return torch.arange(first, last, device=device)
+
+
+def rows_of(kept: Tensor, resp_len: int, shift: Tensor | None) -> Tensor:
+    """(n, L', ...) each row's own `resp_len` outputs out of the kept range of `kept_positions`."""
+    if shift is None:
+        return kept[:, :resp_len]
+    offset = (shift.max() - shift)[:, None] + torch.arange(resp_len, device=shift.device)[None, :]
+    index = offset.view(*offset.shape, *([1] * (kept.dim() - 2))).expand(-1, -1, *kept.shape[2:])
+    return kept.gather(1, index)
 
 
 def head_logprobs(head: FusedHead, hidden: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):

@@ -342,6 +342,9 @@ def open_feed(run: Run, data, rewarder, cfg: Config, agent: AgentInputs | None =
     if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
         fit_batches(run, cfg, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
     engine, eval_engine = open_engines(run, cfg)
+    decode_path = getattr(engine, "decode_path", None)  # the fast engine's: which decode step, cache and episodes
+    if callable(decode_path) and run.world.is_main:
+        print(f"covey: sampling with the {decode_path()}")
     if agents is not None:
         engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.episodes, run.plan.episodes, a.metrics)
                                for e, a in zip((engine, eval_engine), agents))
