@@ -35,6 +35,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 from transformers.cache_utils import Cache
 
 from covey.models.attention import sampling_attention
+from covey.runtime.signals import check_abort
 from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
 from covey.rollout.base import Prompt, encode_prompts
@@ -235,6 +236,7 @@ class FastEngine:
         rows = torch.arange(n, device=device)      # batch rows still in the cache, in cache order
         alive = torch.ones(n, dtype=torch.bool, device=device)
         for t in range(max_new):
+            check_abort()  # a stop signal during the evaluation before training (covey/runtime/signals.py)
             step = torch.where(alive[rows], self.pick(logits, uniforms.draw().to(device)[rows], greedy), pad)
             tokens[rows, t] = step
             logps[rows, t] = torch.log_softmax(logits / self.temperature, -1).gather(1, step[:, None]).squeeze(1)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from covey.runtime.signals import check_abort
 from covey.batch import Rollout
 from covey.models.families import family_of
 from covey.rollout.base import Prompt, encode_prompts
@@ -148,6 +149,7 @@ class EpisodeDecoder:
         lean = engine.lean and supports_lean_step(engine.model)
         column = width  # cache columns written (the next step writes this one)
         while True:
+            check_abort()  # a stop signal during the evaluation before training (covey/runtime/signals.py)
             self.take_replies(block=False)
             modes = [self.rows[r].mode for r in rows.tolist()]
             keep = [j for j, m in enumerate(modes) if m != DONE]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from covey.runtime.signals import check_abort
 from covey.models.hf_compat import cache_tensors, last_positions, position_ids, with_cache
 from covey.rollout.static_step import DecodeWeights, StaticState, decode_step, gather_weights
 
@@ -219,6 +220,7 @@ class StaticDecoder:
                 state.load_prompts(pairs, index, prompt_mask, first, ~picker.finished(first), draws)
             kept = 1                              # tokens 0..kept-1 are in `out`
             for t in range(1, max_new):           # the step feeding token t-1 picks token t
+                check_abort()                     # a stop signal during the evaluation before training
                 length = state.capacity if self.runner.whole_capacity else min(
                     round_up(width + t, LENGTH_STEP), state.capacity)
                 self.runner(weights, state, length, picker)

@@ -59,6 +59,34 @@ class StopFlag:
         return flag.item() > 0
 
 
+class DecodeAborted(RuntimeError):
+    """A stop signal arrived while an `abortable` section was decoding: the engine left its loop."""
+
+
+_ABORTABLE: list[StopFlag] = []
+
+
+@contextlib.contextmanager
+def abortable(flag: StopFlag | None):
+    """Within the block, engines leave their decode loop at the next step once `flag` is raised
+    (`check_abort`): the evaluation before training, which trains nothing, stops within a step instead of
+    after its batch. Training steps are not abortable: the first signal lets the step finish."""
+    if flag is None:
+        yield
+        return
+    _ABORTABLE.append(flag)
+    try:
+        yield
+    finally:
+        _ABORTABLE.remove(flag)
+
+
+def check_abort() -> None:
+    """Called by the engines at each decode step: DecodeAborted inside an `abortable` block whose flag rose."""
+    if _ABORTABLE and _ABORTABLE[-1].requested:
+        raise DecodeAborted("stop signal during an abortable decode")
+
+
 @contextlib.contextmanager
 def graceful_stop():
     """Install the SIGINT/SIGTERM flag handlers for the duration of the block.

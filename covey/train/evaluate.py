@@ -24,7 +24,7 @@ from covey.config import Config, as_dict
 from covey.rewards.combine import TrainerState
 from covey.rewards.scoring import score
 from covey.runtime.metrics import write_whole
-from covey.runtime.signals import TrainingStopped
+from covey.runtime.signals import DecodeAborted, TrainingStopped, abortable
 from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
 from covey.tasks.verifiers import verify
@@ -68,6 +68,16 @@ class EvaluationStopped(TrainingStopped):
         self.signum, self.step, self.checkpoint = signum, 0, None
 
 
+def stoppable(stop, done: int, total: int, generate):
+    """`generate()`, left at the engine's next decode step once `stop` (the run's StopFlag) rises: then
+    EvaluationStopped, after `done` of `total` held-out problems."""
+    try:
+        with abortable(stop):
+            return generate()
+    except DecodeAborted:
+        raise EvaluationStopped(stop.signum, done, total) from None
+
+
 def headline(result: dict) -> float:
     """The one number of an evaluation: accuracy for a verifier, the pass rate for the reward."""
     return result["eval/accuracy"] if "eval/accuracy" in result else result["eval/reward_pass"]
@@ -86,7 +96,8 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
         if stop is not None and stop.requested:
             raise EvaluationStopped(stop.signum, start, len(prompts))
         batch = slice(start, start + batch_size)
-        out = engine.generate(prompts[batch], 1, greedy=True, max_new_tokens=max_new_tokens)
+        out = stoppable(stop, start, len(prompts), lambda: engine.generate(prompts[batch], 1, greedy=True,
+                                                                            max_new_tokens=max_new_tokens))
         passed, scored = judge(out, examples[batch], prompts[batch])
         hits += passed
         values += scored
@@ -117,7 +128,8 @@ def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_
         if stop is not None and stop.requested:
             raise EvaluationStopped(stop.signum, start, len(prompts))
         batch = slice(start, start + per_call)
-        out = engine.generate(prompts[batch], k, max_new_tokens=max_new_tokens)
+        out = stoppable(stop, start, len(prompts), lambda: engine.generate(prompts[batch], k,
+                                                                            max_new_tokens=max_new_tokens))
         flags, _ = judge(out, examples[batch], prompts[batch])
         for j in range(len(out.example_index) // k):
             solved.append(any(flags[j * k:(j + 1) * k]))

@@ -2,11 +2,19 @@
 "higher" / "lower" feedback, in TRL's environment_factory form (docs/agents.md).
 
     covey train rollout.environment=examples/number_guess/guess_env.py:GuessEnv \
-        task.name=file task.path=examples/number_guess/train.jsonl reward.correctness=0 eval.metric=reward
+        task.name=file task.path=examples/number_guess/train.jsonl reward.correctness=0 eval.metric=reward \
+        rollout.tool_demo=examples/number_guess/demo.json reward.tool_use=0.2 rollout.max_turns=8
 
 Each episode gets its own instance; reset(**row) reads the row's `secret` column; the model's
 `guess` calls are the environment's tool; get_reward() scores the episode: 1 for finding the
 number, less the more guesses it took, 0 when it never did.
+
+SmolLM2-135M-Instruct never calls a tool it is only told about: its replies are Python code, so
+every reward is 0 and nothing is learned (covey says so at the first step). demo.json shows it one
+worked game (calls, replies, answer) before each question, and reward.tool_use pays 0.2 for an
+episode with an answered call, a signal while it cannot find the number yet; with both, every
+held-out episode of the untrained model calls `guess` once. Eight turns leave room for the
+seven guesses a halving search needs.
 """
 
 

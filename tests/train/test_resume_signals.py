@@ -151,3 +151,28 @@ def test_a_stop_signal_during_the_evaluation_before_training_ends_it_between_bat
     assert last.endswith(" of 400 held-out problems: nothing was trained, so no checkpoint was written (the same "
                          "command starts the run again)"), last
     assert list_checkpoints(tmp_path / "t") == []
+
+
+def test_a_stop_signal_inside_one_long_held_out_batch_ends_it_at_the_next_decode_step(tiny_model_dir, tmp_path):
+    """One batch of 256 held-out problems with 900 new tokens each: many seconds of decoding in one engine call.
+    SIGINT a second into it: the engine leaves its loop at its next step, exit 130 within seconds, no checkpoint."""
+    keys = tiny_overrides(tiny_model_dir, tmp_path, **{
+        "model.threads": 1, "task.eval_size": 256, "rollout.eval_batch_size": 256,
+        "rollout.eval_max_new_tokens": 900})
+    env = {**os.environ, "COVEY_MALLOC_KEEP": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "covey.cli", "train", *keys], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the last line before the evaluation starts
+        if line.startswith("covey: sampling with"):
+            break
+    time.sleep(1.0)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert took < 5, took
+    assert err.strip().splitlines()[-1].startswith(
+        "covey train: stopped by SIGINT during the evaluation before training, after 0 of 256 held-out problems")
+    assert list_checkpoints(tmp_path / "t") == []
