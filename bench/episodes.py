@@ -85,7 +85,7 @@ def build(args):
     prompts = agent.prompts(load_task_data(cfg.task, 0).train[:args.prompts])
     history = [*prompts[0].messages, {"role": "assistant", "content": "x"},
                {"role": "tool", "name": "calculator", "content": REPLY}]
-    return engines, tok, prompts, tool_messages_ids(tok, history, agent.template_tools)
+    return engines, tok, prompts, tool_messages_ids(tok, history, agent.template_tools(prompts[0].example))
 
 
 def main(argv: list[str] | None = None) -> dict:

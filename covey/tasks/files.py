@@ -153,7 +153,9 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
             try:
                 yield where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
-                yield where, _RowError(f"invalid JSON: {err.msg} at column {err.colno}")
+                # json's own message may end in "at" ("Unterminated string starting at"): no second one
+                at = "" if err.msg.endswith(" at") else " at"
+                yield where, _RowError(f"invalid JSON: {err.msg}{at} column {err.colno}")
 
 
 def _require_nonempty(examples: list[Example], skipped: int, where: str) -> None:

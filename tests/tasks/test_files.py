@@ -324,3 +324,12 @@ def test_the_recorded_config_holds_absolute_data_paths_and_the_resolved_metric(t
     assert settled.reward.functions == f"{tmp_path / 'rewards.py'}:f:0.5,tests.helpers:varied_reward"
     assert settled.eval.metric == "math"  # auto, resolved from the numeric answers
     assert load_run_data(load_config(None, []))[0].eval.metric == "math"  # the built-in tasks too
+
+
+def test_an_unterminated_string_names_its_column_once(tmp_path):
+    # json says "Unterminated string starting at"; the column follows it without a second "at"
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1}\n')
+    with pytest.raises(DataError) as err:
+        load_jsonl(path)
+    assert str(err.value) == f"{path}:1: invalid JSON: Unterminated string starting at column 27"
