@@ -78,6 +78,26 @@ def check_policy_loss(cfg: Config) -> None:
     if entry.sequence_advantage and not algos.ESTIMATORS[a.estimator].sequence_level:
         raise ConfigError(f"algo.policy_loss={a.policy_loss} reads one advantage per sequence: algo.estimator="
                           f"{a.estimator} gives per-token advantages (use grpo, rloo or remax)")
+    if entry.sequence_advantage:
+        check_token_devices(a)
+
+
+def check_token_devices(a) -> None:
+    """The token devices act through per-token weights folded into the advantages, which is exact only for a
+    loss whose per-token term is the advantage times a function of the ratio. A loss that averages the
+    advantage over each sequence first (gmpo) would spread a dropped token's weight over its sequence: a
+    "selected" token set would scale every token's gradient instead of removing the others'. Refused."""
+    loss = f"algo.policy_loss={a.policy_loss} averages the advantage over each sequence"
+    if a.top_entropy_quantile < 1.0:
+        raise ConfigError(f"algo.top_entropy_quantile={a.top_entropy_quantile:g}: {loss}, so the tokens it drops "
+                          "would keep a share of their gradient instead of losing it; use it with ppo_clip, cispo, "
+                          "sapo or vespo")
+    if a.tis_cap > 0 and a.tis_mode.startswith("token"):
+        raise ConfigError(f"algo.tis_mode={a.tis_mode} weights each token: {loss}; set algo.tis_mode="
+                          "sequence_truncate or sequence_mask (one weight per sequence)")
+    if a.cov_control == "clip_cov":
+        raise ConfigError(f"algo.cov_control=clip_cov drops the gradient of chosen tokens: {loss}, so they would "
+                          "keep a share of it; use it with ppo_clip, cispo, sapo or vespo")
 
 
 def check_step_scores(cfg: Config, episodes: bool = False) -> None:
