@@ -1,1 +1,2 @@
-"""One batch through one model at train time: log-probs, entropy, values, the prompt cache, packing."""
+"""One batch through one model at train time: logprobs (log-probs, entropy, values), prompt_cache, packing (each
+layer kind its own mask)."""
