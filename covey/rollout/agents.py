@@ -30,7 +30,7 @@ from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_
                                  chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
                                  tool_call_format, tool_messages_ids)
 from covey.tasks.base import Example, build_messages
-from covey.rollout.environments import Environments, construct
+from covey.rollout.environments import Environments, construct, episode_row
 from covey.tasks.tools import CALCULATOR_DEMO
 
 BUILTIN_DEMOS = {"calculator": CALCULATOR_DEMO}
@@ -144,7 +144,7 @@ class Agent:
                           for p in prompts for _ in range(group_size)]
         hosts, own, changed = [], [], False
         for p in prompts:
-            row = {**p.example.meta, "prompt": p.example.given_prompt, "answer": p.example.answer}
+            row = episode_row(p.example)
             factory = self.environments.factories[self.environments.name_of(p.example)]
             shown = self.template_tools(p.example)
             for _ in range(group_size):

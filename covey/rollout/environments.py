@@ -151,11 +151,16 @@ def check_agent(tools: list[Callable], environments: Environments | None, rows: 
         environments.probes[name] = instance
 
 
+def episode_row(example) -> dict:
+    """The row an environment's reset(**row) receives: every dataset column, the prompt as the dataset gives
+    it, and the reference answer."""
+    return {**example.meta, "prompt": example.given_prompt, "answer": example.answer}
+
+
 def reset_probe(instance, name: str, example) -> None:
     """reset(**row) on one training row, as an episode will call it."""
-    row = {**example.meta, "prompt": example.given_prompt, "answer": example.answer}
     try:
-        run_to_end(instance.reset(**row))
+        run_to_end(instance.reset(**episode_row(example)))
     except Exception as e:  # noqa: BLE001 - the user's reset, reported in one line
         hint = "; reset receives every column of the row: give it **kwargs" if isinstance(e, TypeError) else ""
         raise ToolError(f"environment {name}: reset(**row) on the first training row {describe_exception(e)}{hint}") \

@@ -93,8 +93,8 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     scorers = bool(reward_funcs) or bool(cfg.rollout.environment or (agent or {}).get("environment_factory"))
     cfg, data = load_run_data(cfg, scorers)  # bad data fails before a model loads; cfg as recorded
     # so do tools and environments (covey/rollout/environments.py: schemas, one instance, reset on a row)
-    agent = prepare_agent(cfg, agent, data.train) if plan.episodes is not None else None
-    environments = agent.environments if agent is not None else None
+    tools = prepare_agent(cfg, agent, data.train) if plan.episodes is not None else None
+    environments = tools.environments if tools is not None else None
     run_dir = prepare_run_dir(cfg, plan.label)
     # and a broken reward function (build.py), called once with a completion shaped as training will pass it
     user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None,
@@ -102,7 +102,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     check_reward_sources(cfg, user_rewards, environment_reward=bool(environments and environments.owns_reward()))
     resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
     # and a model that is not there, of a family covey cannot serve, or whose tokenizer cannot take the prompts
-    family = check_model_inputs(cfg, data, agent)
+    family = check_model_inputs(cfg, data, tools)
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run has a folder
     print(f"covey: device {describe_device(world.device)}")
     print(f"covey: model {family.describe()}; training pass {training_pass(family)}")
@@ -116,7 +116,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
     run = build_run(cfg, run_dir, len(data.train), world, plan)
     attach_reward_models(run, learned, cfg)
     print_precision(run, cfg)
-    feed = open_feed(run, data, rewarder, cfg, agent)
+    feed = open_feed(run, data, rewarder, cfg, tools)
     feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
     session = Session(run=run, feed=feed, before={},
                       eval_cache=(cfg.train.eval_before_cache, eval_settings(cfg)) if cfg.train.eval_before_cache
