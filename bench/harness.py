@@ -1,8 +1,11 @@
-"""The benchmark harness: trainer runs as subprocesses, interleaved rounds, step summaries, the machine's
-peaks, a FLOP counter and result files. Every driver of bench/ runs its trainers through `Children`.
+"""The benchmark harness: trainer runs as child processes under one time budget, interleaved rounds, step
+medians and rates, the machine's peaks, a FLOP counter, and the report files every driver writes.
 
-A child is `python -m bench.<module> <role> --result FILE ...` started from the repository root, one at
-a time (its peak memory is its own), its output in `<name>.log` and its figures in `<name>.json`.
+A child is `python -m bench.<side> <role> --result FILE ...` started from the repository root, one at a
+time (its peak memory is its own), its output in `<name>.log` and its figures in `<name>.json`. Every
+trainer run records its steps in one format, whichever trainer and workload:
+{"step", "step_s", "generate_s", "score_s", "logprobs_s", "update_s", "tokens", "flops", "gpu_peak_mib"};
+step 1 warms up (graph capture, allocation) and every median is over steps 2..N.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,19 +32,31 @@ def say(text: str) -> None:
     print(f"bench: {text}", flush=True)
 
 
-def write_json(path, result: dict) -> None:
+def write_json(path, result) -> None:
     Path(path).write_text(json.dumps(result, indent=1, default=str))
+
+
+def out_prefix(out: str, name: str) -> Path:
+    """The results prefix `out` (a temporary folder's `name` if not given), its `<prefix>-logs/` made."""
+    prefix = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
+    (prefix.parent / f"{prefix.name}-logs").mkdir(parents=True, exist_ok=True)
+    return prefix
+
+
+def publish(prefix: Path, text: str, data: dict) -> None:
+    """The report: printed, and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
+    print(text)
+    prefix.with_suffix(".md").write_text(text + "\n")
+    write_json(prefix.with_suffix(".json"), {**data, "argv": sys.argv})
+    say(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}")
 
 
 def child_env(malloc: bool | None = None) -> dict:
     """A child's environment, output unbuffered: covey's glibc malloc variables added (True), removed
-    (False) or as they are (None). The `covey` command restarts itself with them (covey/runtime/cpu.py);
-    a child started here gets them from its parent or not at all."""
+    (False) or as they are (None); the `covey` command sets them itself (covey/runtime/cpu.py)."""
     from covey.runtime.cpu import MALLOC_ENV
     env = {k: v for k, v in os.environ.items() if malloc is None or k not in MALLOC_ENV}
-    if malloc:
-        env.update(MALLOC_ENV)
-    return {**env, "PYTHONUNBUFFERED": "1"}
+    return {**env, **(MALLOC_ENV if malloc else {}), "PYTHONUNBUFFERED": "1"}
 
 
 class Children:
@@ -60,29 +75,22 @@ class Children:
 
     def run(self, module: str, role: str, name: str, args: list[str], reserve_s: float = 0.0,
             malloc: bool | None = None) -> dict | None:
-        """The child's JSON result ("partial": True if it failed after writing one), or None (failed, or no
-        time left: `reserve_s` of the budget is kept for later runs)."""
+        """The child's JSON result ("partial": True if it failed after writing one), or None (it failed, or
+        no time was left: `reserve_s` of the budget is kept for later runs)."""
         timeout = self.left() - reserve_s
         if timeout < 20:
             self.say(f"{name}: skipped, {self.left():.0f} s of the budget left")
+            self.failed += 1
             return None
-        result, log = self.log_dir / f"{name}.json", self.log_dir / f"{name}.log"
+        result, log_path = self.log_dir / f"{name}.json", self.log_dir / f"{name}.log"
         result.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", f"bench.{module}", role, "--result", str(result), *args]
         self.say(f"{name}: {' '.join(cmd[1:])}")
         t0 = time.perf_counter()
-        code = self.stream(cmd, log, name, None if timeout == float("inf") else timeout, child_env(malloc))
-        if code != 0:
-            killed = ", killed at its time limit" if code == -9 else ""
-            self.say(f"{name}: FAILED (exit {code}{killed}); log tail:\n{log.read_text()[-3000:]}")
-            return {**json.loads(result.read_text()), "partial": True} if result.is_file() else None
-        return {**json.loads(result.read_text()), "wall_s": time.perf_counter() - t0}
-
-    def stream(self, cmd: list[str], log_path: Path, name: str, timeout: float | None, env: dict) -> int:
         with open(log_path, "w") as log:
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                     env=env)
-            timer = threading.Timer(timeout, child.kill) if timeout is not None else None
+                                     env=child_env(malloc))
+            timer = threading.Timer(timeout, child.kill) if timeout != float("inf") else None
             if timer is not None:
                 timer.start()
             for line in child.stdout:
@@ -92,7 +100,12 @@ class Children:
             code = child.wait()
             if timer is not None:
                 timer.cancel()
-        return code
+        if code == 0:
+            return {**json.loads(result.read_text()), "wall_s": time.perf_counter() - t0}
+        self.failed += 1
+        self.say(f"{name}: FAILED (exit {code}{', killed at its time limit' if code == -9 else ''}); log tail:\n"
+                 f"{log_path.read_text()[-3000:]}")
+        return {**json.loads(result.read_text()), "partial": True} if result.is_file() else None
 
     def must(self, module: str, role: str, name: str, args: list[str], malloc: bool | None = None) -> dict:
         """run(), stopping the driver when the child fails."""
@@ -102,10 +115,10 @@ class Children:
         return result
 
 
-def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list[dict]]:
+def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:
     """run_one(name, tag) for every name, `rounds` times in turn (a, b, a, b, ...): a machine whose speed
     drifts slows every run alike. name -> its rounds' results."""
-    by_name: dict[str, list[dict]] = {name: [] for name in names}
+    by_name: dict[str, list] = {name: [] for name in names}
     for i in range(rounds):
         for name in names:
             by_name[name].append(run_one(name, f"-round{i + 1}" if rounds > 1 else ""))
@@ -115,38 +128,30 @@ def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list[dict]]
 # --------------------------------------------------------------------------- step records and summaries
 
 
-@dataclass
-class StepRecord:
-    step: int
-    seconds: float
-    phases: dict = field(default_factory=dict)  # phase -> seconds
-    completion_tokens: int = 0
-    train_flops: float = 0.0
+def timed(steps: list[dict]) -> list[dict]:
+    """Steps 2..N (all of them where there is only one)."""
+    return steps[1:] or steps
+
+
+def medians(steps: list[dict], keys=("step_s", *(f"{p}_s" for p in PHASES))) -> dict:
+    """Median of each key over steps 2..N."""
+    return {key: statistics.median(s[key] for s in timed(steps)) for key in keys}
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def step_result(name: str, records: list[StepRecord], **extra) -> dict:
-    """A speed child's result: its steps and this process's peak RSS."""
-    return {"name": name, "peak_rss_mib": peak_rss_mib(), "steps": [asdict(r) for r in records], **extra}
-
-
-def summarize(result: dict, skip_first: int = 1) -> dict:
-    """Median / min step time over steps 2..N, median phase times, tokens/s, training FLOP rate."""
-    steps = result["steps"][skip_first:] or result["steps"]
-    seconds = [s["seconds"] for s in steps]
-    phases = {p: statistics.median(s["phases"].get(p, 0.0) for s in steps) for p in PHASES}
-    tokens = sum(s["completion_tokens"] for s in steps)
-    gen_time = sum(s["phases"].get("generate", 0.0) for s in steps)
-    update_time = sum(s["phases"].get("update", 0.0) for s in steps)
-    flops = sum(s["train_flops"] for s in steps)
-    return {"name": result["name"], "median_s": statistics.median(seconds), "min_s": min(seconds),
-            "steps_timed": len(steps), **{f"{p}_s": v for p, v in phases.items()},
-            "tokens_per_s": tokens / sum(seconds), "gen_tokens_per_s": tokens / max(gen_time, 1e-9),
-            "train_gflops": flops / max(update_time, 1e-9) / 1e9, "peak_rss_mib": result["peak_rss_mib"],
-            "precision": result.get("precision", "float32")}
+def summarize(result: dict) -> dict:
+    """A CPU run's row: median / min step time and phases over steps 2..N, tokens/s, training FLOP rate."""
+    steps = timed(result["steps"])
+    seconds, tokens = sum(s["step_s"] for s in steps), sum(s["tokens"] for s in steps)
+    generate, update = (sum(s[f"{p}_s"] for s in steps) for p in ("generate", "update"))
+    return {"name": result["name"], **medians(steps), "min_s": min(s["step_s"] for s in steps),
+            "steps_timed": len(steps), "tokens_per_s": tokens / seconds,
+            "gen_tokens_per_s": tokens / max(generate, 1e-9),
+            "train_gflops": sum(s["flops"] for s in steps) / max(update, 1e-9) / 1e9,
+            "peak_rss_mib": result["peak_rss_mib"], "precision": result.get("precision", "float32")}
 
 
 def pooled(rounds: list[dict]) -> dict:
@@ -154,13 +159,6 @@ def pooled(rounds: list[dict]) -> dict:
     steps = [step for r in rounds for step in r["steps"][1:]]
     return {**rounds[0], "steps": [rounds[0]["steps"][0], *steps],
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds)}
-
-
-def round_medians(results: dict[str, list[dict]]) -> str:
-    """Each round's own median s/step per run, to show how far the machine drifted between rounds."""
-    parts = [f"{name} " + " / ".join(f"{summarize(r)['median_s']:.1f}" for r in rounds)
-             for name, rounds in results.items()]
-    return "median s/step of each round: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- the machine
@@ -179,11 +177,8 @@ def machine() -> str:
 
 def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_s: float = 0.25) -> float:
     """Best GFLOP/s of an n x n x n matmul on the CPU (the machine's practical peak for this precision).
-
-    n doubles from 256 up to n_max while one product takes under `budget_s`: on a CPU that
-    emulates a precision (bf16 on AVX2-only parts runs at ~1 GFLOP/s) a 2048^3 product would
-    take a minute, and the small sizes already show that the precision is no use there.
-    """
+    n doubles from 256 up to n_max while one product takes under `budget_s`: where a precision is emulated
+    (bf16 on AVX2-only parts runs at ~1 GFLOP/s) the small sizes already show it."""
     n = 256
     while True:
         a = torch.randn(n, n, dtype=dtype)
@@ -192,12 +187,7 @@ def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_
         if n >= n_max or time.perf_counter() - t0 > budget_s:
             break
         n *= 2
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best_seconds(lambda: a @ a, repeats) / 1e9
 
 
 def peaks(threads: int, n_max: int = 2048) -> dict:
@@ -205,80 +195,69 @@ def peaks(threads: int, n_max: int = 2048) -> dict:
     return {"float32": matmul_peak(torch.float32, n_max), "bfloat16": matmul_peak(torch.bfloat16, n_max)}
 
 
-def device_name() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def best_seconds(fn, repeats: int) -> float:
-    """Best wall time of fn() (CUDA events on a GPU)."""
+    """Best wall time of fn() after one warm-up call, the device synchronised around each."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1000)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
     return best
 
 
 def measure_device() -> dict:
-    """A device-to-device copy of >= 1 GiB (bytes read + written per second) and the best of a few large
-    bf16 matmuls (2 m n k FLOPs each); small sizes on a CPU."""
-    gpu, device = torch.cuda.is_available(), device_name()
-    nbytes = 2 * 2**30 if gpu else 64 * 2**20
+    """A device-to-device copy of 2 GiB (bytes read + written per second) and the best of three large bf16
+    matmuls (2 m n k FLOPs each); small sizes on a CPU."""
+    gpu = torch.cuda.is_available()
+    device, nbytes = ("cuda", 2 * 2**30) if gpu else ("cpu", 64 * 2**20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = best_seconds(lambda: dst.copy_(src), 10)
-    src = dst = None  # freed before the matmuls
-    shapes = ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 16384, 4096)) if gpu else ((256, 256, 256),)
+    del src, dst
     best, best_shape = 0.0, None
-    for m, n, k in shapes:
-        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-        b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
+    for m, n, k in ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 16384, 4096)) if gpu else ((256, 256, 256),):
+        a, b = (torch.randn(*shape, dtype=torch.bfloat16, device=device) for shape in ((m, k), (k, n)))
         rate = 2 * m * n * k / best_seconds(lambda: a @ b, 10) / 1e12
-        if rate > best:
-            best, best_shape = rate, (m, n, k)
-        a = b = None
+        best, best_shape = max((best, best_shape), (rate, (m, n, k)), key=lambda x: x[0])
     return {"name": torch.cuda.get_device_name() if gpu else "cpu", "copy_bytes_per_s": 2 * nbytes / copy_s,
-            "copy_bytes": nbytes, "matmul_tflops": best, "matmul_shape": f"(m, n, k) = {best_shape}",
-            "torch": torch.__version__}
+            "matmul_tflops": best, "matmul_shape": f"(m, n, k) = {best_shape}", "torch": torch.__version__}
 
 
-def peak_gpu_bytes() -> int | None:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+def cap_memory(cap_gib: float) -> float:
+    """The CUDA allocator capped at cap_gib (the whole card when the cap is at or above it); the GiB allowed."""
+    if not torch.cuda.is_available() or cap_gib <= 0:
+        return 0.0
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, cap_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return fraction * total / 2**30
 
 
 class LinearFlops:
-    """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for backward:
-    forward hooks on the model's linear layers (a covey run's `session.run.policy`, TRL's model).
-
-    A matmul's backward costs twice its forward (input and weight gradients). Attention
-    score FLOPs (~4% at these lengths) are not counted, so the rate is a lower bound.
-    With gradient checkpointing the recomputed forward is counted too (it is executed).
-    """
+    """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for backward
+    (input and weight gradients), through forward hooks on the model's linear layers. Attention scores
+    (~4% at these lengths) are not counted, so the rate is a lower bound; a forward recomputed by gradient
+    checkpointing is counted (it runs)."""
 
     def __init__(self, model: torch.nn.Module):
         self.forward = 0
-        self.handles = [m.register_forward_hook(self.count) for m in model.modules()
-                        if isinstance(m, torch.nn.Linear)]
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self.count)
 
     def count(self, module, inputs, output) -> None:
         if torch.is_grad_enabled():
-            rows = inputs[0].numel() // module.in_features
-            self.forward += 2 * rows * module.in_features * module.out_features
+            self.forward += 2 * inputs[0].numel() * module.out_features
 
     def take(self) -> float:
         """Training FLOPs since the last call."""
         flops, self.forward = 3 * self.forward, 0
         return float(flops)
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()

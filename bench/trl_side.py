@@ -61,9 +61,9 @@ LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "constant": "
 REQUIRED = (
     ("algo.learner", "advantage"), ("algo.estimator", "grpo"), ("algo.policy_loss", "ppo_clip"),
     ("algo.ratio_level", "token"), ("algo.ratio_against", "old"), ("algo.dual_clip", 0.0),
-    ("algo.kl_target", 0.0), ("algo.entropy_coef", 0.0), ("algo.token_credit", "shared"),
+    ("algo.adaptive_kl.target", 0.0), ("algo.entropy_coef", 0.0), ("algo.token_credit", "shared"),
     ("algo.epochs", 1), ("algo.minibatches", 1), ("algo.dynamic_sampling", False),
-    ("algo.ref_refresh_every", 0), ("algo.ref_ema", 0.0), ("algo.tis_cap", 0.0),
+    ("algo.ref_refresh_every", 0), ("algo.ref_ema", 0.0), ("algo.tis.cap", 0.0),
     ("reward.format", 0.0), ("reward.overlong_buffer", 0), ("reward.functions", ""),
     ("reward.model_path", ""), ("reward.prm_path", ""), ("reward.remote_url", ""), ("reward.language", 0.0),
     ("model.lora_rank", 0),

@@ -1,18 +1,17 @@
-"""What the benchmarks run: the CPU workload, the Qwen-shaped GPU workloads, the learning workload (its
-stop rule and evaluation points), and the reward both trainers score with where correctness would not vary.
+"""What the benchmarks run: the workloads, the memory setups of the GPU capacity grid, the random Qwen2
+models, the reward both trainers score with where correctness would not vary, and the learning runs'
+stop rule and evaluation points.
 
-Every workload is a covey `grpo` config (the preset plus key=value settings, built here); the TRL side
+Every workload is a covey `grpo` config (the preset plus the key=value settings built here); the TRL side
 reads its settings from that config (bench/trl_side.py), so both trainers run from one source.
 
-- `cpu`: the workload the speed targets of docs/benchmark.md were set on: SmolLM2-135M-Instruct,
-  4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5, temperature 1.0 (TRL's default), fp32
-  weights, one optimizer step per rollout, covey's micro-batches of 8 (its default).
-- `gpu`: randomly initialised Qwen2 models with the dimensions of Qwen2.5-0.5B and -1.5B (SHAPES;
-  grouped-query attention; SmolLM2's tokenizer, 49152 entries instead of Qwen's 151936, so the sampled
-  ids decode), saved once in bf16; 8 prompts x 8 samples, 256 new tokens at fixed length, beta 0.04,
-  lr 1e-6, temperature 1, micro-batches of 8, the deterministic `varied_reward` (every step updates).
-- learning: covey's default run (`covey train`) to `--steps` AND `--minutes` of training time, or to
-  `--max-minutes` whichever those say (Schedule).
+- `cpu`: SmolLM2-135M-Instruct, 4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5, temperature
+  1.0 (TRL's default), fp32 weights, one optimizer step per rollout, covey's micro-batches of 8; TRL as
+  it ships takes the step's samples in one forward (`trl_whole_step`).
+- `gpu`: random Qwen2 models of Qwen2.5's dimensions (SHAPES) with SmolLM2's tokenizer (49152 entries
+  instead of Qwen's 151936, so the sampled ids decode), saved in bf16; 8 prompts x 8 samples, 256 new
+  tokens at full length, lr 1e-6, micro-batches of 8, the deterministic `varied_reward` (every step
+  updates). `capacity`: the same at 512 tokens, 3 steps.
 - `*-smoke`: tiny shapes and few tokens, the whole pipeline in seconds on a CPU (tests/bench/).
 """
 
@@ -23,32 +22,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CPU = dict(prompts=4, group_size=8, new_tokens=64, beta=0.04, lr=1e-5, temperature=1.0, micro_batch=8,
-           train_size=600, seed=0)
-GPU = dict(prompts=8, group_size=8, new_tokens=256, beta=0.04, lr=1e-6, temperature=1.0, micro_batch=8, seed=0,
-           steps=4)
-WORKLOADS = {
-    "cpu": CPU, "cpu-smoke": {**CPU, "prompts": 2, "group_size": 4, "new_tokens": 8, "micro_batch": 4,
-                              "train_size": 16},
-    "gpu": GPU, "gpu-smoke": {**GPU, "prompts": 2, "group_size": 4, "new_tokens": 12, "micro_batch": 4, "steps": 3},
-    # bench/gpu_capacity.py: 8 prompts x 8 samples x 512 tokens; step 1 is the first step's time, 2..3 steady
-    "capacity": {**GPU, "new_tokens": 512, "steps": 3},
-    "capacity-smoke": {**GPU, "prompts": 2, "group_size": 4, "new_tokens": 8, "micro_batch": 4, "steps": 2},
-}
-# Qwen2.5-0.5B, -1.5B, -3B, -7B and -14B (their config.json), and a tiny shape for the smoke workloads on a CPU
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4),
-    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                num_key_value_heads=8),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+import torch
+
+CPU = dict(prompts=4, group_size=8, new_tokens=64, beta=0.04, lr=1e-5, temperature=1.0, micro_batch=8, seed=0,
+           train_size=600, gpu=False, trl_whole_step=True)
+GPU = dict(CPU, new_tokens=256, lr=1e-6, prompts=8, gpu=True, trl_whole_step=False, steps=4)
+SMOKE = dict(prompts=2, group_size=4, micro_batch=4, train_size=16)
+WORKLOADS = {"cpu": CPU, "cpu-smoke": {**CPU, **SMOKE, "new_tokens": 8},
+             "gpu": GPU, "gpu-smoke": {**GPU, **SMOKE, "new_tokens": 12, "steps": 3},
+             "capacity": {**GPU, "new_tokens": 512, "steps": 3},
+             "capacity-smoke": {**GPU, **SMOKE, "new_tokens": 8, "steps": 2}}
+# Qwen2.5-0.5B, -1.5B, -3B, -7B and -14B (their config.json): hidden, MLP, layers, query heads, key-value
+# heads; and a tiny shape for the smoke workloads
+SHAPES = {size: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads"), dims))
+          for size, dims in {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2),
+                             "3b": (2048, 11008, 36, 16, 2), "7b": (3584, 18944, 28, 28, 4),
+                             "14b": (5120, 13824, 48, 40, 8), "smoke": (64, 128, 2, 4, 2)}.items()}
+LORA = ["model.lora_rank=16", "model.lora_alpha=32", "model.gradient_checkpointing=true", "model.fused_kernels=auto"]
+TRL_MEMORY = {"model_init_kwargs": {"dtype": "bfloat16"}, "gradient_checkpointing": True, "optim": "adamw_8bit",
+              "use_liger_kernel": True}
+TRL_LORA = "LoraConfig(r=16, lora_alpha=32, target_modules='all-linear')"
+SETUPS = {  # trainer -> setup -> covey key=value settings / TRL settings on top of the workload's
+    "covey": {"defaults": [],
+              "full": ["model.dtype=bfloat16", "optim.name=adamw_8bit", "model.gradient_checkpointing=true",
+                       "model.fused_kernels=auto"],
+              "lora": ["model.dtype=bfloat16", *LORA], "qlora": ["model.load_in_4bit=true", *LORA]},
+    "trl": {"mapped": {}, "gc": {"gradient_checkpointing": True}, "bf16": {"bf16": True},
+            "defaults": {"gradient_checkpointing": True}, "full": TRL_MEMORY,
+            "lora": {**TRL_MEMORY, "peft_config": TRL_LORA},
+            "qlora": {**TRL_MEMORY, "peft_config": TRL_LORA,
+                      "quantization_config": "BitsAndBytesConfig(nf4, double quantization, bf16 compute)"}},
 }
 LEARN_SMOKE = ["task.train_size=32", "task.eval_size=8", "rollout.prompts_per_step=2", "rollout.group_size=4",
                "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8", "algo.micro_batch_size=4"]
@@ -62,66 +66,59 @@ def varied_reward(prompts, completions, **_):
     return [(sum(map(ord, t)) % 7) / 6 for t in texts]
 
 
-def run_keys(w: dict, steps: int, out_dir: str) -> list[str]:
-    """The covey settings of a speed workload `w` (one optimizer step per rollout, no held-out evaluation
-    during the run, a throw-away run folder)."""
-    return [f"train.steps={steps}", "train.max_minutes=0", f"rollout.prompts_per_step={w['prompts']}",
+def workload_keys(workload: str, steps: int, out_dir: str, model: str = "", threads: int = 0) -> list[str]:
+    """The covey settings of a workload: one optimizer step per rollout, no evaluation during the run, a
+    throw-away run folder; a GPU workload on this machine's device, scored by `varied_reward` alone (handed
+    to open_run)."""
+    w = WORKLOADS[workload]
+    keys = [f"train.steps={steps}", "train.max_minutes=0", f"rollout.prompts_per_step={w['prompts']}",
             f"rollout.group_size={w['group_size']}", f"rollout.max_new_tokens={w['new_tokens']}",
             f"algo.beta={w['beta']}", f"optim.lr={w['lr']}", f"algo.micro_batch_size={w['micro_batch']}",
             f"rollout.temperature={w['temperature']}", f"train.seed={w['seed']}", "task.eval_size=8",
             "rollout.eval_max_new_tokens=8", f"train.output_dir={out_dir}", "train.run_name=bench",
-            "train.progress=false", "train.samples_every=0"]
-
-
-def cpu_keys(workload: str, steps: int, threads: int, out_dir: str, model: str = "") -> list[str]:
-    w = WORKLOADS[workload]
-    return [*run_keys(w, steps, out_dir), f"task.train_size={w['train_size']}", f"model.threads={threads}",
-            *([f"model.path={model}"] if model else [])]
-
-
-def gpu_keys(workload: str, model: str, steps: int, out_dir: str, extra: str = "") -> list[str]:
-    """The GPU workload on a model folder; covey scores with `varied_reward` only (reward.correctness=0;
-    the function is handed to open_run)."""
-    import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [*run_keys(WORKLOADS[workload], steps, out_dir), f"model.path={model}", f"train.device={device}",
-            "reward.correctness=0", *extra.split()]
+            "train.progress=false", "train.samples_every=0", *([f"model.path={model}"] if model else [])]
+    if w["gpu"]:
+        return [*keys, f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}", "reward.correctness=0"]
+    return [*keys, f"task.train_size={w['train_size']}", f"model.threads={threads}"]
 
 
 def build_model(size: str, model_dir: str, tokenizer_dir: str, workload: str) -> dict:
-    """A random Qwen2 of the size's dimensions with SmolLM2's tokenizer (or `tokenizer_dir`'s), saved in bf16;
-    returns its shape and the mean prompt length of the task."""
-    import torch
+    """A random Qwen2 of the size's dimensions made in bf16 (on the GPU if there is one) with SmolLM2's
+    tokenizer (or `tokenizer_dir`'s), saved; its shape and the task's mean prompt length. Responses run to
+    their full length on both trainers without touching either: the folder's end-of-sequence token is one
+    added past the model's vocabulary, which the model cannot sample."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from covey.config import load_config
     from covey.models.default import prepare_default_model
     from covey.tasks.data import format_prompts, load_task_data
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or prepare_default_model())
-    config = Qwen2Config(**SHAPES[size], vocab_size=len(tok), tie_word_embeddings=True, rope_theta=1e6,
+    vocab = len(tok)
+    config = Qwen2Config(**SHAPES[size], vocab_size=vocab, tie_word_embeddings=True, rope_theta=1e6,
                          rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                         eos_token_id=vocab, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(model_dir)
+        Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    tok.add_special_tokens({"eos_token": "<|bench_end_of_response|>"})  # id `vocab`
     tok.save_pretrained(model_dir)
-    shape = model_shape(config, len(tok))
     data = load_task_data(load_config("grpo", []).task, WORKLOADS[workload]["seed"])
     lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in format_prompts(tok, data.train[:200])]
-    return {**shape, "prompt_tokens_mean": statistics.mean(lengths)}
+    return {**model_shape(config, vocab), "prompt_tokens_mean": statistics.mean(lengths)}
 
 
 def model_shape(config, vocab: int) -> dict:
-    d, h, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    d, h, kv, layers = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, \
+        config.num_hidden_layers
     head_dim = d // h
     per_layer = d * h * head_dim + 2 * d * kv * head_dim + h * head_dim * d + 3 * d * config.intermediate_size
-    matmul_params = config.num_hidden_layers * per_layer + vocab * d  # the output projection included
-    params = matmul_params + config.num_hidden_layers * (2 * d + (h + 2 * kv) * head_dim) + d  # norms, biases
-    describe = (f"Qwen2 hidden {d}, {config.num_hidden_layers} layers, {h} query / {kv} key-value heads of {head_dim}, "
-                f"MLP {config.intermediate_size}, vocabulary {vocab} (tied): {params / 1e6:.0f}M parameters, "
+    matmul_params = layers * per_layer + vocab * d  # the output projection included
+    params = matmul_params + layers * (2 * d + (h + 2 * kv) * head_dim) + d  # norms, biases
+    describe = (f"Qwen2 hidden {d}, {layers} layers, {h} query / {kv} key-value heads of {head_dim}, MLP "
+                f"{config.intermediate_size}, vocabulary {vocab} (tied): {params / 1e6:.0f}M parameters, "
                 f"{matmul_params / 1e6:.0f}M in matrix products")
-    return {"hidden": d, "layers": config.num_hidden_layers, "heads": h, "kv_heads": kv, "head_dim": head_dim,
+    return {"hidden": d, "layers": layers, "heads": h, "kv_heads": kv, "head_dim": head_dim,
             "intermediate": config.intermediate_size, "vocab": vocab, "params": params,
             "matmul_params": matmul_params, "describe": describe}
 
@@ -137,17 +134,25 @@ def update_flops(shape: dict, w: dict, prompt_tokens: float) -> float:
     return 6 * shape["matmul_params"] * tokens + per_pair * pairs
 
 
-# --------------------------------------------------------------------------- the learning workload
+def floor_bytes(shape: dict, w: dict, prompt_tokens: float) -> float:
+    """Bytes a decode step of the bf16 sampling copy must read, averaged over the steps: every weight once
+    (the tied embedding as the output projection; the embedding rows read are negligible) and the keys and
+    values in use by the workload's rows."""
+    per_position = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
+    rows = w["prompts"] * w["group_size"]
+    return 2 * shape["params"] + rows * (prompt_tokens + (w["new_tokens"] + 1) / 2) * per_position
+
+
+# --------------------------------------------------------------------------- the learning runs
 
 
 @dataclass(frozen=True)
 class Schedule:
     """When a learning run stops and which of its steps are evaluated; `seconds` is training time after
     the step. A run ends at the first step that is at least `steps` AND at least `minutes` of training
-    time. Evaluation points: every `eval_every` steps, step `steps`, the first step boundary past
-    `minutes`, and the last step (step 0, the untrained model, is evaluated by the driver).
-    `max_minutes` (0: none) ends a run at the first step past it whatever the other two say: a budget
-    for a run that must end within a fixed time."""
+    time, or at the first step past `max_minutes` (0: no cap) whatever the other two say. Evaluation
+    points: every `eval_every` steps, step `steps`, the first step past `minutes`, the last step (step 0,
+    the untrained model, is evaluated by the driver)."""
     steps: int
     minutes: float
     eval_every: int
@@ -160,21 +165,14 @@ class Schedule:
     def tags(self, step: int, seconds: float, before: float) -> list[str]:
         """Why step `step` is evaluated (empty: it is not); `before` is the training time after the previous step."""
         limit = 60 * self.minutes
-        tags = []
-        if self.eval_every and step % self.eval_every == 0:
-            tags.append("every")
-        if step == self.steps:
-            tags.append("steps")
-        if limit > 0 and before < limit <= seconds:
-            tags.append("minutes")
-        if self.done(step, seconds):
-            tags.append("final")
-        return tags
+        marks = {"every": bool(self.eval_every) and step % self.eval_every == 0, "steps": step == self.steps,
+                 "minutes": 0 < limit and before < limit <= seconds, "final": self.done(step, seconds)}
+        return [tag for tag, on in marks.items() if on]
 
 
 class Tracker:
     """Training time, per-step records and saved evaluation points of one learning run (either trainer).
-    Training time is the wall clock from the first step's start to the end of the current one, minus the
+    Training time is the wall clock from the first step's start to the end of the current one, less the
     time spent saving evaluation folders (loading and set-up are not counted, on either side)."""
 
     def __init__(self, schedule: Schedule, samples_per_step: int, save_dir: Path):
@@ -189,31 +187,31 @@ class Tracker:
         if self.start is None:
             self.start = time.perf_counter()
 
-    def end(self, step: int, step_s: float, save, reward: float | None = None,
-            gpu_peak_mib: float | None = None) -> None:
-        """After optimizer step `step` (its own duration `step_s`): record, and save via save(folder) when due.
-        `gpu_peak_mib`: the step's peak GPU memory where the trainer measures it per step."""
+    def end(self, step: int, step_s: float, save, reward: float | None = None, gpu_peak_mib: float | None = None):
+        """After optimizer step `step` (its own duration `step_s`): record, and save(folder) when due."""
         seconds = time.perf_counter() - self.start - self.saving
         before = self.steps[-1]["seconds"] if self.steps else 0.0
         self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "reward": reward,
-                           **({"gpu_peak_mib": gpu_peak_mib} if gpu_peak_mib is not None else {})})
+                           "gpu_peak_mib": gpu_peak_mib})
         tags = self.schedule.tags(step, seconds, before)
         if tags:
-            t0 = time.perf_counter()
-            folder = self.save_dir / f"step-{step:06d}"
+            t0, folder = time.perf_counter(), self.save_dir / f"step-{step:06d}"
             save(folder)
             self.saving += time.perf_counter() - t0
-            self.points.append({"step": step, "samples": step * self.samples_per_step,
-                                "minutes": seconds / 60, "tags": tags, "folder": str(folder)})
+            self.points.append({"step": step, "samples": step * self.samples_per_step, "minutes": seconds / 60,
+                                "tags": tags, "folder": str(folder)})
         self.done = self.schedule.done(step, seconds)
         print(f"bench: step {step}: {seconds:.1f} s of training", flush=True)
 
+    def note_reward(self, reward: float) -> None:
+        if self.steps:
+            self.steps[-1]["reward"] = reward
+
     def result(self, **extra) -> dict:
         """The run's record; on a GPU its peak memory (MiB): the largest per-step peak the trainer reported,
-        else the process's peak since the CUDA statistics were last reset."""
-        import torch
+        else the process's peak."""
         out = {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(), **extra}
-        peaks = [s["gpu_peak_mib"] for s in self.steps if "gpu_peak_mib" in s]
+        peaks = [s["gpu_peak_mib"] for s in self.steps if s["gpu_peak_mib"] is not None]
         if peaks:
             out["gpu_peak_mib"] = max(peaks)
         elif torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -12,6 +12,17 @@
 Every name is imported on first use (PEP 562), so `import covey` stays light: `load_config`
 (covey.config, which loads no torch), `train` (the package covey.train, callable; its first
 call imports the models) and the step API of covey.train.loop.
+
+The packages, lowest layer first (imports point down only; docs/design.md):
+- config: the one typed config; algos: the tensor maths; batch: the Rollout, the typed batch
+  between the stages of a step; runtime: process plumbing with no RL in it;
+- tasks: prompts and their verifiers; models: weights into modules;
+- passes: one batch through one model at train time;
+- rollout: the sampling engines; rewards: scoring completions;
+- rm: training reward models;
+- train: the run (plan, loop, update);
+- report: reading run folders back;
+- cli: the command line.
 """
 
 import importlib

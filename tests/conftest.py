@@ -21,8 +21,8 @@ def no_native_bf16(monkeypatch):
     """`auto` precisions resolve to fp32 in every test, so a test's numbers do not depend on whether the
     machine running it has bf16 instructions. Tests of bf16 ask for it by name or patch this back.
     (Subprocesses do not see the patch: tests that compare them with this process set fp32 by key.)"""
-    from covey.runtime import precision as hardware
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    from covey.runtime import precision
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
 
 
 @pytest.fixture(scope="session")

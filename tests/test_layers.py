@@ -225,3 +225,61 @@ def test_nothing_under_bench_assigns_to_a_covey_module_attribute():
                 if root in bound and module in known:
                     bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} assigns {module}.{attr}")
     assert not bad, "bench/ replaces covey's functions at run time:\n" + "\n".join(bad)
+
+
+def test_no_covey_module_is_imported_under_another_name():
+    """A covey module keeps its own name wherever it is imported, in covey/, tests/ and bench/:
+    `from covey.passes import logprobs` (or `import covey.passes.logprobs as logprobs`), never
+    `... import logprobs as forward`. Names other than modules (a function, a class) are not checked."""
+    repo, known = ROOT.parent, set(modules())
+    bad = []
+    for path in sorted(p for folder in ("covey", "tests", "bench") for p in (repo / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                pairs = [(a.name, a.asname) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                pairs = [(f"{node.module}.{a.name}", a.asname) for a in node.names]
+            else:
+                continue
+            bad += [f"{path.relative_to(repo)}:{node.lineno} imports {name} as {alias}" for name, alias in pairs
+                    if alias and name in known and alias != name.rsplit(".", 1)[-1]]
+    assert not bad, "covey modules imported under another name:\n" + "\n".join(bad)
+
+
+CITED_TEST = re.compile(r"((?:tests|bench)/[\w/.-]+\.py)::(\w+)")
+
+
+def test_every_path_cited_in_the_code_exists():
+    """Repository paths named in the code, comments and docstrings of covey/, tests/ and bench/ exist
+    (a bare test file name somewhere under tests/), and so does a test cited as `tests/<file>.py::<test>`;
+    `<placeholder>`, `{a,b}` and `*` paths are not checked."""
+    repo = ROOT.parent
+    missing = []
+    for path in sorted(p for folder in ("covey", "tests", "bench") for p in (repo / folder).rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            line = DOC_URL.sub("", line)
+            for cited in (p.rstrip(".") for p in DOC_PATH.findall(line)):
+                if any(c in cited for c in "<>{}*"):
+                    continue
+                found = any((repo / "tests").rglob(cited)) if cited.startswith("test_") else any(repo.glob(cited))
+                if not found:
+                    missing.append(f"{path.relative_to(repo)}:{number}: {cited}")
+            for file, name in CITED_TEST.findall(line):
+                source = repo / file
+                if source.is_file() and not re.search(rf"^\s*(def|class) {name}\b", source.read_text(), re.M):
+                    missing.append(f"{path.relative_to(repo)}:{number}: {file}::{name}")
+    assert not missing, "paths cited in the code that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_package_docstring_names_its_modules():
+    """A package's `__init__` docstring names each of its modules and sub-packages (DESIGN: "Every package
+    `__init__` opens with a docstring that names what it owns, module by module"): by its own name, as a
+    word that is not part of a dotted or slashed path."""
+    bad = []
+    for init in sorted(ROOT.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        owned = [p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        owned += [p.parent.name for p in init.parent.glob("*/__init__.py")]
+        bad += [f"{init.relative_to(ROOT.parent)}: {name}" for name in sorted(owned)
+                if not re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w/-]|\.py)", doc)]
+    assert not bad, "modules their package's docstring does not name:\n" + "\n".join(bad)

@@ -4,16 +4,22 @@ Tensors and plain scalars in, ``(tensor(s), metrics_dict)`` out; metrics are pla
 Formulas, option names, defaults and sources: docs/algorithms.md (its "API" section lists
 everything exported here).
 
-Modules: advantages (group-baseline estimators + registry), returns (REINFORCE++, GAE),
-losses (policy / value / entropy / KL loss terms), soft_losses (SAPO, GMPO, VESPO),
-loss_registry (every policy loss by name with its traits), objective (policy loss + KL + entropy, masked first:
-the micro-batch objective the trainer runs), aggregation (global normaliser),
-kl (per-token estimators, controllers), logits (chunked log-probs, entropy, full KL), linear_logits (the same
-from hidden states and the output layer, no full logits),
-dpo (DPO loss on best-vs-worst pairs), tis (importance weights of the four TIS modes, sampler vs trainer),
-token_select (high-entropy tokens, Clip-Cov / KL-Cov selections), entropy_control (fixed or adaptive
-entropy coefficient), router (the load-balancing loss of a mixture of experts' routers, its step share),
-rm_losses (reward-model losses: Bradley-Terry pairs, labelled steps).
+Modules:
+- options: the inputs and options of the advantage estimators and policy losses (plain scalars);
+- advantages: group-baseline estimators (GRPO outcome and process, RLOO, ReMax) and the estimator
+  registry; returns: token-level estimators (REINFORCE++, GAE);
+- _prep: input checks and option resolution shared by the estimators; _stats: masked and grouped
+  statistics shared by the estimators and losses;
+- losses: policy / value / entropy / KL loss terms; soft_losses: SAPO, GMPO, VESPO; loss_registry:
+  every policy loss by name with its traits; objective: policy loss + KL + entropy, masked first (the
+  micro-batch objective the trainer runs); aggregation: the global normaliser;
+- kl: per-token KL estimators and controllers; logits: chunked log-probs, entropy, full KL;
+  linear_logits: the same from hidden states and the output layer, no full logits;
+- dpo: the DPO loss on best-vs-worst pairs; rm_losses: reward-model losses (Bradley-Terry pairs,
+  labelled steps);
+- tis: importance weights of the four TIS modes, sampler vs trainer; token_select: high-entropy
+  tokens, Clip-Cov / KL-Cov selections; entropy_control: fixed or adaptive entropy coefficient;
+  router: the load-balancing loss of a mixture of experts' routers, its step share.
 """
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten

@@ -23,7 +23,7 @@ from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 class PolicyLoss:
     """A registered policy loss and what it is defined with. Callable like its `fn`."""
     fn: Callable[..., "tuple[Tensor, dict]"]
-    options: tuple[str, ...] = ()        # the PolicyLossOptions fields it reads (the same names as algo keys)
+    options: tuple[str, ...] = ()        # the PolicyLossOptions fields (or option groups) it reads: algo keys
     ratio_level: str | None = None       # the ratio level it is defined at; None: opts.ratio_level (if it reads it)
     aggregation: str | None = None       # the aggregation it is defined with; None: the caller's (algo.loss_agg)
     sequence_advantage: bool = False     # reads one advantage per sequence (the mean over its valid tokens)
@@ -41,14 +41,14 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo_clip": PolicyLoss(ppo_clip_loss, options=CLIP + ("dual_clip", "ratio_level", "ratio_against")),
     "pg": PolicyLoss(pg_loss),
     "cispo": PolicyLoss(cispo_loss, options=CLIP + ("ratio_level",)),
-    "sapo": PolicyLoss(sapo_loss, options=("sapo_temperature_pos", "sapo_temperature_neg", "ratio_level")),
-    "gmpo": PolicyLoss(gmpo_loss, options=("gmpo_log_clip_low", "gmpo_log_clip_high"),
+    "sapo": PolicyLoss(sapo_loss, options=("sapo", "ratio_level")),
+    "gmpo": PolicyLoss(gmpo_loss, options=("gmpo",),
                        aggregation="seq_mean_token_mean", sequence_advantage=True),
     # LUSPO (arXiv:2602.05261): GSPO's clipped sequence ratio, each sequence's term weighted by its length
     # |y_i|, i.e. summed over its tokens and averaged over sequences (TRL 1.16 loss_type="luspo").
     "luspo": PolicyLoss(ppo_clip_loss, options=CLIP + ("dual_clip",), ratio_level="sequence",
                         aggregation="seq_mean_token_sum"),
-    "vespo": PolicyLoss(vespo_loss, options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+    "vespo": PolicyLoss(vespo_loss, options=("vespo",)),
 }
 
 

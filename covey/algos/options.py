@@ -5,9 +5,11 @@ Dimension legend (docs/design.md): N sequences, L response tokens, S reasoning s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
+
+from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 
 TOKEN_CREDITS = ("shared", "uniform", "discounted")
 NORMALIZE_MODES = ("auto", "group", "batch", "global_token", "none")
@@ -89,33 +91,26 @@ class PolicyLossOptions:
     """token | sequence (GSPO: exp of the mean token log-ratio of the sequence)."""
     ratio_against: str = "old"
     """old (sampling policy, PPO/GRPO) | ref (the reference model: not a trust region)."""
-    sapo_temperature_pos: float = 1.0
-    """sapo: temperature of the soft gate for A > 0 (> 0)."""
-    sapo_temperature_neg: float = 1.05
-    """sapo: temperature of the soft gate for A <= 0 (> 0)."""
-    gmpo_log_clip_low: float = 0.4
-    """gmpo: token log-ratios clipped below at -gmpo_log_clip_low (A < 0), in log space (>= 0)."""
-    gmpo_log_clip_high: float = 0.4
-    """gmpo: token log-ratios clipped above at gmpo_log_clip_high (A > 0), in log space (>= 0)."""
-    vespo_k_pos: float = 2.0
-    """vespo: power k of the gamma kernel phi(w) = w^k e^(lambda (1 - w)) for A >= 0 (>= 0)."""
-    vespo_lambda_pos: float = 3.0
-    """vespo: decay lambda of the kernel for A >= 0 (> 0)."""
-    vespo_k_neg: float = 3.0
-    """vespo: power k for A < 0 (>= 0)."""
-    vespo_lambda_neg: float = 2.0
-    """vespo: decay lambda for A < 0 (> 0)."""
+    sapo: SapoOptions = field(default_factory=SapoOptions)
+    """sapo: the soft gate's temperatures (algo.sapo.*, declared in covey/config/schema_algo.py)."""
+    gmpo: GmpoOptions = field(default_factory=GmpoOptions)
+    """gmpo: the log-space clip of the token ratios (algo.gmpo.*)."""
+    vespo: VespoOptions = field(default_factory=VespoOptions)
+    """vespo: the gamma kernel's powers and decays (algo.vespo.*)."""
 
     def validate(self) -> None:
         if not (self.clip_eps_low >= 0 and self.clip_eps_high >= 0):
             raise ValueError(f"clip eps must be >= 0, got low={self.clip_eps_low} high={self.clip_eps_high}")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("gmpo_log_clip_low", "gmpo_log_clip_high", "vespo_k_pos", "vespo_k_neg"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        groups = {"sapo": self.sapo, "gmpo": self.gmpo, "vespo": self.vespo}
+        for name in ("sapo.temperature_pos", "sapo.temperature_neg", "vespo.lambda_pos", "vespo.lambda_neg"):
+            value = getattr(groups[name.split(".")[0]], name.split(".")[1])
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("gmpo.log_clip_low", "gmpo.log_clip_high", "vespo.k_pos", "vespo.k_neg"):
+            value = getattr(groups[name.split(".")[0]], name.split(".")[1])
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         check_choice("ratio_against", self.ratio_against, RATIO_AGAINST)

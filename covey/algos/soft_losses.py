@@ -53,7 +53,7 @@ def sapo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respons
               opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
     """SAPO (Gao et al. 2025, arXiv:2511.20347): a soft gate in place of PPO's clip, per token
 
-        f(r) = 4 / tau * sigmoid(tau * (r - 1)),   tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg
+        f(r) = 4 / tau * sigmoid(tau * (r - 1)),   tau = sapo.temperature_pos if A > 0 else sapo.temperature_neg
         l    = -f(r) * A
 
     df/dr = 4 s (1 - s) with s = sigmoid(tau (r - 1)): 1 at r = 1 (pg's gradient on policy), falling smoothly
@@ -64,7 +64,7 @@ def sapo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respons
     base = old_logp if old_logp is not None else logp.detach()
     adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
     ratio = torch.exp(log_ratio(logp, base, mask, opts.ratio_level))
-    tau = torch.where(adv > 0, adv.new_tensor(opts.sapo_temperature_pos), adv.new_tensor(opts.sapo_temperature_neg))
+    tau = torch.where(adv > 0, adv.new_tensor(opts.sapo.temperature_pos), adv.new_tensor(opts.sapo.temperature_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = aggregate(-(4.0 / tau) * gate * adv, mask, norm)
     weight = 4.0 * gate.detach() * (1.0 - gate.detach()) * ratio.detach()
@@ -81,7 +81,7 @@ def gmpo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respons
         d_t  = logp_t - old_logp_t, clipped one-sided in log space by the sign of A_i:
                A_i > 0: min(d_t, clip(d_t, -lo, hi)) (only the top is cut); else max(d_t, clip(d_t, -lo, hi))
         g_i  = exp(mean over valid t of d_t)
-        l_i  = -A_i * g_i            on every valid token of i (lo, hi = gmpo_log_clip_low, gmpo_log_clip_high)
+        l_i  = -A_i * g_i            on every valid token of i (lo, hi = gmpo.log_clip_low, gmpo.log_clip_high)
 
     A_i is the mean advantage over the sequence's valid tokens (its advantage, for outcome rewards).
     With seq_mean_token_mean (the registry entry's aggregation) the loss is mean_i l_i, the paper's.
@@ -93,13 +93,13 @@ def gmpo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respons
     n_tok = mask.sum(-1).clamp(min=1).to(logp.dtype)
     seq_adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask).sum(-1) / n_tok
     positive = (seq_adv > 0)[:, None]
-    cut = d.clamp(-opts.gmpo_log_clip_low, opts.gmpo_log_clip_high)
+    cut = d.clamp(-opts.gmpo.log_clip_low, opts.gmpo.log_clip_high)
     clipped = masked_fill_zero(torch.where(positive, torch.minimum(d, cut), torch.maximum(d, cut)), mask)
     geo = torch.exp(clipped.sum(-1) / n_tok)
     per_token = (-seq_adv * geo)[:, None].expand_as(d)
     loss = aggregate(per_token, mask, norm)
-    upper = mask & positive & (d.detach() > opts.gmpo_log_clip_high)
-    lower = mask & (seq_adv < 0)[:, None] & (d.detach() < -opts.gmpo_log_clip_low)
+    upper = mask & positive & (d.detach() > opts.gmpo.log_clip_high)
+    lower = mask & (seq_adv < 0)[:, None] & (d.detach() < -opts.gmpo.log_clip_low)
     weight = geo.detach()[:, None] * (~(upper | lower)).to(d.dtype)
     adv = seq_adv[:, None].expand_as(d)
     metrics = {**clip_metrics(upper, lower, mask), "policy/grad_weight_mean": _mean(weight, mask),
@@ -114,8 +114,8 @@ def vespo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respon
 
         log w_i = clamp(sum over valid t of clamp(logp_t - old_logp_t, +-20), log 1e-8, 20)
         phi     = w^k * exp(lambda * (1 - w))           (phi(1) = 1, its peak at w = k / lambda)
-        l_t     = -sg(phi) * A_t * logp_t               k, lambda = vespo_k_pos, vespo_lambda_pos if A_t >= 0,
-                                                                    vespo_k_neg, vespo_lambda_neg otherwise
+        l_t     = -sg(phi) * A_t * logp_t               k, lambda = vespo.k_pos, vespo.lambda_pos if A_t >= 0,
+                                                                    vespo.k_neg, vespo.lambda_neg otherwise
     """
     opts.validate()
     mask = as_bool_mask(response_mask)
@@ -124,8 +124,8 @@ def vespo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respon
     d = masked_fill_zero(logp.detach() - base.detach(), mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_w = d.sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
     nonneg = adv >= 0
-    k = torch.where(nonneg, adv.new_tensor(opts.vespo_k_pos), adv.new_tensor(opts.vespo_k_neg))
-    lam = torch.where(nonneg, adv.new_tensor(opts.vespo_lambda_pos), adv.new_tensor(opts.vespo_lambda_neg))
+    k = torch.where(nonneg, adv.new_tensor(opts.vespo.k_pos), adv.new_tensor(opts.vespo.k_neg))
+    lam = torch.where(nonneg, adv.new_tensor(opts.vespo.lambda_pos), adv.new_tensor(opts.vespo.lambda_neg))
     phi = torch.exp(k * log_w + lam * (1.0 - torch.exp(log_w))).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     loss = aggregate(-phi * adv * masked_fill_zero(logp, mask), mask, norm)
     none = torch.zeros_like(mask)

@@ -10,7 +10,7 @@ brings you off-policy RL training"; Ionides 2008 for truncated IS). Four modes (
 R = prod_t r_t over its valid tokens (exp of the summed log-ratios), and an optional lower bound c
 (TRL's `vllm_importance_sampling_clip_min`; 0 = none):
 
-    token_truncate     w_t = clamp(r_t, c, C)                (truncated IS; covey's algo.tis_cap alone)
+    token_truncate     w_t = clamp(r_t, c, C)                (truncated IS; covey's algo.tis.cap alone)
     token_mask         w_t = r_t if c <= r_t <= C else 0     (the token leaves the policy loss)
     sequence_truncate  w_t = clamp(R, c, C)                  every token of the sequence
     sequence_mask      w_t = R if c <= R <= C else 0         the whole sequence leaves the policy loss
@@ -54,7 +54,7 @@ def importance_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: 
     if not 0 <= floor < cap:
         raise ValueError(f"importance sampling floor must lie in [0, cap={cap:g}), got {floor}")
     if mode not in TIS_MODES:
-        raise ValueError(f"unknown tis_mode {mode!r}; valid: {', '.join(TIS_MODES)}")
+        raise ValueError(f"unknown tis mode {mode!r}; valid: {', '.join(TIS_MODES)}")
     mask = as_bool_mask(response_mask)
     token = masked_fill_zero((train_logp - sampler_logp).detach(), mask)
     log_ratio = token.sum(-1, keepdim=True).expand_as(token) if mode.startswith("sequence") else token

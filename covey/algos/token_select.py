@@ -24,7 +24,7 @@ count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -32,6 +32,7 @@ from torch import Tensor
 
 from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean
 from covey.algos.aggregation import Normalizer, aggregate
+from covey.config.schema_algo import ClipCovOptions, KLCovOptions
 
 
 def high_entropy_mask(entropy: Tensor, response_mask: Tensor, quantile: float) -> tuple[Tensor, dict]:
@@ -65,38 +66,32 @@ def token_covariance(advantages: Tensor, logp: Tensor, response_mask: Tensor) ->
 
 @dataclass(frozen=True)
 class CovOptions:
-    """Options of the covariance controls (algo.cov_control and its keys)."""
+    """Options of the covariance controls: algo.cov_control and the group of the chosen one."""
     control: str = "none"
     """none | clip_cov | kl_cov (COV_CONTROLS)."""
-    clip_ratio: float = 2e-4
-    """Clip-Cov: share of the valid tokens whose policy term is dropped."""
-    clip_lb: float = 1.0
-    """Clip-Cov: a candidate's covariance is above this ..."""
-    clip_ub: float = 5.0
-    """... and below this."""
-    kl_ratio: float = 2e-4
-    """KL-Cov: share of the valid tokens (largest covariance) that carry the penalty."""
-    kl_coef: float = 0.1
-    """KL-Cov: weight of |log pi_theta - log pi_old| on those tokens."""
+    clip_cov: ClipCovOptions = field(default_factory=ClipCovOptions)
+    """Clip-Cov: the share of tokens dropped and the covariance band they are drawn from (algo.clip_cov.*)."""
+    kl_cov: KLCovOptions = field(default_factory=KLCovOptions)
+    """KL-Cov: the share of tokens penalised and the penalty's weight (algo.kl_cov.*)."""
 
     def validate(self) -> None:
+        c, k = self.clip_cov, self.kl_cov
         if self.control not in COV_CONTROLS:
             raise ValueError(f"unknown cov_control {self.control!r}; valid: {', '.join(COV_CONTROLS)}")
-        if not (0.0 <= self.clip_ratio <= 1.0 and 0.0 <= self.kl_ratio <= 1.0):
-            raise ValueError(f"clip_cov_ratio and kl_cov_ratio must be in [0, 1], got {self.clip_ratio}, "
-                             f"{self.kl_ratio}")
-        if not self.clip_lb < self.clip_ub:
-            raise ValueError(f"clip_cov_lb must be below clip_cov_ub, got {self.clip_lb}, {self.clip_ub}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_coef}")
+        if not (0.0 <= c.ratio <= 1.0 and 0.0 <= k.ratio <= 1.0):
+            raise ValueError(f"clip_cov.ratio and kl_cov.ratio must be in [0, 1], got {c.ratio}, {k.ratio}")
+        if not c.lb < c.ub:
+            raise ValueError(f"clip_cov.lb must be below clip_cov.ub, got {c.lb}, {c.ub}")
+        if not k.coef >= 0.0:
+            raise ValueError(f"kl_cov.coef must be >= 0, got {k.coef}")
 
 
 def clip_cov_select(cov: Tensor, response_mask: Tensor, opts: CovOptions, generator: torch.Generator) -> Tensor:
     """(N, L) bool: max(floor(clip_ratio * T), 1) tokens drawn uniformly (by `generator`) among the
     valid ones with clip_lb < cov < clip_ub; all of them when there are fewer."""
     mask = as_bool_mask(response_mask)
-    count = max(int(opts.clip_ratio * int(mask.sum())), 1)
-    candidates = (mask & (cov > opts.clip_lb) & (cov < opts.clip_ub)).flatten().nonzero().squeeze(1)
+    count = max(int(opts.clip_cov.ratio * int(mask.sum())), 1)
+    candidates = (mask & (cov > opts.clip_cov.lb) & (cov < opts.clip_cov.ub)).flatten().nonzero().squeeze(1)
     chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]]
     out = torch.zeros(mask.numel(), dtype=torch.bool)
     out[chosen.cpu()] = True
@@ -108,8 +103,8 @@ def kl_cov_select(cov: Tensor, response_mask: Tensor, opts: CovOptions, generato
     mask = as_bool_mask(response_mask)
     valid = mask.flatten().nonzero().squeeze(1)
     out = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
-    if len(valid) and opts.kl_ratio > 0:
-        count = max(int(len(valid) * opts.kl_ratio), 1)
+    if len(valid) and opts.kl_cov.ratio > 0:
+        count = max(int(len(valid) * opts.kl_cov.ratio), 1)
         out[valid[torch.topk(cov.flatten()[valid], count).indices]] = True
     return out.view(mask.shape)
 
@@ -157,5 +152,5 @@ def cov_terms(opts: CovOptions, logp: Tensor, old_logp: Tensor, advantages: Tens
     penalty = None
     if control.penalises_drift:
         drift = (masked_fill_zero(logp, mask) - masked_fill_zero(old_logp.detach().to(logp.dtype), mask)).abs()
-        penalty = opts.kl_coef * aggregate(drift, response_mask, norm)
+        penalty = opts.kl_cov.coef * aggregate(drift, response_mask, norm)
     return advantages, penalty

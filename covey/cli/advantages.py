@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 
-import torch
+if typing.TYPE_CHECKING:  # torch and covey.algos load when the command runs (see AlgosNames)
+    import torch
 
-from covey import algos
-from covey.algos.options import NORMALIZE_MODES, TOKEN_CREDITS
+    from covey import algos
 
 PROG = "covey advantages"
 HELP = "print per-token advantages and returns for given rewards and lengths"
@@ -32,20 +33,34 @@ EPILOG = """examples:
 """
 
 
+class AlgosNames:
+    """`%(names)s` in a help line: the names of a covey.algos registry (ESTIMATORS) or option list
+    (covey.algos.options), joined when the help is printed. covey.algos loads torch, which building
+    the parser for `covey --help` or for another command must not."""
+
+    def __init__(self, attribute: str, separator: str):
+        self.attribute, self.separator = attribute, separator
+
+    def __str__(self) -> str:
+        from covey import algos
+        from covey.algos import options
+        return self.separator.join(getattr(algos, self.attribute, None) or getattr(options, self.attribute))
+
+
 def _fail(message: str):
     print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--estimator", default="grpo", help=f"one of: {', '.join(algos.ESTIMATORS)} (default grpo)")
+    estimator_arg = p.add_argument("--estimator", default="grpo", help="one of: %(names)s (default grpo)")
     p.add_argument("--rewards", required=True, help="comma-separated outcome reward per sequence, e.g. 0.8,0.6")
     p.add_argument("--lengths", required=True, help="comma-separated response length per sequence, e.g. 3,4")
     p.add_argument("--groups", help="comma-separated group id per sequence (default: one group)")
-    p.add_argument("--token-credit", default="shared", help=f"{' | '.join(TOKEN_CREDITS)} (default shared)")
+    token_credit_arg = p.add_argument("--token-credit", default="shared", help="%(names)s (default shared)")
     p.add_argument("--gamma", type=float, default=1.0, help="discount in [0, 1] (default 1)")
     p.add_argument("--lam", type=float, default=0.95, help="GAE lambda in [0, 1] (default 0.95)")
-    p.add_argument("--normalize", default="auto", help=f"{' | '.join(NORMALIZE_MODES)} (default auto)")
+    normalize_arg = p.add_argument("--normalize", default="auto", help="%(names)s (default auto)")
     p.add_argument("--no-std", action="store_true", help="do not divide by the std (Dr. GRPO)")
     p.add_argument("--ddof", type=int, default=0, help="std degrees of freedom: 0 population, 1 unbiased (default 0)")
     p.add_argument("--eps", type=float, default=1e-6, help="added to the std (default 1e-6)")
@@ -55,6 +70,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-ends", help="grpo_process: 1-based token where each step ends, same layout")
     p.add_argument("--digits", type=int, default=4, help="decimals in the table (default 4)")
     p.add_argument("--json", action="store_true", help="print JSON (one object per sequence) instead of a table")
+    estimator_arg.names = AlgosNames("ESTIMATORS", ", ")
+    token_credit_arg.names = AlgosNames("TOKEN_CREDITS", " | ")
+    normalize_arg.names = AlgosNames("NORMALIZE_MODES", " | ")
     p.error = _fail  # one-line errors, exit code 2
 
 
@@ -82,6 +100,7 @@ def _per_sequence(text: str, what: str, n: int, kind=float) -> list[list]:
 
 
 def _padded(rows: list[list], n: int, width: int, dtype) -> torch.Tensor:
+    import torch
     out = torch.zeros(n, width, dtype=dtype)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=dtype)
@@ -89,6 +108,7 @@ def _padded(rows: list[list], n: int, width: int, dtype) -> torch.Tensor:
 
 
 def _step_inputs(args, n: int, lengths: list[int]) -> dict:
+    import torch
     if (args.step_rewards is None) != (args.step_ends is None):
         _fail("--step-rewards and --step-ends go together")
     if args.step_rewards is None:
@@ -110,6 +130,9 @@ def _step_inputs(args, n: int, lengths: list[int]) -> dict:
 
 def build_input(args) -> algos.AdvantageInput:
     """AdvantageInput (float64) from the parsed arguments; one-line error and exit 2 on bad ones."""
+    import torch
+
+    from covey import algos
     rewards = _numbers(args.rewards, "rewards")
     lengths = _numbers(args.lengths, "lengths", int)
     n = len(rewards)
@@ -143,12 +166,14 @@ def build_input(args) -> algos.AdvantageInput:
 
 def estimator(args) -> algos.Estimator:
     """The registry entry of --estimator (its traits say which inputs it needs)."""
+    from covey import algos
     if args.estimator not in algos.ESTIMATORS:
         _fail(f"unknown estimator {args.estimator!r}; valid: {', '.join(algos.ESTIMATORS)}")
     return algos.ESTIMATORS[args.estimator]
 
 
 def build_options(args) -> algos.AdvantageOptions:
+    from covey import algos
     estimator(args)
     if not 0.0 <= args.gamma <= 1.0:
         _fail(f"--gamma must be in [0, 1], got {args.gamma}")
@@ -182,6 +207,7 @@ def _table(result: dict, digits: int) -> str:
 
 def compute(args) -> dict:
     """Run the estimator; a dict with options, one entry per sequence (lists of per-token values) and metrics."""
+    from covey import algos
     opts = build_options(args)
     inp = build_input(args)
     try:

@@ -8,7 +8,7 @@ HELP = ("run several algorithms x seeds on one budget and write runs/compare-<na
 
 
 def add_parser(sub) -> None:
-    from covey.report.compare import DEFAULT_ALGOS, DEFAULT_BUDGET, DEFAULT_SEEDS
+    from covey.report.spec import DEFAULT_ALGOS, DEFAULT_BUDGET, DEFAULT_SEEDS
     p = sub.add_parser("compare", help=HELP, description=HELP)
     p.add_argument("overrides", nargs="*", help="key=value overrides shared by every run (model.path, task.*, ...)")
     p.add_argument("--algos", default=",".join(DEFAULT_ALGOS),
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 def spec_from_args(args):
     """The CompareSpec of the parsed arguments; train.output_dir=... says where the comparison lives."""
     from covey.config import ConfigError
-    from covey.report.compare import CompareSpec, parse_budget, parse_list
+    from covey.report.spec import CompareSpec, parse_budget, parse_list
     overrides = list(args.overrides)
     output_dir = "runs"
     for item in list(overrides):  # where the comparison lives, not a per-run setting

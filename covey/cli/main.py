@@ -20,11 +20,11 @@ STDOUT_CLOSED_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer who
 
 def build_parser() -> argparse.ArgumentParser:
     # Here, not at the top: entry() may restart the interpreter before any command module is needed.
+    import covey.cli.eval  # by its full name: `eval` alone would hide the builtin
     from covey.cli import advantages, compare, plot, rm, serve, train
-    from covey.cli import eval as eval_command
     parser = argparse.ArgumentParser(prog="covey", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (train, eval_command, rm, serve, plot, compare, advantages):
+    for command in (train, covey.cli.eval, rm, serve, plot, compare, advantages):
         command.add_parser(sub)
     for sub_parser in sub.choices.values():  # argument errors are reported by the command's own parser
         sub_parser.set_defaults(command_parser=sub_parser)

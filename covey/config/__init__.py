@@ -1,7 +1,15 @@
-"""The one typed config: schema (every field with its docstring), loading (packaged presets named
-on the command line, YAML files, key=value overrides) and the checks a config can make alone.
-No torch and no covey.algos: the algorithm names and what an estimator needs are checked from the
-registries' traits when the run's plan is made (covey/train/plan_checks.py)."""
+"""The one typed config, with no torch and no covey.algos: the algorithm names and what an estimator
+needs are checked from the registries' traits when the run's plan is made (covey/train/plan_checks.py).
+
+- schema: the config's shape, one dataclass per section, every field with its docstring;
+  schema_algo: the `algo` section (estimator, policy loss, KL, update, token devices);
+  schema_rewards: the `reward` and `rm` sections;
+- load: defaults, then packaged presets named on the command line and YAML files, then key=value
+  overrides; presets/ holds the packaged preset files;
+- checks: the checks a config can make alone, run when it loads, and the sizes it implies;
+- describe: each field's docstring read from the source, and `covey train --help-config`;
+- errors: ConfigError, the one-line error of a bad setting.
+"""
 
 from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSITIVE, WORD_MAX_STEPS,  # noqa: F401
                                  check_choices, parse_corruptions, validate, validate_template,

@@ -57,14 +57,14 @@ AT_LEAST = {
     **{key: (0, False) for key in POSITIVE},
     "optim.lr": (0.0, False), "optim.critic_lr": (0.0, False), "rm.learning_rate": (0.0, False),
     "optim.weight_decay": (0.0, True), "optim.max_grad_norm": (0.0, True), "optim.warmup_steps": (0, True),
-    "optim.max_skipped_steps": (1, True), "algo.beta": (0.0, True), "algo.kl_target": (0.0, True),
-    "algo.sapo_temperature_pos": (0.0, False), "algo.sapo_temperature_neg": (0.0, False),
-    "algo.gmpo_log_clip_low": (0.0, True), "algo.gmpo_log_clip_high": (0.0, True),
-    "algo.vespo_k_pos": (0.0, True), "algo.vespo_k_neg": (0.0, True),
-    "algo.vespo_lambda_pos": (0.0, False), "algo.vespo_lambda_neg": (0.0, False),
-    "algo.kl_horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.value_clip": (0.0, True),
-    "algo.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
-    "algo.max_resample_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
+    "optim.max_skipped_steps": (1, True), "algo.beta": (0.0, True), "algo.adaptive_kl.target": (0.0, True),
+    "algo.sapo.temperature_pos": (0.0, False), "algo.sapo.temperature_neg": (0.0, False),
+    "algo.gmpo.log_clip_low": (0.0, True), "algo.gmpo.log_clip_high": (0.0, True),
+    "algo.vespo.k_pos": (0.0, True), "algo.vespo.k_neg": (0.0, True),
+    "algo.vespo.lambda_pos": (0.0, False), "algo.vespo.lambda_neg": (0.0, False),
+    "algo.adaptive_kl.horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.gae.value_clip": (0.0, True),
+    "algo.gae.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
+    "algo.dynamic_sampling.max_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
     "reward.timeout_s": (0.0, True), "rollout.max_turns": (1, True), "rollout.max_turn_tokens": (0, True),
     "rollout.max_episode_tokens": (0, True), "rollout.tool_timeout_s": (0.0, False),
     "reward.overlong_buffer": (0, True), "model.threads": (0, True),
@@ -87,8 +87,10 @@ def parse_corruptions(spec: str) -> tuple[str, ...]:
 
 def value_of(cfg: Config, key: str):
     """The value of a dotted key, e.g. value_of(cfg, 'algo.beta')."""
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def validate(cfg: Config) -> None:
@@ -139,8 +141,8 @@ def validate_choices(cfg: Config) -> None:
 def validate_algo(cfg: Config) -> None:
     """Ranges of the algorithm's numbers, and what the estimator needs from the rollout."""
     a, r = cfg.algo, cfg.rollout
-    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.lam <= 1.0:
-        raise ConfigError("algo.gamma and algo.lam must lie in [0, 1]")
+    if not 0.0 <= a.gamma <= 1.0 or not 0.0 <= a.gae.lam <= 1.0:
+        raise ConfigError("algo.gamma and algo.gae.lam must lie in [0, 1]")
     if a.dual_clip and a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0 = off), got {a.dual_clip}")
     if not 0.0 <= a.clip_eps_low <= 1.0:
@@ -245,8 +247,8 @@ def validate_dpo_and_budget(cfg: Config) -> None:
         if cfg.rollout.group_size < 2:
             raise ConfigError("algo.learner=dpo pairs the best and worst sample of a prompt: "
                               "rollout.group_size must be >= 2")
-        if a.dpo_beta <= 0:
-            raise ConfigError(f"algo.dpo_beta must be > 0, got {a.dpo_beta}")
+        if a.dpo.beta <= 0:
+            raise ConfigError(f"algo.dpo.beta must be > 0, got {a.dpo.beta}")
         if t.grad_var_every:
             raise ConfigError("train.grad_var_every measures advantage-weighted policy gradients; "
                               "it is not defined for algo.learner=dpo")
@@ -279,14 +281,15 @@ def validate_scale(cfg: Config) -> None:
                           "algo.ref_refresh_every / algo.ref_ema cannot move it")
     validate_router_aux(cfg)
     validate_optimizer(cfg)
-    if a.tis_cap and a.tis_cap < 1:
-        raise ConfigError(f"algo.tis_cap must be 0 (off) or >= 1, got {a.tis_cap}")
-    if a.tis_min < 0 or (a.tis_cap and a.tis_min >= a.tis_cap):
-        raise ConfigError(f"algo.tis_min must lie in [0, algo.tis_cap={a.tis_cap:g}), got {a.tis_min}")
-    if a.tis_min and not a.tis_cap:
-        raise ConfigError(f"algo.tis_min={a.tis_min:g} is a lower bound of importance sampling: set algo.tis_cap > 0")
-    if a.tis_cap and a.dynamic_sampling:
-        raise ConfigError("algo.tis_cap with algo.dynamic_sampling is not supported yet (refilled groups "
+    tis = a.tis
+    if tis.cap and tis.cap < 1:
+        raise ConfigError(f"algo.tis.cap must be 0 (off) or >= 1, got {tis.cap}")
+    if tis.min < 0 or (tis.cap and tis.min >= tis.cap):
+        raise ConfigError(f"algo.tis.min must lie in [0, algo.tis.cap={tis.cap:g}), got {tis.min}")
+    if tis.min and not tis.cap:
+        raise ConfigError(f"algo.tis.min={tis.min:g} is a lower bound of importance sampling: set algo.tis.cap > 0")
+    if tis.cap and a.dynamic_sampling.enabled:
+        raise ConfigError("algo.tis.cap with algo.dynamic_sampling is not supported yet (refilled groups "
                           "lose their sampling log-probs)")
     validate_token_selection(cfg)
     if r.engine != "fast" and r.decode not in ("auto", "plain"):
@@ -329,20 +332,21 @@ def validate_token_selection(cfg: Config) -> None:
     if not 0.0 <= a.top_entropy_quantile <= 1.0:
         raise ConfigError(f"algo.top_entropy_quantile must lie in [0, 1] (1 = every token), "
                           f"got {a.top_entropy_quantile}")
-    if a.adaptive_entropy and not (a.entropy_target > 0 and a.entropy_coef_delta > 0):
-        raise ConfigError(f"algo.adaptive_entropy needs algo.entropy_target > 0 and algo.entropy_coef_delta > 0, "
-                          f"got {a.entropy_target} and {a.entropy_coef_delta}")
-    if a.adaptive_entropy and not 0.0 <= a.entropy_coef <= a.entropy_coef_max:
+    ent, clip, kl = a.adaptive_entropy, a.clip_cov, a.kl_cov
+    if ent.enabled and not (ent.target > 0 and ent.coef_delta > 0):
+        raise ConfigError(f"algo.adaptive_entropy needs algo.adaptive_entropy.target > 0 and "
+                          f"algo.adaptive_entropy.coef_delta > 0, got {ent.target} and {ent.coef_delta}")
+    if ent.enabled and not 0.0 <= a.entropy_coef <= ent.coef_max:
         raise ConfigError(f"algo.adaptive_entropy starts from algo.entropy_coef, which must lie in [0, "
-                          f"algo.entropy_coef_max={a.entropy_coef_max}], got {a.entropy_coef}")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
-        if not 0.0 <= getattr(a, key) <= 1.0:
-            raise ConfigError(f"algo.{key} must lie in [0, 1], got {getattr(a, key)}")
-    if not a.clip_cov_lb < a.clip_cov_ub:
-        raise ConfigError(f"algo.clip_cov_lb must be below algo.clip_cov_ub, got {a.clip_cov_lb} and {a.clip_cov_ub}")
-    if a.kl_cov_coef < 0:
-        raise ConfigError(f"algo.kl_cov_coef must be >= 0, got {a.kl_cov_coef}")
-    selects = a.top_entropy_quantile < 1 or a.adaptive_entropy or a.cov_control != "none"
+                          f"algo.adaptive_entropy.coef_max={ent.coef_max}], got {a.entropy_coef}")
+    for key, value in (("clip_cov.ratio", clip.ratio), ("kl_cov.ratio", kl.ratio)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"algo.{key} must lie in [0, 1], got {value}")
+    if not clip.lb < clip.ub:
+        raise ConfigError(f"algo.clip_cov.lb must be below algo.clip_cov.ub, got {clip.lb} and {clip.ub}")
+    if kl.coef < 0:
+        raise ConfigError(f"algo.kl_cov.coef must be >= 0, got {kl.coef}")
+    selects = a.top_entropy_quantile < 1 or ent.enabled or a.cov_control != "none"
     if selects and a.learner == "dpo":
         raise ConfigError("algo.top_entropy_quantile, algo.adaptive_entropy and algo.cov_control act on the "
                           "policy loss; algo.learner=dpo has none")
@@ -356,7 +360,7 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
                           f"{world_size} processes (each takes whole groups)")
     # These change the number of sequences per rank, hence the number of FSDP collectives: ranks would deadlock.
-    if cfg.algo.dynamic_sampling or cfg.reward.on_error == "drop":
+    if cfg.algo.dynamic_sampling.enabled or cfg.reward.on_error == "drop":
         raise ConfigError("under torchrun, algo.dynamic_sampling and reward.on_error=drop are not supported yet "
                           "(ranks would hold different numbers of sequences)")
     if cfg.optim.name != "adamw" or cfg.optim.offload:  # single-process optimizers, untested on FSDP2's shards

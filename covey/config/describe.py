@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 import textwrap
 
-from covey.config.schema import Config
+from covey.config.schema import Config, is_group
 
 
 def field_docs(section_class) -> dict[str, str]:
@@ -23,14 +23,22 @@ def field_docs(section_class) -> dict[str, str]:
 
 
 def describe_keys() -> str:
-    """Every key with its type, default and docstring (`covey train --help-config`)."""
+    """Every key with its type, default and docstring (`covey train --help-config`); a nested group of
+    options under its owner, headed by what it is for."""
     lines, cfg = [], Config()
     for section in dataclasses.fields(cfg):
-        obj = getattr(cfg, section.name)
-        docs = field_docs(type(obj))
         lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(obj):
-            lines.append(f"  {section.name}.{f.name} ({f.type}, default {getattr(obj, f.name)!r}): "
-                         f"{docs.get(f.name, '')}")
+        lines += describe_fields(getattr(cfg, section.name), section.name, "  ")
     return "\n".join(lines)
 
+
+def describe_fields(obj, prefix: str, indent: str) -> list[str]:
+    lines, docs = [], field_docs(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}.{f.name}"
+        if is_group(value):
+            lines.append(f"{indent}{key}.*: {' '.join((type(value).__doc__ or '').split())}")
+            lines += describe_fields(value, key, indent + "  ")
+        else:
+            lines.append(f"{indent}{key} ({f.type}, default {value!r}): {docs.get(f.name, '')}")
+    return lines

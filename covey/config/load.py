@@ -20,7 +20,8 @@ from pathlib import Path
 import yaml
 
 from covey.config.checks import validate
-from covey.config.schema import Config, ConfigError, leaf_keys
+from covey.config.schema import Config, ConfigError, group_keys, leaf_keys
+from covey.config.schema_algo import MOVED_KEYS
 
 PRESET_SUFFIX = ".yaml"
 
@@ -63,6 +64,9 @@ def read_preset(preset: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{preset}: top level must be a mapping")
     pairs = flatten(data)
+    for key in pairs:
+        if moved_key(key):
+            raise ConfigError(f"{preset}: {moved_line(moved_key(key))}")
     for key in [k for k in pairs if retired_key(k)]:  # an older run's config.yaml records every key it had
         print(f"covey: warning: {preset}: {retired_line(retired_key(key))}; left out", file=sys.stderr)
         del pairs[key]
@@ -85,6 +89,15 @@ def retired_key(key: str) -> str | None:
 
 def retired_line(key: str) -> str:
     return f"config key '{key}' was replaced by {RETIRED_KEYS[key]}"
+
+
+def moved_key(key: str) -> str | None:
+    """The flat key `key` names ('algo.tis.cap' or 'tis_cap') that now lives in a nested group, else None."""
+    return next((k for k in MOVED_KEYS if key in (k, k.split(".", 1)[1])), None)
+
+
+def moved_line(key: str) -> str:
+    return f"config key '{key}' is now {MOVED_KEYS[key]} (options live under their owner: covey train --help-config)"
 
 
 def yaml_error(where: str, err: yaml.YAMLError) -> str:
@@ -133,7 +146,7 @@ def from_dict(data: dict) -> Config:
     cfg = Config()
     for k, v in flatten(data).items():
         if not retired_key(k):
-            set_value(cfg, k, v)
+            set_value(cfg, MOVED_KEYS.get(moved_key(k), k), v)
     return cfg
 
 
@@ -171,11 +184,11 @@ TRL_NAMES = {
     "scale_rewards": "algo.std_normalize",
     "max_steps": "train.steps", "num_train_epochs": "train.steps",
     "sync_ref_model": "algo.ref_refresh_every", "ref_model_sync_steps": "algo.ref_refresh_every",
-    "ref_model_mixup_alpha": "algo.ref_ema", "vllm_importance_sampling_cap": "algo.tis_cap",
-    "vllm_importance_sampling_clip_max": "algo.tis_cap", "vllm_importance_sampling_mode": "algo.tis_mode",
-    "vllm_importance_sampling_clip_min": "algo.tis_min",
-    "vllm_importance_sampling_correction": "algo.tis_cap (> 0 turns it on)",
-    "use_adaptive_entropy": "algo.adaptive_entropy",
+    "ref_model_mixup_alpha": "algo.ref_ema", "vllm_importance_sampling_cap": "algo.tis.cap",
+    "vllm_importance_sampling_clip_max": "algo.tis.cap", "vllm_importance_sampling_mode": "algo.tis.mode",
+    "vllm_importance_sampling_clip_min": "algo.tis.min",
+    "vllm_importance_sampling_correction": "algo.tis.cap (> 0 turns it on)",
+    "use_adaptive_entropy": "algo.adaptive_entropy.enabled (algo.adaptive_entropy=true for short)",
     "use_vllm": "rollout.engine=vllm", "reward_weights": "reward.functions (a :weight after each function)",
     "save_steps": "train.save_every", "eval_steps": "train.eval_every", "save_total_limit": "train.keep_checkpoints",
     "report_to": "train.logger", "log_completions": "train.samples_every",
@@ -200,7 +213,7 @@ TRL_LOSS_TYPES = {
 OTHER_NAMES = {
     "actor_learning_rate": "optim.lr", "critic_learning_rate": "optim.critic_lr",
     "kl_coef": "algo.beta", "init_kl_coef": "algo.beta", "kl_beta": "algo.beta", "kl_loss_coef": "algo.beta",
-    "kl_target": "algo.kl_target", "use_kl_loss": "algo.kl_in=loss", "kl_loss_type": "algo.kl_estimator",
+    "kl_target": "algo.adaptive_kl.target", "use_kl_loss": "algo.kl_in=loss", "kl_loss_type": "algo.kl_estimator",
     "n_samples_per_prompt": "rollout.group_size", "rollout_n": "rollout.group_size", "n": "rollout.group_size",
     "response_length": "rollout.max_new_tokens", "generate_max_len": "rollout.max_new_tokens",
     "max_response_length": "rollout.max_new_tokens", "max_tokens": "rollout.max_new_tokens",
@@ -210,9 +223,9 @@ OTHER_NAMES = {
     "ppo_epochs": "algo.epochs", "max_epochs": "algo.epochs",
     "cliprange": "algo.clip_eps_low and algo.clip_eps_high", "clip_ratio": "algo.clip_eps_low and algo.clip_eps_high",
     "eps_clip": "algo.clip_eps_low and algo.clip_eps_high", "clip_ratio_high": "algo.clip_eps_high",
-    "loss_agg_mode": "algo.loss_agg", "cliprange_value": "algo.value_clip", "vf_coef": "algo.value_coef",
+    "loss_agg_mode": "algo.loss_agg", "cliprange_value": "algo.gae.value_clip", "vf_coef": "algo.gae.value_coef",
     "entropy_coeff": "algo.entropy_coef", "adv_estimator": "algo.estimator", "advantage_estimator": "algo.estimator",
-    "pretrain": "model.path", "ppo_kl_coef": "algo.kl_cov_coef",
+    "pretrain": "model.path", "ppo_kl_coef": "algo.kl_cov.coef",
 }
 
 # A name here is never read as a leaf of some other section (`learning_rate` would otherwise land on
@@ -226,16 +239,27 @@ GENERIC_LEAVES = ("name", "path", "data", "output")
 """Leaf names too general to suggest from another section ('model.name' is not task.name)."""
 
 
-def resolve_key(key: str, value=None) -> tuple[str, str]:
-    """'algo.beta' -> ('algo', 'beta'); a bare unique leaf name ('steps') also works, except the
-    names other trainers use (PEER_NAMES), which fail with covey's key for them, bare or under a
-    section ('algo.kl_coef'); TRL's loss_type with a `value` it has fails with that value's setting."""
+def resolve_key(key: str, value=None) -> str:
+    """'algo.beta' -> 'algo.beta'; a key without its section, or a bare unique leaf name ('steps',
+    'sapo.temperature_pos'), also works, except the names other trainers use (PEER_NAMES), which fail
+    with covey's key for them, bare or under a section ('algo.kl_coef'); TRL's loss_type with a `value`
+    it has fails with that value's setting. A group with an `enabled` switch stands for it
+    ('algo.dynamic_sampling' -> 'algo.dynamic_sampling.enabled'); a flat key that moved into a group fails
+    naming its new place."""
     keys = leaf_keys()
     if key in keys:
-        section, name = key.split(".")
-        return section, name
+        return key
+    groups = group_keys()
+    group = next((g for g in groups if key in (g, g.split(".", 1)[1])), None)
+    if group is not None:
+        if f"{group}.enabled" in keys:
+            return f"{group}.enabled"
+        own = [k for k in keys if k.startswith(group + ".")]
+        raise ConfigError(f"config key '{key}' is a group of options: set {', '.join(own)}")
     if retired_key(key):
         raise ConfigError(retired_line(retired_key(key)))
+    if moved_key(key):
+        raise ConfigError(moved_line(moved_key(key)))
     section, _, name = key.rpartition(".")
     if name == "loss_type" and str(value).strip().lower() in TRL_LOSS_TYPES:
         setting = TRL_LOSS_TYPES[str(value).strip().lower()]
@@ -244,11 +268,12 @@ def resolve_key(key: str, value=None) -> tuple[str, str]:
         raise ConfigError(f"unknown config key '{key}': TRL's {name} is {TRL_NAMES[name]} here")
     if name in OTHER_NAMES:
         raise ConfigError(f"unknown config key '{key}' (another trainer's name): covey's is {OTHER_NAMES[name]}")
-    if not section:
-        matches = [k for k in keys if k.split(".")[1] == key]
+    if section not in {k.split(".")[0] for k in keys}:
+        matches = [k for k in keys if k.endswith("." + key)]
+        top = [k for k in matches if k.count(".") == 1]  # 'beta': algo.beta before algo.dpo.beta
+        matches = top if len(top) == 1 else matches
         if len(matches) == 1:
-            section, name = matches[0].split(".")
-            return section, name
+            return matches[0]
         if len(matches) > 1:
             raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(matches)}")
     close = guess_key(section, name, keys)
@@ -256,19 +281,19 @@ def resolve_key(key: str, value=None) -> tuple[str, str]:
 
 
 def guess_key(section: str, name: str, keys: list[str]) -> str | None:
-    """The key a mistyped 'section.name' most likely means: a close name in its own section (a close
-    section's, for a misspelt section), else the one key of another section with that very name (a name
-    too general, such as 'name', excepted); a bare name, a close leaf name. None rather than a guess in an
-    unrelated section."""
+    """The key a mistyped 'section.name' most likely means: a close name in its own section or group (a
+    close section's, for a misspelt section), else the one key of another section with that very name (a
+    name too general, such as 'name', excepted); a bare name, a close leaf name. None rather than a guess
+    in an unrelated section."""
     leaves = {}
     for k in keys:
-        leaves.setdefault(k.split(".")[1], []).append(k)
-    sections = sorted({k.split(".")[0] for k in keys})
-    if section and section not in sections:
-        close = difflib.get_close_matches(section, sections, n=1, cutoff=GUESS_CUTOFF)
+        leaves.setdefault(k.rpartition(".")[2], []).append(k)
+    parents = sorted({k.rpartition(".")[0] for k in keys})
+    if section and section not in parents:
+        close = difflib.get_close_matches(section, parents, n=1, cutoff=GUESS_CUTOFF)
         section = close[0] if close else ""
     if section:
-        own = [k.split(".")[1] for k in keys if k.startswith(section + ".")]
+        own = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
         close = difflib.get_close_matches(name, own, n=1, cutoff=GUESS_CUTOFF)
         if close:
             return f"{section}.{close[0]}"
@@ -319,25 +344,36 @@ def to_bool(raw) -> bool:
     raise ValueError(raw)
 
 
-def field_type(cfg: Config, section: str, name: str) -> str:
-    return str({f.name: f.type for f in dataclasses.fields(getattr(cfg, section))}[name])
+def owner(cfg: Config, key: str):
+    """The section or group object that holds full key `key`, and the field's name."""
+    *path, name = key.split(".")
+    obj = cfg
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, name
+
+
+def field_type(cfg: Config, key: str) -> str:
+    obj, name = owner(cfg, key)
+    return str({f.name: f.type for f in dataclasses.fields(obj)}[name])
 
 
 def set_value(cfg: Config, key: str, raw) -> None:
-    section, name = resolve_key(key, raw)
-    setattr(getattr(cfg, section), name, convert(f"{section}.{name}", raw, field_type(cfg, section, name)))
+    full = resolve_key(key, raw)
+    obj, name = owner(cfg, full)
+    setattr(obj, name, convert(full, raw, field_type(cfg, full)))
 
 
 def parse_override(cfg: Config, key: str, text: str):
     """A command-line value: the text itself for a string field (a template such as
     'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
-    section, name = resolve_key(key, text)
-    if field_type(cfg, section, name) == "str":
+    full = resolve_key(key, text)
+    if field_type(cfg, full) == "str":
         return text
     try:
         return yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
-        raise ConfigError(f"config key '{section}.{name}': cannot read {text!r}") from None
+        raise ConfigError(f"config key '{full}': cannot read {text!r}") from None
 
 
 def flatten(data: dict, prefix: str = "") -> dict:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from covey.config.errors import ConfigError  # noqa: F401  (re-exported: covey.config.schema.ConfigError)
+from covey.config.schema_algo import AlgoConfig
 from covey.config.schema_rewards import RewardConfig, RMConfig
 
 
@@ -148,120 +149,6 @@ class RolloutConfig:
 
 
 @dataclass
-class AlgoConfig:
-    learner: str = "advantage"
-    """Update: advantage (the estimator's advantages through the policy loss) | dpo (iterative DPO on each group's best-vs-worst pair)."""
-    estimator: str = "grpo"
-    """Advantage estimator (covey.algos.ESTIMATORS): grpo | grpo_process | rloo | remax | reinforce_pp | reinforce_pp_baseline | gae."""
-    policy_loss: str = "ppo_clip"
-    """Policy loss (covey.algos.POLICY_LOSSES): ppo_clip | pg | cispo (MiniMax 2025, arXiv:2506.13585: the importance weight clipped and detached) | sapo (Gao et al. 2025, arXiv:2511.20347: a soft gate) | gmpo (Zhao et al. 2025, arXiv:2507.20673: geometric mean of clipped token ratios) | luspo (arXiv:2602.05261: GSPO weighted by length) | vespo (arXiv:2602.10693: a gamma kernel of the sequence weight)."""
-    loss_agg: str = "seq_mean_token_mean"
-    """Aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum | constant."""
-    clip_eps_low: float = 0.2
-    """Lower clip: ratio >= 1 - eps_low."""
-    clip_eps_high: float = 0.2
-    """Upper clip: ratio <= 1 + eps_high."""
-    dual_clip: float = 0.0
-    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
-    ratio_level: str = "token"
-    """Importance ratio per token | sequence (GSPO)."""
-    ratio_against: str = "old"
-    """Ratio denominator: old (sampling policy) | ref (the reference model: a form some derivations use; not a trust region)."""
-    sapo_temperature_pos: float = 1.0
-    """sapo: temperature of the soft gate 4/tau sigmoid(tau (r - 1)) for A > 0 (Gao et al. 2025, arXiv:2511.20347; TRL's name and default)."""
-    sapo_temperature_neg: float = 1.05
-    """sapo: the gate's temperature for A <= 0 (Gao et al. 2025, arXiv:2511.20347; TRL's name and default)."""
-    gmpo_log_clip_low: float = 0.4
-    """gmpo: token log-ratios below -this are clipped where A < 0 (Zhao et al. 2025, arXiv:2507.20673: ratios within e^-0.4..e^0.4; TRL GMPOConfig's epsilon)."""
-    gmpo_log_clip_high: float = 0.4
-    """gmpo: token log-ratios above this are clipped where A > 0 (Zhao et al. 2025, arXiv:2507.20673; TRL GMPOConfig's epsilon_high)."""
-    vespo_k_pos: float = 2.0
-    """vespo: power k of the kernel phi(w) = w^k e^(lambda (1 - w)) for A >= 0 (arXiv:2602.10693; TRL's name and default)."""
-    vespo_lambda_pos: float = 3.0
-    """vespo: decay lambda of the kernel for A >= 0 (arXiv:2602.10693; TRL's name and default)."""
-    vespo_k_neg: float = 3.0
-    """vespo: power k for A < 0 (arXiv:2602.10693; TRL's name and default)."""
-    vespo_lambda_neg: float = 2.0
-    """vespo: decay lambda for A < 0 (arXiv:2602.10693; TRL's name and default)."""
-    beta: float = 0.04
-    """KL coefficient to the reference model."""
-    kl_estimator: str = "k3"
-    """KL estimator: k1 | k2 | k3 | abs | k1_st | k3_st."""
-    kl_in: str = "loss"
-    """Where the KL goes: loss (GRPO) | reward (PPO, REINFORCE++) | none."""
-    kl_target: float = 0.0
-    """Adaptive KL target (0 = fixed beta)."""
-    kl_horizon: int = 10000
-    """Adaptive KL controller horizon."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight c2."""
-    std_normalize: bool = True
-    """Divide group-centred rewards by the group std (off = Dr. GRPO)."""
-    ddof: int = 0
-    """Degrees of freedom of the group std."""
-    adv_eps: float = 1e-6
-    """Epsilon added to the std."""
-    token_credit: str = "shared"
-    """How a sequence's advantage is spread over its tokens: shared (every token) | uniform (A/T) | discounted (gamma^(T-k), normalised)."""
-    normalize: str = "auto"
-    """Advantage normalisation: auto (the estimator's paper default) | group | batch | global_token | none."""
-    gamma: float = 1.0
-    """Discount factor."""
-    lam: float = 0.95
-    """GAE lambda."""
-    epochs: int = 1
-    """mu: update epochs over each rollout."""
-    minibatches: int = 1
-    """Optimizer steps per epoch (mini-batches of the rollout)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward (memory knob; does not change the gradient)."""
-    value_clip: float = 0.2
-    """Critic value clip range (0 = off)."""
-    value_coef: float = 0.5
-    """c1: weight of the value loss (critic has its own optimizer)."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more prompts."""
-    mask_truncated: bool = False
-    """DAPO's overlong filtering (Yu et al. 2025, arXiv:2503.14476): responses cut at the token budget (no end token) count in their group's advantages but are left out of the loss, its normaliser and the token metrics."""
-    max_resample_rounds: int = 3
-    """Extra sampling rounds allowed by dynamic sampling."""
-    ref_refresh_every: int = 0
-    """Replace the reference by the policy every K steps (0 = never)."""
-    ref_ema: float = 0.0
-    """Mix the policy into the reference every step with this weight (0 = off)."""
-    tis_cap: float = 0.0
-    """Importance sampling for the sampler-trainer mismatch (Yao et al. 2025): policy loss per token times min(pi_train/pi_sampler, cap), or as algo.tis_mode says; 0 = off (every engine)."""
-    tis_mode: str = "token_truncate"
-    """How algo.tis_cap bounds the ratio r = pi_train/pi_sampler (TRL's vllm_importance_sampling_mode): token_truncate (min(r, cap)) | token_mask (tokens with r > cap leave the loss) | sequence_truncate (the sequence's product of ratios, capped, on each token) | sequence_mask (sequences whose product exceeds the cap leave the loss)."""
-    tis_min: float = 0.0
-    """Lower bound c of the ratio in every algo.tis_mode (TRL's vllm_importance_sampling_clip_min): the truncate modes raise ratios below c to c, the mask modes drop tokens (or sequences) whose ratio is below c; 0 = none; needs algo.tis_cap > 0 and 0 <= c < algo.tis_cap."""
-    top_entropy_quantile: float = 1.0
-    """Policy gradient only on the tokens whose entropy is in this top share of the rollout's tokens (Wang et al. 2025, arXiv:2506.01939, whose choice is 0.2; TRL's top_entropy_quantile); 1 = every token."""
-    adaptive_entropy: bool = False
-    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the bonus's coefficient, from algo.entropy_coef, moves by algo.entropy_coef_delta each step toward algo.entropy_target and applies only while the entropy is at or below it."""
-    entropy_target: float = 0.2
-    """algo.adaptive_entropy: the target mean token entropy in nats (Skywork-OR1: 0.2)."""
-    entropy_coef_delta: float = 0.005
-    """algo.adaptive_entropy: the coefficient's change per step (Skywork-OR1: 0.005)."""
-    entropy_coef_max: float = 1.0
-    """algo.adaptive_entropy: the coefficient's upper bound (TRL's entropy_coef_max)."""
-    cov_control: str = "none"
-    """Covariance-based entropy control (Cui et al. 2025, arXiv:2505.22617; verl's clip_cov / kl_cov losses): none | clip_cov (the policy term of a few random tokens of high covariance of log-prob and advantage dropped) | kl_cov (a |log ratio| penalty on the tokens of highest covariance)."""
-    clip_cov_ratio: float = 0.0002
-    """clip_cov: share of the rollout's tokens whose policy term is dropped (verl's default)."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: a dropped token's covariance lies above this (verl's default) ..."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: ... and below this (verl's default)."""
-    kl_cov_ratio: float = 0.0002
-    """kl_cov: share of the rollout's tokens, those of largest covariance, that carry the penalty (verl's default)."""
-    kl_cov_coef: float = 0.1
-    """kl_cov: weight of |log pi_theta - log pi_old| on those tokens (verl's ppo_kl_coef)."""
-    dpo_beta: float = 0.1
-    """algo.learner=dpo: beta of the DPO loss -log sigmoid(beta * margin) (Rafailov et al. 2023, arXiv:2305.18290; the implicit KL strength)."""
-
-
-@dataclass
 class OptimConfig:
     lr: float = 1e-5
     """Policy learning rate (AdamW)."""
@@ -351,8 +238,24 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
+def is_group(value) -> bool:
+    """A nested option group (algo.sapo, algo.tis, ...) rather than a leaf value."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def leaf_keys(cfg: Config | None = None) -> list[str]:
-    """All dotted keys, e.g. 'algo.beta'."""
+    """All dotted keys, e.g. 'algo.beta', 'algo.sapo.temperature_pos'."""
+    def walk(obj, prefix: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            out += walk(value, f"{prefix}{f.name}.") if is_group(value) else [f"{prefix}{f.name}"]
+        return out
+    return walk(cfg or Config(), "")
+
+
+def group_keys(cfg: Config | None = None) -> list[str]:
+    """The dotted names of the nested option groups, e.g. 'algo.sapo', 'algo.tis'."""
     cfg = cfg or Config()
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
-            for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))
+            if is_group(getattr(getattr(cfg, s.name), f.name))]

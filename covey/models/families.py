@@ -1,8 +1,9 @@
 """What each model architecture needs from covey's passes and engines, read from its config alone.
 
 A family is served only where the engine's tokens, the sampler's log-probs and the training
-log-probs agree with a plain forward (tests/models/test_families.py builds a tiny random model of
-every family below and checks all three). What a pass needs to know is each decoder layer's kind:
+log-probs agree with a plain forward (tests/rollout/test_families_engine.py and
+tests/passes/test_family_logprobs.py build a tiny random model of every family below and check
+all three). What a pass needs to know is each decoder layer's kind:
 
 - ``full_attention``: causal attention over the whole sequence;
 - ``sliding_attention``: causal attention over the last `window` positions only, the query's own

@@ -22,7 +22,7 @@ from torch import Tensor
 from covey import algos
 from covey.algos.logits import DEFAULT_CHUNK
 
-from covey.runtime import dist as distributed
+from covey.runtime import dist
 
 from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
@@ -97,7 +97,7 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
     device = model_device(model)
     ids, mask = ids.to(device), mask.to(device)
     # Under FSDP every rank must run the same number of forward passes (each all-gathers).
-    if distributed.on_all_ranks(packs(model) and resp_len > 1 and prefixes(mask[:, -resp_len:])):
+    if dist.on_all_ranks(packs(model) and resp_len > 1 and prefixes(mask[:, -resp_len:])):
         width = ids.shape[1] - resp_len
         view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
         shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
@@ -205,7 +205,7 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     (covey/passes/prompt_cache.py); the cache is indexed out to the packed rows (gradients flow back
     through the indexing into the prompt pass) and pass 2 runs the packed responses on top of
     it (covey/passes/packing.py). Equal to the padded pass up to float rounding
-    (tests/test_speed_forward.py); 0 after a response's end.
+    (tests/passes/test_logprobs.py); 0 after a response's end.
     """
     width, n = ids.shape[1] - resp_len, ids.shape[0]
     responses = ids[:, width:]
@@ -274,7 +274,7 @@ def encode_prompts(model, rollout: Rollout, rows: Tensor, precision: str = "none
     row's prompt among them (-1 outside `rows`); None where the packed pass is not used: the
     prompts are then encoded with each micro-batch (and under FSDP, where the deferred backward
     of `EncodedPrompts` would add a second gradient reduction per step)."""
-    if not packs(model) or distributed.world_size() > 1 or len(rows) == 0:
+    if not packs(model) or dist.world_size() > 1 or len(rows) == 0:
         return None
     device = model_device(model)
     ids, mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]

@@ -9,7 +9,7 @@ slice of that cache, and of their last-position logits, through fresh leaf tenso
 backward stops there; the gradients reaching the leaves are summed, and one backward
 through the prompt pass after the last micro-batch carries them into the weights. The
 gradient is the same sum as before; only float rounding differs (the prompt pass runs at
-another batch size), which tests/test_prompt_cache.py checks in float64.
+another batch size), which tests/passes/test_prompt_cache.py checks in float64.
 """
 
 from __future__ import annotations

@@ -1,4 +1,14 @@
-"""Reward sources: rule scorers (this package's `rules`), model scorers, remote clients."""
+"""Reward sources: rule scorers (this package's `rules`), model scorers, remote clients.
+
+- rules: rule rewards with TRL's signature (correctness, format, length, language);
+- combine: the weighted sum of reward functions, with an explicit failure policy;
+- build: the reward config into a Rewarder, the user's functions loaded and checked first;
+- scoring: a sampled batch's reward inputs as TRL passes them, and its scores on the Rollout;
+- steps: the step rewards of process supervision, mapped to the tokens where steps end;
+- learned: learned reward sources, a Bradley-Terry outcome RM and a process RM;
+- remote: a reward served over HTTP, as a TRL-shaped reward function; server: `covey serve-reward`;
+- sandbox: a model's Python program run in a separate, limited process, and the code reward.
+"""
 
 from covey.rewards.rules import (
     RULE_REWARDS,

@@ -1,4 +1,12 @@
-"""Sampling engines behind one interface (base): hf (`generate`), fast (covey's own decode loop) with its cache by
-layer kind (decode_cache), lean_decode, static_decode and static_step (the CUDA-graph step), the bf16 sampling copy
-(precision), vLLM, local; the engine factory (factory); tool episodes: tools, environments (TRL's conventions,
-checked before loading), agents, episodes (turn by turn), fast_episodes (one loop)."""
+"""Sampling engines behind one interface.
+
+- base: the engine interface every sampler implements; factory: the sampling and evaluation
+  engines a run's settings ask for; local: the engines on this process's policy module;
+- hf: Hugging Face `generate`; fast: covey's own decode loop, with its cache by layer kind
+  (decode_cache) and lean_decode (a Llama step in plain tensor ops); static_decode and static_step:
+  the decode loop on a static KV cache, its step replayed as a CUDA graph; precision: sampling from a
+  bf16 copy of the policy; vllm: vLLM on the training GPUs;
+- tool episodes: tools (TRL's conventions), environments (tools and environments checked before
+  loading), agents (an engine whose `generate` runs whole episodes), episodes (turn by turn),
+  fast_episodes (whole episodes in one decoding loop).
+"""

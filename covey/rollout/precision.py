@@ -23,14 +23,14 @@ import copy
 import torch
 from torch import nn
 
-from covey.runtime import precision as hardware
+from covey.runtime import precision
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 def resolve_precision(setting: str, device: torch.device | str = "cpu") -> str:
     """rollout.precision -> float32 | bfloat16. auto: bfloat16 only where the hardware computes it natively."""
-    return hardware.resolve_auto("rollout.precision", setting, PRECISIONS, "float32", device)
+    return precision.resolve_auto("rollout.precision", setting, PRECISIONS, "float32", device)
 
 
 def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -1,2 +1,9 @@
-"""Process plumbing with no RL in it: processes and collectives (dist), FSDP2 sharding, precision, signals, memory,
-metrics files, CPU settings, error text."""
+"""Process plumbing with no RL in it.
+
+- dist: processes and collectives; fsdp: FSDP2 sharding and whole-tensor views of sharded models;
+- precision: where bfloat16 is native; cpu: torch threads and glibc malloc settings;
+- memory: peak GPU memory per phase, batch sizes fitted to the budget, out-of-memory retries;
+  budget: the arithmetic of the GPU memory budget;
+- signals: graceful stop on SIGINT / SIGTERM, and the fault tests' kill points;
+- metrics: metric files and loggers; errors: one-line error text.
+"""

@@ -1,5 +1,14 @@
-"""Prompt sources: synthetic generators (arithmetic, multistep, word problems), JSONL files, saved
-Hugging Face datasets."""
+"""Prompt sources and their verifiers.
+
+- base: the Example every task produces, and its chat messages;
+- synthetic generators: arithmetic (the default task), multistep (checkable steps, for process
+  supervision), wordproblems (short stories), code (programs for the sandboxed code reward);
+- files: prompts from JSONL, JSON, CSV and Parquet files and saved Hugging Face datasets;
+- data: from the task config to chat-formatted prompts, and a resumable prompt stream;
+- answers: final-answer extraction, number normalisation and answer equivalence; verifiers: is a
+  completion's answer the reference answer, one verifier per kind of answer;
+- tools: built-in tools a model can call during an episode (the calculator).
+"""
 
 from covey.tasks.arithmetic import arithmetic_splits, generate_arithmetic
 from covey.tasks.base import Example, build_messages

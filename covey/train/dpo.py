@@ -11,7 +11,7 @@ iteration: the loop samples B prompts x G answers and scores them exactly as for
    (`algos.best_worst_pairs`; groups where all answers tie carry no preference);
 2. computes the frozen reference's log-probs of the 2P paired answers (one no-grad pass);
 3. takes algo.epochs x algo.minibatches optimizer steps of the DPO loss
-   (`algos.dpo_loss`, beta = algo.dpo_beta) on the pairs, through the trainer's one optimizer
+   (`algos.dpo_loss`, beta = algo.dpo.beta) on the pairs, through the trainer's one optimizer
    loop (`covey.train.update.optimizer_steps`: the finite check, the step, and the halving of
    the micro-batch on out-of-memory, as for the policy).
 

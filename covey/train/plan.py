@@ -10,10 +10,11 @@ these options, never the Config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, is_dataclass, replace
 
 from covey import algos
 from covey.config import Config, ConfigError, validate
+from covey.config.schema_algo import AdaptiveEntropyOptions, TisOptions
 from covey.rollout.episodes import EpisodeOptions
 from covey.train.plan_checks import LOSS_KEYS, check_against_registries
 
@@ -67,7 +68,7 @@ class UpdateOptions:
     mask_truncated: bool = False
     """DAPO's overlong filtering: truncated responses carry no loss (algo.mask_truncated)."""
     mismatch_cap: float = 2.0
-    """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis_cap, or 2)."""
+    """The ratio pi_train / mu beyond which sampler/beyond_cap_frac counts a token (algo.tis.cap, or 2)."""
     cov: algos.CovOptions | None = None
     """The covariance control acting on `Rollout.cov_tokens` (Clip-Cov, KL-Cov); None: off."""
     router_aux_coef: float | None = None
@@ -78,24 +79,19 @@ class UpdateOptions:
 @dataclass(frozen=True)
 class TokenOptions:
     """What acts on single tokens before the update (covey/train/token_weights.py)."""
-    tis_mode: str = "token_truncate"
-    """How algo.tis_cap bounds the sampler-trainer ratio (covey.algos.TIS_MODES)."""
-    tis_min: float = 0.0
-    """The ratio's lower bound in that mode (algo.tis_min; 0 = none)."""
+    tis: TisOptions = field(default_factory=TisOptions)
+    """Importance sampling for the sampler-trainer mismatch: cap (0 = off), mode, lower bound (algo.tis.*)."""
     top_entropy_quantile: float = 1.0
     """Share of the rollout's tokens, by entropy, that keep their policy term (1 = all)."""
-    cov: algos.CovOptions = algos.CovOptions()
+    cov: algos.CovOptions = field(default_factory=algos.CovOptions)
     """Clip-Cov / KL-Cov and their settings (control none = off)."""
-    adaptive_entropy: bool = False
-    """The entropy coefficient follows Skywork-OR1's controller."""
-    entropy_target: float = 0.2
-    entropy_coef_delta: float = 0.005
-    entropy_coef_max: float = 1.0
+    adaptive_entropy: AdaptiveEntropyOptions = field(default_factory=AdaptiveEntropyOptions)
+    """Skywork-OR1's controller of the entropy coefficient (algo.adaptive_entropy.*; enabled = on)."""
 
     @property
     def needs_entropy(self) -> bool:
         """The log-prob pass also computes pi_old's entropy of every token."""
-        return self.top_entropy_quantile < 1.0 or self.adaptive_entropy
+        return self.top_entropy_quantile < 1.0 or self.adaptive_entropy.enabled
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -200,8 +196,6 @@ class Plan:
     kl: KLOptions
     sampling: SamplingOptions
     reference: ReferenceOptions
-    tis_cap: float
-    """Truncated importance sampling: each token's weight min(pi_old / pi_sampler, cap) (0 = off)."""
     step_scoring: StepScoring
     schedule: Schedule
     gpu_memory_gib: float
@@ -231,14 +225,14 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
         needs_reference=(a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref" or a.learner == "dpo",
         needs_critic=learns_advantages and traits.needs_values,
         needs_old_logprobs=learns_advantages and (sizes.optimizer_steps_per_rollout > 1 or a.kl_in == "reward"
-                                                  or a.tis_cap > 0 or tokens.needs_old_logprobs),
-        advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
+                                                  or a.tis.cap > 0 or tokens.needs_old_logprobs),
+        advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.gae.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
         update=update_options(cfg, with_tools),
-        kl=KLOptions(beta=a.beta, target=a.kl_target, horizon=a.kl_horizon, estimator=a.kl_estimator,
+        kl=KLOptions(beta=a.beta, target=a.adaptive_kl.target, horizon=a.adaptive_kl.horizon, estimator=a.kl_estimator,
                      placement=a.kl_in),
         sampling=sampling_options(cfg), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
-        tis_cap=a.tis_cap, schedule=schedule(cfg), gpu_memory_gib=cfg.train.gpu_memory_gib,
+        schedule=schedule(cfg), gpu_memory_gib=cfg.train.gpu_memory_gib,
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
@@ -254,11 +248,14 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
 
 def token_options(cfg: Config) -> TokenOptions:
     a = cfg.algo
-    cov = algos.CovOptions(control=a.cov_control, clip_ratio=a.clip_cov_ratio, clip_lb=a.clip_cov_lb,
-                           clip_ub=a.clip_cov_ub, kl_ratio=a.kl_cov_ratio, kl_coef=a.kl_cov_coef)
-    return TokenOptions(tis_mode=a.tis_mode, tis_min=a.tis_min, top_entropy_quantile=a.top_entropy_quantile, cov=cov,
-                        adaptive_entropy=a.adaptive_entropy, entropy_target=a.entropy_target,
-                        entropy_coef_delta=a.entropy_coef_delta, entropy_coef_max=a.entropy_coef_max)
+    cov = algos.CovOptions(control=a.cov_control, clip_cov=replace(a.clip_cov), kl_cov=replace(a.kl_cov))
+    return TokenOptions(tis=replace(a.tis), top_entropy_quantile=a.top_entropy_quantile, cov=cov,
+                        adaptive_entropy=replace(a.adaptive_entropy))
+
+
+def copy_group(value):
+    """A copy of a config option group (the plan never shares the Config's objects); a plain value as it is."""
+    return replace(value) if is_dataclass(value) else value
 
 
 def step_sizes(cfg: Config) -> Sizes:
@@ -274,8 +271,8 @@ def sampling_options(cfg: Config) -> SamplingOptions:
     return SamplingOptions(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                            seeding=r.seeding, eval_batch_size=r.eval_batch_size,
-                           eval_max_new_tokens=r.eval_max_new_tokens, dynamic_sampling=a.dynamic_sampling,
-                           max_resample_rounds=a.max_resample_rounds)
+                           eval_max_new_tokens=r.eval_max_new_tokens, dynamic_sampling=a.dynamic_sampling.enabled,
+                           max_resample_rounds=a.dynamic_sampling.max_rounds)
 
 
 def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | None:
@@ -303,17 +300,18 @@ def schedule(cfg: Config) -> Schedule:
 
 def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
     a, o = cfg.algo, cfg.optim
-    # every loss option from the algo key of its name (algo.dual_clip's 0 is None); a loss defined with its
-    # own aggregation (its registry entry's) runs with it
-    loss = algos.PolicyLossOptions(**{**{key: getattr(a, key) for key in LOSS_KEYS}, "dual_clip": a.dual_clip or None})
+    # every loss option from the algo key of its name (algo.dual_clip's 0 is None), each loss's group a copy of
+    # the config's; a loss defined with its own aggregation (its registry entry's) runs with it
+    loss = algos.PolicyLossOptions(**{**{key: copy_group(getattr(a, key)) for key in LOSS_KEYS},
+                                      "dual_clip": a.dual_clip or None})
     loss_agg = algos.POLICY_LOSSES[a.policy_loss].aggregation or a.loss_agg
     return UpdateOptions(
         epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
         max_grad_norm=o.max_grad_norm, max_skipped_steps=o.max_skipped_steps,
         temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=loss_agg,
         max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
-        kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.value_clip or None,
-        value_coef=a.value_coef, dpo_beta=a.dpo_beta, mismatch_cap=a.tis_cap or 2.0, mask_truncated=a.mask_truncated,
+        kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.gae.value_clip or None,
+        value_coef=a.gae.value_coef, dpo_beta=a.dpo.beta, mismatch_cap=a.tis.cap or 2.0, mask_truncated=a.mask_truncated,
         cov=token_options(cfg).cov if a.cov_control != "none" else None, router_aux_coef=cfg.model.router_aux_coef)
 
 
@@ -330,7 +328,7 @@ def token_summary(t: TokenOptions) -> str:
     parts = [f"policy gradient on the top {t.top_entropy_quantile:g} of tokens by entropy"
              if t.top_entropy_quantile < 1 else "",
              f"covariance control {t.cov.control}" if t.cov.control != "none" else "",
-             f"adaptive entropy toward {t.entropy_target:g}" if t.adaptive_entropy else ""]
+             f"adaptive entropy toward {t.adaptive_entropy.target:g}" if t.adaptive_entropy.enabled else ""]
     return "; ".join(p for p in parts if p)
 
 
@@ -351,8 +349,8 @@ def print_plan(plan: Plan) -> None:
           + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else ""))
     extras = [f"reference refreshed every {ref.refresh_every} steps" if ref.refresh_every else "",
               f"reference EMA {ref.ema:g}" if ref.ema else "",
-              (f"importance sampling {plan.tokens.tis_mode} cap {plan.tis_cap:g}"
-               + (f" min {plan.tokens.tis_min:g}" if plan.tokens.tis_min else "")) if plan.tis_cap else "",
+              (f"importance sampling {plan.tokens.tis.mode} cap {plan.tokens.tis.cap:g}"
+               + (f" min {plan.tokens.tis.min:g}" if plan.tokens.tis.min else "")) if plan.tokens.tis.cap else "",
               token_summary(plan.tokens),
               (f"step scores from {plan.step_scoring.source}" + (f" + outcome x {plan.step_scoring.outcome_weight:g}"
                if plan.step_scoring.outcome_weight else "")) if plan.step_scoring.enabled else ""]

@@ -9,7 +9,7 @@ entries' traits, never from a name. Every error is one line naming the key.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 from covey import algos
 from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
@@ -25,7 +25,7 @@ REGISTRY_CHOICES = {
     "algo.ratio_against": RATIO_AGAINST,
     "algo.token_credit": TOKEN_CREDITS,
     "algo.normalize": NORMALIZE_MODES,
-    "algo.tis_mode": algos.TIS_MODES,
+    "algo.tis.mode": algos.TIS_MODES,
     "algo.cov_control": tuple(algos.COV_CONTROLS),
 }
 """Keys whose values are the names of covey.algos registry entries or options."""
@@ -51,7 +51,7 @@ def check_estimator_needs(cfg: Config) -> None:
     if r.group_size < estimator.min_group_size:
         raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
                           f"must be >= {estimator.min_group_size}")
-    if a.dynamic_sampling and estimator.min_group_size < 2:
+    if a.dynamic_sampling.enabled and estimator.min_group_size < 2:
         raise ConfigError(f"algo.dynamic_sampling needs a group-based estimator, not {a.estimator}")
     if a.kl_in == "reward" and not estimator.per_token_rewards:
         per_token = ", ".join(name for name, e in algos.ESTIMATORS.items() if e.per_token_rewards)
@@ -65,13 +65,14 @@ def check_policy_loss(cfg: Config) -> None:
     if a.learner != "advantage":
         return
     entry = algos.POLICY_LOSSES[a.policy_loss]
+    reads = ", ".join(f"algo.{k}" + (".*" if is_dataclass(getattr(default, k)) else "") for k in entry.options)
     for key in LOSS_KEYS:
         value = getattr(a, key)
         if key in entry.options or value == getattr(default, key) or (key == "ratio_level" and
                                                                        value == entry.ratio_level):
             continue
-        raise ConfigError(f"algo.{key}={value} is not read by algo.policy_loss={a.policy_loss} (it reads: "
-                          f"{', '.join(f'algo.{k}' for k in entry.options) or 'no loss option'})")
+        raise ConfigError(f"{changed_key(key, value, getattr(default, key))} is not read by algo.policy_loss="
+                          f"{a.policy_loss} (it reads: {reads or 'no loss option'})")
     if entry.aggregation and a.loss_agg not in (entry.aggregation, default.loss_agg):
         raise ConfigError(f"algo.loss_agg={a.loss_agg}: algo.policy_loss={a.policy_loss} is defined with "
                           f"algo.loss_agg={entry.aggregation}")
@@ -80,6 +81,14 @@ def check_policy_loss(cfg: Config) -> None:
                           f"{a.estimator} gives per-token advantages (use grpo, rloo or remax)")
     if entry.sequence_advantage:
         check_token_devices(a)
+
+
+def changed_key(key: str, value, default) -> str:
+    """'algo.sapo.temperature_pos=2.0': the first key of an option group (or the plain key) set off its default."""
+    if not is_dataclass(value):
+        return f"algo.{key}={value}"
+    name = next(f.name for f in fields(value) if getattr(value, f.name) != getattr(default, f.name))
+    return f"algo.{key}.{name}={getattr(value, name)}"
 
 
 def check_token_devices(a) -> None:
@@ -92,8 +101,8 @@ def check_token_devices(a) -> None:
         raise ConfigError(f"algo.top_entropy_quantile={a.top_entropy_quantile:g}: {loss}, so the tokens it drops "
                           "would keep a share of their gradient instead of losing it; use it with ppo_clip, cispo, "
                           "sapo or vespo")
-    if a.tis_cap > 0 and a.tis_mode.startswith("token"):
-        raise ConfigError(f"algo.tis_mode={a.tis_mode} weights each token: {loss}; set algo.tis_mode="
+    if a.tis.cap > 0 and a.tis.mode.startswith("token"):
+        raise ConfigError(f"algo.tis.mode={a.tis.mode} weights each token: {loss}; set algo.tis.mode="
                           "sequence_truncate or sequence_mask (one weight per sequence)")
     if a.cov_control == "clip_cov":
         raise ConfigError(f"algo.cov_control=clip_cov drops the gradient of chosen tokens: {loss}, so they would "

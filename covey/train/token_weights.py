@@ -1,5 +1,5 @@
 """What acts on single tokens before the update, decided once per rollout over every rank's tokens:
-the sampler correction (algo.tis_cap, algo.tis_mode), the high-entropy tokens (algo.top_entropy_quantile),
+the sampler correction (algo.tis.*), the high-entropy tokens (algo.top_entropy_quantile),
 the covariance control (algo.cov_control) and the entropy bonus's coefficient (algo.adaptive_entropy).
 
 Each runs after the advantages and before `update`, on the quantities of the policy that sampled the
@@ -27,8 +27,9 @@ from covey.runtime.dist import all_reduce, gather_rows, world_size
 def make_entropy_controller(plan):
     """Skywork-OR1's adaptive controller when algo.adaptive_entropy, else the fixed algo.entropy_coef."""
     t, coef = plan.tokens, plan.update.entropy_coef
-    if t.adaptive_entropy:
-        return algos.AdaptiveEntropyController(coef, t.entropy_target, t.entropy_coef_delta, t.entropy_coef_max)
+    ent = t.adaptive_entropy
+    if ent.enabled:
+        return algos.AdaptiveEntropyController(coef, ent.target, ent.coef_delta, ent.coef_max)
     return algos.FixedEntropyController(coef)
 
 
@@ -47,16 +48,17 @@ def on_global_batch(fn, **rows):
 
 
 def correct_sampler_mismatch(run, rollout: Rollout) -> dict:
-    """Importance sampling (algo.tis_cap, algo.tis_mode, algo.tis_min): the engine sampled with its own
+    """Importance sampling (algo.tis.cap, .mode, .min): the engine sampled with its own
     kernels or weight copy, so each token's policy term is weighted by its mode's bounded pi_old/pi_sampler
     (no gradient, >= 0), folded into the advantage."""
-    if not run.plan.tis_cap:
+    tis = run.plan.tokens.tis
+    if not tis.cap:
         return {}
     sampler_logp = getattr(rollout, "sample_logp", None)
     if sampler_logp is None:
-        raise RuntimeError("algo.tis_cap is set but the engine returned no sampling log-probs")
+        raise RuntimeError("algo.tis.cap is set but the engine returned no sampling log-probs")
     weights, metrics = algos.importance_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
-                                                run.plan.tis_cap, run.plan.tokens.tis_mode, run.plan.tokens.tis_min)
+                                                tis.cap, tis.mode, tis.min)
     rollout.advantages = rollout.advantages * weights
     return metrics
 
@@ -90,7 +92,7 @@ def observe_entropy(run, rollout: Rollout) -> dict:
     this step's coefficient and moves the next one. Metrics: policy/entropy_coef, and with the adaptive
     controller select/rollout_entropy."""
     controller = run.entropy_controller
-    if not run.plan.tokens.adaptive_entropy:
+    if not run.plan.tokens.adaptive_entropy.enabled:
         return {"policy/entropy_coef": controller.value} if controller.value else {}
     mask = rollout.response_mask.bool()
     totals = torch.stack([rollout.old_entropy.double()[mask].sum(), mask.sum().double()])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from covey.algos import POLICY_LOSSES, Normalizer, PolicyLossOptions, policy_loss
+from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 
 F64 = torch.float64
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # T_1 = 3, T_2 = 2: 5 valid tokens
@@ -90,7 +91,7 @@ def test_gmpo_geometric_mean_clipped_in_log_space_by_hand():
     assert m["policy/grad_weight_mean"] == pytest.approx((2 * g1 + g2) / 5)
     # a wider log clip (1.0) lets token 2 of each through: g_1 = e^(0.3/3), g_2 = e^(-0.4/2)
     loss, _, m = run("gmpo", logp, old, adv, "seq_mean_token_mean",
-                     PolicyLossOptions(gmpo_log_clip_low=1.0, gmpo_log_clip_high=1.0))
+                     PolicyLossOptions(gmpo=GmpoOptions(log_clip_low=1.0, log_clip_high=1.0)))
     assert loss == pytest.approx((-math.exp(0.1) + math.exp(-0.2)) / 2) and m["policy/clipfrac"] == 0.0
 
 
@@ -167,6 +168,8 @@ def test_registry_traits():
     assert POLICY_LOSSES["luspo"].ratio_level == "sequence"
     assert POLICY_LOSSES["luspo"].aggregation == "seq_mean_token_sum"
     assert POLICY_LOSSES["gmpo"].sequence_advantage and "ratio_level" not in POLICY_LOSSES["vespo"].options
-    for bad in ({"sapo_temperature_neg": 0.0}, {"gmpo_log_clip_low": -0.1}, {"vespo_lambda_pos": 0.0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
+    for name, bad in (("sapo.temperature_neg", {"sapo": SapoOptions(temperature_neg=0.0)}),
+                      ("gmpo.log_clip_low", {"gmpo": GmpoOptions(log_clip_low=-0.1)}),
+                      ("vespo.lambda_pos", {"vespo": VespoOptions(lambda_pos=0.0)})):
+        with pytest.raises(ValueError, match=name):
             PolicyLossOptions(**bad).validate()

@@ -1,5 +1,5 @@
 """The four importance-sampling modes (TRL's vllm_importance_sampling_mode), with and without a lower bound
-(vllm_importance_sampling_clip_min), derived by hand; algo.tis_min's checks and its line in print_plan."""
+(vllm_importance_sampling_clip_min), derived by hand; algo.tis.min's checks and its line in print_plan."""
 
 import math
 
@@ -39,7 +39,7 @@ def test_modes_by_hand(mode):
 
 
 def test_bad_mode_and_cap():
-    with pytest.raises(ValueError, match="tis_mode"):
+    with pytest.raises(ValueError, match="tis mode"):
         importance_weights(LOG_R, SAMPLER, MASK, 2.0, "sequence")
     with pytest.raises(ValueError, match="cap"):
         importance_weights(LOG_R, SAMPLER, MASK, 0.5)
@@ -97,9 +97,9 @@ def test_bad_lower_bound(floor):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["algo.tis_min=0.5"], "algo.tis_min=0.5 is a lower bound of importance sampling: set algo.tis_cap > 0"),
-    (["algo.tis_cap=2", "algo.tis_min=2"], r"algo.tis_min must lie in \[0, algo.tis_cap=2\), got 2.0"),
-    (["algo.tis_cap=2", "algo.tis_min=-0.1"], r"algo.tis_min must lie in \[0, algo.tis_cap=2\), got -0.1"),
+    (["algo.tis.min=0.5"], "algo.tis.min=0.5 is a lower bound of importance sampling: set algo.tis.cap > 0"),
+    (["algo.tis.cap=2", "algo.tis.min=2"], r"algo.tis.min must lie in \[0, algo.tis.cap=2\), got 2.0"),
+    (["algo.tis.cap=2", "algo.tis.min=-0.1"], r"algo.tis.min must lie in \[0, algo.tis.cap=2\), got -0.1"),
 ])
 def test_tis_min_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=f"^{message}$"):
@@ -107,21 +107,21 @@ def test_tis_min_config_errors(overrides, message):
 
 
 def test_the_plan_carries_and_prints_the_lower_bound(capsys):
-    plan = make_plan(load_config(None, ["algo.tis_cap=2", "algo.tis_min=0.5", "algo.tis_mode=sequence_mask"]))
-    assert (plan.tis_cap, plan.tokens.tis_mode, plan.tokens.tis_min) == (2.0, "sequence_mask", 0.5)
+    plan = make_plan(load_config(None, ["algo.tis.cap=2", "algo.tis.min=0.5", "algo.tis.mode=sequence_mask"]))
+    assert (plan.tokens.tis.cap, plan.tokens.tis.mode, plan.tokens.tis.min) == (2.0, "sequence_mask", 0.5)
     print_plan(plan)
     assert "importance sampling sequence_mask cap 2 min 0.5" in capsys.readouterr().out
-    print_plan(make_plan(load_config(None, ["algo.tis_cap=2"])))
+    print_plan(make_plan(load_config(None, ["algo.tis.cap=2"])))
     assert "covey: importance sampling token_truncate cap 2\n" in capsys.readouterr().out  # no bound, no "min"
 
 
 def test_the_loop_passes_the_lower_bound_on():
-    """correct_sampler_mismatch (the loop's step) weights the advantages with algo.tis_min's bound: token_mask,
+    """correct_sampler_mismatch (the loop's step) weights the advantages with algo.tis.min's bound: token_mask,
     C = 2, c = 0.4 on the rows above, advantages all 1 -> the weights of EXPECTED_MIN["token_mask"]."""
     from types import SimpleNamespace
 
     from covey.train.token_weights import correct_sampler_mismatch
-    plan = make_plan(load_config(None, ["algo.tis_cap=2", "algo.tis_min=0.4", "algo.tis_mode=token_mask"]))
+    plan = make_plan(load_config(None, ["algo.tis.cap=2", "algo.tis.min=0.4", "algo.tis.mode=token_mask"]))
     sampler = torch.full_like(LOG_R_MIN, -1.0)
     rollout = SimpleNamespace(old_logp=sampler + LOG_R_MIN, sample_logp=sampler, response_mask=MASK_MIN,
                               advantages=torch.ones_like(LOG_R_MIN))

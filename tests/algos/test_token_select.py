@@ -7,6 +7,7 @@ import torch
 
 from covey import algos
 from covey.algos import CovOptions, Normalizer, high_entropy_mask, select_cov_tokens, token_covariance
+from covey.config.schema_algo import ClipCovOptions, KLCovOptions
 from covey.algos.token_select import clip_cov_select, kl_cov_select
 
 # Entropies of two rows, L = 4; the masked 9.0 must not count.
@@ -69,7 +70,7 @@ ALL = torch.ones(2, 3, dtype=torch.bool)
 
 def test_clip_cov_draws_its_count_among_candidates():
     # count = max(floor(0.34 * 6), 1) = max(2, 1) = 2 of the 4 candidates
-    opts = CovOptions(control="clip_cov", clip_ratio=0.34, clip_lb=1.0, clip_ub=5.0)
+    opts = CovOptions(control="clip_cov", clip_cov=ClipCovOptions(ratio=0.34, lb=1.0, ub=5.0))
     candidates = (COV > 1.0) & (COV < 5.0)
     picks = [clip_cov_select(COV, ALL, opts, torch.Generator().manual_seed(s)) for s in range(8)]
     for chosen in picks:
@@ -77,15 +78,15 @@ def test_clip_cov_draws_its_count_among_candidates():
     again = clip_cov_select(COV, ALL, opts, torch.Generator().manual_seed(3))
     assert torch.equal(again, picks[3])  # the same seed draws the same tokens (resume is exact)
     assert len({tuple(p.flatten().tolist()) for p in picks}) > 1  # and the draw is random
-    tiny = CovOptions(control="clip_cov", clip_ratio=1e-4)  # floor(6e-4) = 0 -> at least 1
+    tiny = CovOptions(control="clip_cov", clip_cov=ClipCovOptions(ratio=1e-4))  # floor(6e-4) = 0 -> at least 1
     assert int(clip_cov_select(COV, ALL, tiny, torch.Generator().manual_seed(0)).sum()) == 1
-    none = CovOptions(control="clip_cov", clip_lb=10.0, clip_ub=20.0)  # no candidate: nothing dropped
+    none = CovOptions(control="clip_cov", clip_cov=ClipCovOptions(lb=10.0, ub=20.0))  # no candidate: nothing dropped
     assert not bool(clip_cov_select(COV, ALL, none, torch.Generator()).any())
 
 
 def test_kl_cov_takes_the_largest():
     # count = max(floor(6 * 0.34), 1) = 2: the covariances 6.0 (0, 2) and 4.0 (1, 2)
-    opts = CovOptions(control="kl_cov", kl_ratio=0.34)
+    opts = CovOptions(control="kl_cov", kl_cov=KLCovOptions(ratio=0.34))
     assert kl_cov_select(COV, ALL, opts, torch.Generator()).tolist() == [[False, False, True], [False, False, True]]
     # a masked token's covariance never counts: without (0, 2) the two largest are 4.0 and 3.0
     mask = ALL.clone()
@@ -131,7 +132,7 @@ def test_kl_cov_penalty_in_the_objective():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old, adv, mask = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 2)
     loss, _ = algos.policy_objective("ppo_clip", logp, old, adv, mask, Normalizer("token_mean", 2, 1, 2),
-                                     cov=CovOptions(control="kl_cov", kl_coef=0.1),
+                                     cov=CovOptions(control="kl_cov", kl_cov=KLCovOptions(coef=0.1)),
                                      cov_tokens=torch.tensor([[True, False]]))
     assert float(loss) == pytest.approx(-1.575)
     loss.backward()
@@ -141,5 +142,5 @@ def test_kl_cov_penalty_in_the_objective():
 def test_cov_options_refuse_bad_values():
     with pytest.raises(ValueError, match="cov_control"):
         CovOptions(control="cov").validate()
-    with pytest.raises(ValueError, match="clip_cov_lb"):
-        CovOptions(control="clip_cov", clip_lb=5.0, clip_ub=1.0).validate()
+    with pytest.raises(ValueError, match="clip_cov.lb"):
+        CovOptions(control="clip_cov", clip_cov=ClipCovOptions(lb=5.0, ub=1.0)).validate()

@@ -3,7 +3,7 @@ identical inputs, in float64: the loss and its gradient with respect to the poli
 included. TRL's own `_compute_loss` runs on an instance made without __init__, holding the attributes it
 reads, with a stand-in for the forward pass that returns the given log-probs.
 
-The sampler-trainer correction (covey's importance_weights: algo.tis_cap, tis_mode, tis_min) equals TRL's
+The sampler-trainer correction (covey's importance_weights: algo.tis.cap, .mode, .min) equals TRL's
 vLLM importance sampling (vllm_importance_sampling_mode, clip_max, clip_min): TRL computes it inline in
 `_generate_and_score_completions`, so its lines there run on their own, on the same inputs.
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from covey.algos import TIS_MODES, Normalizer, PolicyLossOptions, importance_weights, policy_objective
+from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 
 trl = pytest.importorskip("trl", reason="the comparison runs TRL's own loss code (pip install trl==1.16.0)")
 if trl.__version__ != "1.16.0":
@@ -112,20 +113,20 @@ CASES = {  # TRL loss_type (and its options) -> covey's policy_loss, loss_agg an
     "sapo": ({}, ("sapo", "seq_mean_token_mean", {})),
     "sapo, temperatures 2 / 0.5": ({"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5},
                                    ("sapo", "seq_mean_token_mean",
-                                    {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5})),
+                                    {"sapo": SapoOptions(temperature_pos=2.0, temperature_neg=0.5)})),
     "luspo": ({"level": "sequence"}, ("luspo", "seq_mean_token_sum", CLIP)),
     "vespo": ({}, ("vespo", "token_mean", {})),
     "vespo, k 1.5 / 4, lambda 2.5 / 1": ({"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
                                           "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0},
-                                         ("vespo", "token_mean", {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
-                                                                  "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0})),
+                                         ("vespo", "token_mean", {"vespo": VespoOptions(k_pos=1.5, lambda_pos=2.5,
+                                                                                        k_neg=4.0, lambda_neg=1.0)})),
     # cispo: TRL caps the weight at epsilon_high itself (ScaleRL's eps_max, 5.0 recommended) with no floor;
     # covey clips to [1 - clip_eps_low, 1 + clip_eps_high], so eps_max = 1.3 is clip_eps_high = 0.3 with
     # the floor off (clip_eps_low = 1: the weight's floor 0)
     "cispo": ({"eps": (0.2, 1.3)}, ("cispo", "token_mean", {"clip_eps_low": 1.0, "clip_eps_high": 0.3})),
     "gmpo (trl.experimental.gmpo)": ({"loss_type": "gmpo", "gmpo": True, "eps": (0.4, 0.3)},
                                      ("gmpo", "seq_mean_token_mean",
-                                      {"gmpo_log_clip_low": 0.4, "gmpo_log_clip_high": 0.3})),
+                                      {"gmpo": GmpoOptions(log_clip_low=0.4, log_clip_high=0.3)})),
 }
 
 
@@ -201,7 +202,7 @@ def trl_is_ratio(mode, old, sampler, mask, clip_min, clip_max):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sampler_correction_equals_trl(mode, clip_min, seed):
     """The weights on the valid tokens, then TRL's grpo loss with its ratio against covey's ppo_clip with
-    the advantages times covey's weights (KL term included: neither weights it). clip_min None is tis_min 0."""
+    the advantages times covey's weights (KL term included: neither weights it). clip_min None is algo.tis.min 0."""
     logp, old, ref, mask, adv = inputs(seed)
     sampler = sampler_logp(old, mask, seed)
     theirs = trl_is_ratio(mode, old, sampler, mask, clip_min, TIS_BOUNDS[1])

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from covey.cli import advantages as advantages_cmd
+from covey.cli import advantages
 from covey.cli.main import main
 
 
-def advantages(argv):
+def covey_advantages(argv):
     return main(["advantages", *argv])
 
 
@@ -22,12 +22,12 @@ DISCOUNTED_GLOBAL = ["--rewards", "0.8,0.6", "--lengths", "3,4", "--token-credit
 
 
 def run_json(capsys, *argv):
-    assert advantages([*argv, "--json"]) == 0
+    assert covey_advantages([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_discounted_global_token_example_json(capsys):
-    # values derived by hand in tests/test_algos_advantages.py (the global-token worked example)
+    # values derived by hand in tests/algos/test_advantages.py::test_global_token_worked_example
     out = run_json(capsys, *DISCOUNTED_GLOBAL)
     seqs = out["sequences"]
     assert [s["length"] for s in seqs] == [3, 4] and [s["reward"] for s in seqs] == [0.8, 0.6]
@@ -38,7 +38,7 @@ def test_discounted_global_token_example_json(capsys):
 
 
 def test_table_output(capsys):
-    assert advantages(DISCOUNTED_GLOBAL) == 0
+    assert covey_advantages(DISCOUNTED_GLOBAL) == 0
     text = capsys.readouterr().out
     assert "t=4" in text and "1.1431" in text and "-0.8791" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("1 ") and "1.1431" in line)
@@ -56,7 +56,7 @@ def test_groups_no_std_and_ddof(capsys):
 
 
 def test_gae_values_and_process_steps(capsys):
-    # GAE by hand in tests/test_algos_returns.py::test_gae_by_hand
+    # GAE by hand in tests/algos/test_returns.py::test_gae_by_hand
     out = run_json(capsys, "--estimator", "gae", "--rewards", "1", "--lengths", "3", "--values", "0.1,0.2,0.3",
                    "--gamma", "0.9", "--lam", "0.5")
     assert out["sequences"][0]["advantages"] == pytest.approx([0.25325, 0.385, 0.7])
@@ -86,7 +86,7 @@ def test_gae_values_and_process_steps(capsys):
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        advantages(argv)
+        covey_advantages(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("covey advantages: error: ")
@@ -96,7 +96,7 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
 def test_add_parser_wires_into_a_parent_cli(capsys):
     parser = argparse.ArgumentParser(prog="covey")
     sub = parser.add_subparsers(dest="command")
-    advantages_cmd.add_parser(sub)
+    advantages.add_parser(sub)
     args = parser.parse_args(["advantages", "--rewards", "1,0", "--lengths", "1,1", "--json"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["sequences"][0]["advantages"] == pytest.approx([1.0], abs=1e-5)

@@ -30,14 +30,37 @@ def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1])["eval/n"] == 4
 
 
-PRINT_CONFIG = """
+# Runs `covey ARGS` in a fresh interpreter, then prints which heavy modules it imported.
+LOADED = """
 import sys
 from covey.cli.main import main
-code = main(sys.argv[1:])
-heavy = [m for m in ("transformers", "covey.train.loop", "covey.models.load", "covey.rollout.hf") if m in sys.modules]
+try:
+    code = main(sys.argv[1:])
+except SystemExit as stop:  # --help ends by raising it
+    code = stop.code
+heavy = [m for m in ("torch", "transformers", "covey.algos", "covey.train.loop", "covey.models.load",
+                     "covey.rollout.hf") if m in sys.modules]
 print("# loaded:", ",".join(heavy))
 sys.exit(code)
 """
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["train", "--help-config"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    """Help comes back at once: the parser of every command and the config's key list load no torch
+    (the advantages command names covey.algos' registries only when its own help is printed)."""
+    done = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text, loaded = done.stdout.rsplit("# loaded:", 1)
+    assert "covey" in text and loaded.strip() == "", f"covey {' '.join(argv)} imported {loaded.strip()}"
+
+
+def test_advantages_help_names_the_registries(capsys):
+    with pytest.raises(SystemExit):
+        main(["advantages", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "grpo, grpo_process, rloo" in text and "shared | uniform | discounted" in text
+    assert "auto | group | batch | global_token | none" in text
 
 
 @pytest.mark.parametrize("argv, preset, overrides", [
@@ -46,10 +69,10 @@ sys.exit(code)
     (["train", "--print-config", "steps=3"], None, ["steps=3"]),
 ])
 def test_print_config_prints_the_resolved_config_and_loads_nothing(argv, preset, overrides):
-    done = subprocess.run([sys.executable, "-c", PRINT_CONFIG, *argv], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     text, loaded = done.stdout.rsplit("# loaded:", 1)
-    assert loaded.strip() == ""  # no model, no training loop
+    assert loaded.strip() == ""  # no torch, no model, no training loop
     assert yaml.safe_load(text) == as_dict(load_config(preset, overrides))
 
 

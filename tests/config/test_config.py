@@ -166,15 +166,27 @@ def test_every_key_has_a_one_line_docstring_and_help_config_lists_it(capsys):
 
     from covey.cli.main import main
     from covey.config import Config, field_docs
+    from covey.config.schema import is_group
+
+    def check(obj, prefix):
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if is_group(value):  # a nested group is documented by its class's docstring, its keys each by theirs
+                assert (type(value).__doc__ or "").strip(), f"{prefix}.{f.name} has no docstring"
+                check(value, f"{prefix}.{f.name}")
+            else:
+                assert docs.get(f.name), f"{prefix}.{f.name} has no docstring"
     cfg = Config()
     for section in dataclasses.fields(cfg):
-        docs = field_docs(type(getattr(cfg, section.name)))
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
+        check(getattr(cfg, section.name), section.name)
     assert main(["train", "--help-config"]) == 0
     out = capsys.readouterr().out
     assert "  task.max_value (int, default 999): multistep: bound on every intermediate value" in out
     assert "  algo.beta (float, default 0.04): " in out
+    # a group's keys under their owner, indented below the group's own line
+    assert "\n  algo.sapo.*: algo.policy_loss=sapo" in out
+    assert "\n    algo.sapo.temperature_pos (float, default 1.0): " in out
 
 
 def test_string_overrides_are_taken_verbatim():

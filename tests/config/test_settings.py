@@ -53,7 +53,7 @@ def test_the_trl_table_in_the_docs_is_the_one_the_config_reads():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "your-task.md").read_text()
     table = doc.split("## TRL's names", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", table, re.M))
-    leaves = {key.split(".")[1]: key for key in leaf_keys()}
+    leaves = {key.rpartition(".")[2]: key for key in leaf_keys() if key.count(".") == 1}
     for name, where in rows.items():
         expected = TRL_NAMES.get(name) or leaves.get(name)
         assert expected and where.replace("`", "").startswith(expected.split(" (")[0]), (name, where)
@@ -78,8 +78,8 @@ def test_the_reward_models_learning_rate_is_still_set_by_its_full_key():
                               "1 = no lower bound, as CISPO's paper has it), got 1.5"),
     ("algo.clip_eps_low=-0.1", "algo.clip_eps_low must lie in [0, 1] (the ratio's lower bound is 1 - eps, PPO's 0.2; "
                                "1 = no lower bound, as CISPO's paper has it), got -0.1"),
-    ("algo.sapo_temperature_neg=0", "algo.sapo_temperature_neg must be > 0.0, got 0.0"),
-    ("algo.vespo_k_pos=-1", "algo.vespo_k_pos must be >= 0.0, got -1.0"),
+    ("algo.sapo.temperature_neg=0", "algo.sapo.temperature_neg must be > 0.0, got 0.0"),
+    ("algo.vespo.k_pos=-1", "algo.vespo.k_pos must be >= 0.0, got -1.0"),
     ("algo.clip_eps_high=20", "algo.clip_eps_high must lie in [0, 10] (the ratio's upper bound is 1 + eps; PPO's is "
                               "0.2, DAPO's 0.28), got 20.0"),
     ("task.eval_size=-1", "task.eval_size must be >= 0, got -1"),
@@ -163,13 +163,13 @@ def test_every_trl_name_points_to_keys_that_exist():
     import re
 
     from covey.config.load import TRL_LOSS_TYPES, TRL_NAMES
-    from covey.config.schema import leaf_keys
+    from covey.config.schema import group_keys, leaf_keys
     keys = set(leaf_keys())
     for name, hint in {**TRL_NAMES, **TRL_LOSS_TYPES}.items():
-        named = re.findall(r"\b(model|task|rollout|reward|rm|algo|optim|train|eval)\.(\w+)", hint)
+        named = re.findall(r"\b((?:model|task|rollout|reward|rm|algo|optim|train|eval)(?:\.\w+)+)", hint)
         assert named, name
-        for section, leaf in named:
-            assert f"{section}.{leaf}" in keys, (name, f"{section}.{leaf}")
+        for key in named:
+            assert key in keys or key in group_keys(), (name, key)
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -180,3 +180,60 @@ def test_every_trl_name_points_to_keys_that_exist():
 def test_trl_agent_and_cispo_names_get_a_pointer(name, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(None, [f"{name}=1"])
+
+
+def test_options_live_under_their_owner():
+    # a key that matters for one value of another sits in that owner's group; the section stays short
+    import dataclasses
+
+    from covey.config import Config
+    top = [f.name for f in dataclasses.fields(Config().algo)]
+    assert len(top) <= 40, len(top)
+    for group in ("sapo", "gmpo", "vespo", "gae", "dpo", "tis", "clip_cov", "kl_cov", "adaptive_entropy",
+                  "adaptive_kl", "dynamic_sampling"):
+        assert group in top
+    cfg = load_config(None, ["algo.policy_loss=sapo", "algo.sapo.temperature_neg=2", "sapo.temperature_pos=0.5",
+                             "algo.tis.cap=2", "algo.tis.mode=token_mask"])
+    assert (cfg.algo.sapo.temperature_pos, cfg.algo.sapo.temperature_neg) == (0.5, 2.0)
+    assert (cfg.algo.tis.cap, cfg.algo.tis.mode) == (2.0, "token_mask")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algo.tis_cap=2", "config key 'algo.tis_cap' is now algo.tis.cap"),
+    ("sapo_temperature_pos=2", "config key 'algo.sapo_temperature_pos' is now algo.sapo.temperature_pos"),
+    ("algo.dpo_beta=0.2", "config key 'algo.dpo_beta' is now algo.dpo.beta"),
+    ("algo.lam=0.9", "config key 'algo.lam' is now algo.gae.lam"),
+    ("algo.sapo=1", "config key 'algo.sapo' is a group of options: set algo.sapo.temperature_pos, "
+                    "algo.sapo.temperature_neg"),
+    ("algo.sapo.temperature=1", "unknown config key 'algo.sapo.temperature' (did you mean "
+                                "'algo.sapo.temperature_pos'?)"),
+    ("ratio=0.1", "ambiguous config key 'ratio': use one of algo.clip_cov.ratio, algo.kl_cov.ratio"),
+])
+def test_a_flat_key_that_moved_fails_naming_its_new_place(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(message)
+
+
+def test_a_group_with_a_switch_takes_the_switch_as_its_value(tmp_path):
+    cfg = load_config(None, ["algo.dynamic_sampling=true", "adaptive_entropy=on"])
+    assert cfg.algo.dynamic_sampling.enabled and cfg.algo.adaptive_entropy.enabled
+    assert cfg.algo.dynamic_sampling.max_rounds == 3
+    path = tmp_path / "mine.yaml"
+    path.write_text("algo:\n  dynamic_sampling: true\n  gae:\n    lam: 0.9\n")
+    cfg = load_config(str(path))
+    assert cfg.algo.dynamic_sampling.enabled and cfg.algo.gae.lam == 0.9
+    path.write_text("algo:\n  tis_cap: 2\n")
+    with pytest.raises(ConfigError, match=r"mine.yaml: config key 'algo.tis_cap' is now algo.tis.cap"):
+        load_config(str(path))
+
+
+def test_an_older_runs_config_is_read_with_its_flat_keys_moved():
+    # a run folder's config.json from before the groups: every moved key lands in its group
+    from covey.config import from_dict
+    cfg = from_dict({"algo": {"tis_cap": 2.0, "tis_mode": "sequence_mask", "sapo_temperature_neg": 1.5,
+                              "dynamic_sampling": True, "max_resample_rounds": 5, "dpo_beta": 0.3, "lam": 0.9}})
+    a = cfg.algo
+    assert (a.tis.cap, a.tis.mode, a.sapo.temperature_neg, a.dpo.beta, a.gae.lam) == (2.0, "sequence_mask", 1.5,
+                                                                                     0.3, 0.9)
+    assert a.dynamic_sampling.enabled and a.dynamic_sampling.max_rounds == 5

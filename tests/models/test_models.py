@@ -10,20 +10,20 @@ import time
 import pytest
 import torch
 
-from covey.models import default, tiny as tiny_models
-from covey.models import load as models
+import covey.models.tiny
+from covey.models import default, load
 from covey.models.critic import ValueModel, last_token_scores, response_values
 from covey.models.load import ModelError
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return tiny_models.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return covey.models.tiny.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    return models.load_policy(str(tiny_dir))
+    return load.load_policy(str(tiny_dir))
 
 
 def chat_batch(tokenizer, questions):
@@ -47,7 +47,7 @@ def test_tiny_model_loads_and_generates(tiny):
 
 
 def test_tiny_tokenizer_round_trips_text_and_chat_tokens():
-    tokenizer = tiny_models.tiny_tokenizer()
+    tokenizer = covey.models.tiny.tiny_tokenizer()
     text = "What is 123 * 45? The answer is 5,535. #### -7 \\boxed{12} é"
     assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level: no unknown characters
     assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
@@ -57,14 +57,14 @@ def test_tiny_tokenizer_round_trips_text_and_chat_tokens():
 
 
 def test_tiny_llama_is_seeded():
-    a, b = tiny_models.tiny_llama(100, seed=3), tiny_models.tiny_llama(100, seed=3)
+    a, b = covey.models.tiny.tiny_llama(100, seed=3), covey.models.tiny.tiny_llama(100, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()  # tied
 
 
 def test_reference_is_frozen_copy(tiny):
     model, tokenizer = tiny
-    reference = models.load_reference(model)
+    reference = load.load_reference(model)
     assert not reference.training and model.training
     assert not any(p.requires_grad for p in reference.parameters())
     assert all(p.requires_grad for p in model.parameters())
@@ -146,7 +146,7 @@ def test_value_model_save_load_round_trip(tiny_dir, tmp_path):
     critic = ValueModel.from_policy_path(str(tiny_dir))
     torch.nn.init.normal_(critic.head.weight)
     torch.nn.init.constant_(critic.head.bias, 0.5)
-    critic.save_pretrained(tmp_path / "critic", tokenizer=models.load_tokenizer(str(tiny_dir)))
+    critic.save_pretrained(tmp_path / "critic", tokenizer=load.load_tokenizer(str(tiny_dir)))
     loaded = ValueModel.from_pretrained(tmp_path / "critic")
     ids = torch.randint(3, 500, (2, 7))
     mask = torch.ones_like(ids)
@@ -171,45 +171,45 @@ def test_last_token_scores_left_and_right_padding():
 
 
 def test_resolve_model_path(tiny_dir, tmp_path, monkeypatch):
-    assert models.resolve_model_path(str(tiny_dir)) == str(tiny_dir)
+    assert load.resolve_model_path(str(tiny_dir)) == str(tiny_dir)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: True)
-    assert models.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == \
+    monkeypatch.setattr(load, "hub_reachable", lambda timeout_s=2.0: True)
+    assert load.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"  # hub id with a hub: left to from_pretrained
     for missing in ["./nope", "/nonexistent/model", "runs/x/final", "~/none.gguf", "missing.gguf"]:
         with pytest.raises(ModelError, match="model path not found"):
-            models.resolve_model_path(missing)
+            load.resolve_model_path(missing)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelError, match="is a file"):
-        models.resolve_model_path(str(tmp_path / "weights.bin"))
+        load.resolve_model_path(str(tmp_path / "weights.bin"))
 
 
 def test_a_hub_id_without_cache_or_hub_fails_at_once_in_one_line(monkeypatch):
     """No minutes of download retries on a machine without network: one line, at once."""
-    monkeypatch.setattr(models, "try_to_load_from_cache", lambda repo, name: None)
-    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: False)
+    monkeypatch.setattr(load, "try_to_load_from_cache", lambda repo, name: None)
+    monkeypatch.setattr(load, "hub_reachable", lambda timeout_s=2.0: False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(ModelError, match=r"^model 'no-such-model' is not a local folder or \.gguf, not in the "
                                          r"Hugging Face cache, and the hub cannot be reached: give a folder"):
-        models.resolve_model_path("no-such-model")
+        load.resolve_model_path("no-such-model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "hub_reachable", lambda timeout_s=2.0: True)
+    monkeypatch.setattr(load, "hub_reachable", lambda timeout_s=2.0: True)
     with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):
-        models.resolve_model_path("org/model")
+        load.resolve_model_path("org/model")
     # in the cache: used offline as it is
-    monkeypatch.setattr(models, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
-    assert models.resolve_model_path("org/model") == "org/model"
+    monkeypatch.setattr(load, "try_to_load_from_cache", lambda repo, name: f"/cache/{repo}/{name}")
+    assert load.resolve_model_path("org/model") == "org/model"
 
 
 def test_load_policy_bad_folder_is_model_error(tmp_path):
     with pytest.raises(ModelError, match="has no config.json"):
-        models.load_policy(str(tmp_path))  # exists, but holds no model
+        load.load_policy(str(tmp_path))  # exists, but holds no model
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="has config.json but no weights"):
-        models.load_policy(str(tmp_path))
+        load.load_policy(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(ModelError, match="could not load model"):
-        models.load_policy(str(tmp_path))  # looks like a model, but is not one
+        load.load_policy(str(tmp_path))  # looks like a model, but is not one
 
 
 def test_gguf_spec_is_converted_once_and_keyed_by_mtime(tmp_path, monkeypatch):
@@ -224,11 +224,11 @@ def test_gguf_spec_is_converted_once_and_keyed_by_mtime(tmp_path, monkeypatch):
     monkeypatch.setenv("COVEY_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    first = models.resolve_model_path(str(gguf))
-    assert models.resolve_model_path(str(gguf)) == first and len(calls) == 1
+    first = load.resolve_model_path(str(gguf))
+    assert load.resolve_model_path(str(gguf)) == first and len(calls) == 1
     assert first.startswith(str(tmp_path / "cache" / "models" / "m-"))
     gguf.write_bytes(b"GGUF2")  # new content / mtime: a new cache entry
-    assert models.resolve_model_path(str(gguf)) != first and len(calls) == 2
+    assert load.resolve_model_path(str(gguf)) != first and len(calls) == 2
 
 
 def test_build_cached_is_atomic(tmp_path):
@@ -253,17 +253,17 @@ def test_build_cached_is_atomic(tmp_path):
 def test_param_and_optimizer_memory():
     model = torch.nn.Linear(256, 256)  # 65792 fp32 params
     expected = 65792 * 4 / 2**20
-    assert models.param_memory_mb(model) == pytest.approx(expected)
-    tied = tiny_models.tiny_llama(100)
+    assert load.param_memory_mb(model) == pytest.approx(expected)
+    tied = covey.models.tiny.tiny_llama(100)
     unique = {id(p): p for p in tied.parameters()}  # lm_head is the embedding: counted once
     params = sum(p.numel() * 4 for p in unique.values())
     buffers = sum(b.numel() * b.element_size() for b in tied.buffers())
-    assert models.param_memory_mb(tied) == pytest.approx((params + buffers) / 2**20)
+    assert load.param_memory_mb(tied) == pytest.approx((params + buffers) / 2**20)
     optimizer = torch.optim.AdamW(model.parameters())
-    assert models.optimizer_state_mb(optimizer) == 0
+    assert load.optimizer_state_mb(optimizer) == 0
     model(torch.randn(2, 256)).sum().backward()
     optimizer.step()
-    assert models.optimizer_state_mb(optimizer) == pytest.approx(2 * expected, rel=1e-3)  # exp_avg(_sq)
+    assert load.optimizer_state_mb(optimizer) == pytest.approx(2 * expected, rel=1e-3)  # exp_avg(_sq)
 
 
 # --------------------------------------------------------------------------- real default model
@@ -273,9 +273,9 @@ def test_param_and_optimizer_memory():
 def test_default_model_prepares_and_answers():
     path = default.prepare_default_model()
     start = time.perf_counter()
-    assert models.resolve_model_path("default") == str(path)
+    assert load.resolve_model_path("default") == str(path)
     assert time.perf_counter() - start < 2.0  # cache reused
-    model, tokenizer = models.load_policy("default")
+    model, tokenizer = load.load_policy("default")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tokenizer.model_max_length == model.config.max_position_embeddings
     batch = chat_batch(tokenizer, ["What is 2+3?"])
@@ -286,7 +286,7 @@ def test_default_model_prepares_and_answers():
 
 def test_tiny_spec_builds_a_cached_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("COVEY_CACHE", str(tmp_path))
-    path = models.resolve_model_path("tiny")
+    path = load.resolve_model_path("tiny")
     assert path == str(tmp_path / "models" / "tiny-llama") and default.is_complete(tmp_path / "models" / "tiny-llama")
-    model, tokenizer = models.load_policy("tiny")
+    model, tokenizer = load.load_policy("tiny")
     assert model.config.hidden_size == 64 and len(tokenizer) == model.config.vocab_size

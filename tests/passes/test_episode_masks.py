@@ -12,7 +12,7 @@ from covey.batch import Rollout, concat_rollouts
 from covey.config import Config
 from covey.models.critic import ValueModel
 from covey.models.load import load_policy
-from covey.passes import logprobs as forward
+from covey.passes import logprobs
 from covey.passes import packing
 from covey.train import update
 from covey.train.global_batch import global_normalizer
@@ -65,22 +65,22 @@ def with_holes(episode: Rollout) -> Rollout:
     return dataclasses.replace(episode, response_attention=None)
 
 
-def logprobs(model, part, *, packed: bool, monkeypatch, prompts=None):
+def episode_logprobs(model, part, *, packed: bool, monkeypatch, prompts=None):
     """policy_logprobs by the padded pass, or by the packed one (checked to have run)."""
     packings = []
     with monkeypatch.context() as patch, torch.no_grad():
         if not packed:
-            patch.setattr(forward, "packs", lambda model: False)
-        patch.setattr(forward, "pack", lambda *a, **k: packings.append(1) or packing.pack(*a, **k))
-        out = forward.policy_logprobs(model, part, 0.7, with_entropy=True, prompts=prompts)
-    assert len(packings) == (packed and forward.prefixes(part.response_attended))
+            patch.setattr(logprobs, "packs", lambda model: False)
+        patch.setattr(logprobs, "pack", lambda *a, **k: packings.append(1) or packing.pack(*a, **k))
+        out = logprobs.policy_logprobs(model, part, 0.7, with_entropy=True, prompts=prompts)
+    assert len(packings) == (packed and logprobs.prefixes(part.response_attended))
     return out
 
 
 def test_positions_and_width_count_every_attended_token(tiny):
     _, tokenizer = tiny
     episode = episode_rollout(tokenizer)
-    ids, mask, width = forward.trim(episode)
+    ids, mask, width = logprobs.trim(episode)
     assert width == 10  # row 2's last (environment) token, not the batch's last model token (column 8)
     assert mask[:, -width:].sum(1).tolist() == [9, 6, 10, 5]
     # row 0's prompt has 5 real tokens (positions 0..4): its second model turn (columns 7, 8) sits at
@@ -95,8 +95,9 @@ def test_model_tokens_get_the_logprobs_of_the_whole_sequence(tiny, monkeypatch, 
     plain pass, which sees the same ids and mask; to float rounding in the packed one)."""
     model, tokenizer = tiny
     episode = episode_rollout(tokenizer)
-    expected, expected_entropy, width = logprobs(model, as_single_turn(episode), packed=False, monkeypatch=monkeypatch)
-    logp, entropy, got_width = logprobs(model, episode, packed=packed, monkeypatch=monkeypatch)
+    expected, expected_entropy, width = episode_logprobs(model, as_single_turn(episode), packed=False,
+                                                         monkeypatch=monkeypatch)
+    logp, entropy, got_width = episode_logprobs(model, episode, packed=packed, monkeypatch=monkeypatch)
     assert got_width == width == 10
     keep = episode.response_mask[:, :width].bool()
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if packed else {"atol": 0.0, "rtol": 0.0}
@@ -104,7 +105,7 @@ def test_model_tokens_get_the_logprobs_of_the_whole_sequence(tiny, monkeypatch, 
     torch.testing.assert_close(entropy[keep], expected_entropy[keep], **tolerance)
     # the test can fail: with the environment's tokens left out of attention (holes in the one mask: the
     # plain pass, as the packed one feeds only masks without holes), the second turns differ
-    holes, _, hole_width = logprobs(model, with_holes(episode), packed=packed, monkeypatch=monkeypatch)
+    holes, _, hole_width = episode_logprobs(model, with_holes(episode), packed=packed, monkeypatch=monkeypatch)
     assert hole_width == 9  # the last model token, column 8 of row 0
     second_turn = torch.zeros_like(keep[:, :9])
     second_turn[0, 7:9] = second_turn[1, 3:6] = second_turn[2, 5:7] = True
@@ -119,18 +120,18 @@ def test_prompt_cache_pass_and_batched_logprobs_agree(tiny, monkeypatch):
     on the model's tokens, and the batched pass is 0 on the environment's."""
     model, tokenizer = tiny
     episode = episode_rollout(tokenizer)
-    expected, _, width = logprobs(model, as_single_turn(episode), packed=False, monkeypatch=monkeypatch)
+    expected, _, width = episode_logprobs(model, as_single_turn(episode), packed=False, monkeypatch=monkeypatch)
     keep = episode.response_mask.bool()
     with torch.no_grad():
-        encoded, of_row = forward.encode_prompts(model, episode, torch.arange(len(episode)))
+        encoded, of_row = logprobs.encode_prompts(model, episode, torch.arange(len(episode)))
     for rows in (torch.tensor([0, 1]), torch.tensor([2, 3])):
-        logp, _, w = logprobs(model, episode.select(rows), packed=True, monkeypatch=monkeypatch,
+        logp, _, w = episode_logprobs(model, episode.select(rows), packed=True, monkeypatch=monkeypatch,
                               prompts=(encoded, of_row[rows]))
         part = keep[rows, :w]
         torch.testing.assert_close(logp[part], expected[rows, :w][part], atol=1e-5, rtol=1e-5)
-    batched = forward.batched_logprobs(model, episode, 0.7, micro_batch_size=2)
+    batched = logprobs.batched_logprobs(model, episode, 0.7, micro_batch_size=2)
     assert batched.shape == (4, WIDTH)
-    torch.testing.assert_close(batched[keep], forward.pad_to(expected, WIDTH)[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched[keep], logprobs.pad_to(expected, WIDTH)[keep], atol=1e-5, rtol=1e-5)
     assert batched[~keep].abs().sum() == 0
 
 
@@ -141,16 +142,16 @@ def test_critic_values_over_an_episode(tiny_model_dir, tiny):
     torch.nn.init.normal_(critic.head.weight, generator=torch.Generator().manual_seed(1))  # not the zero head
     episode = episode_rollout(tokenizer)
     with torch.no_grad():
-        expected, width = forward.critic_values(critic, as_single_turn(episode))
-        values, got_width = forward.critic_values(critic, episode)
-        holes, _ = forward.critic_values(critic, with_holes(episode))
+        expected, width = logprobs.critic_values(critic, as_single_turn(episode))
+        values, got_width = logprobs.critic_values(critic, episode)
+        holes, _ = logprobs.critic_values(critic, with_holes(episode))
     keep = episode.response_mask[:, :width].bool()
     assert got_width == width == 10
     torch.testing.assert_close(values[keep], expected[keep], atol=0.0, rtol=0.0)
     assert (holes[0, 7:9] - expected[0, 7:9]).abs().min() > 1e-6
-    batched = forward.batched_values(critic, episode, micro_batch_size=3)
+    batched = logprobs.batched_values(critic, episode, micro_batch_size=3)
     full_keep = episode.response_mask.bool()
-    torch.testing.assert_close(batched[full_keep], forward.pad_to(expected, WIDTH)[full_keep], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(batched[full_keep], logprobs.pad_to(expected, WIDTH)[full_keep], atol=1e-6, rtol=1e-5)
     assert batched[~full_keep].abs().sum() == 0
 
 
@@ -159,14 +160,14 @@ def test_single_turn_rollout_is_unchanged(tiny, monkeypatch):
     explicit response_attention equal to response_mask gives bitwise the same log-probs."""
     model, tokenizer = tiny
     single = as_single_turn(episode_rollout(tokenizer))
-    ids, mask, width = forward.trim(single)
-    first = forward.first_prompt_column(single.prompt_mask)
+    ids, mask, width = logprobs.trim(single)
+    first = logprobs.first_prompt_column(single.prompt_mask)
     assert torch.equal(mask, torch.cat([single.prompt_mask[:, first:], single.response_mask[:, :width].long()], 1))
     assert torch.equal(single.attention_mask, torch.cat([single.prompt_mask, single.response_mask.long()], 1))
     explicit = dataclasses.replace(single, response_attention=single.response_mask.clone())
     for packed in (False, True):
-        a, ent_a, _ = logprobs(model, single, packed=packed, monkeypatch=monkeypatch)
-        b, ent_b, _ = logprobs(model, explicit, packed=packed, monkeypatch=monkeypatch)
+        a, ent_a, _ = episode_logprobs(model, single, packed=packed, monkeypatch=monkeypatch)
+        b, ent_b, _ = episode_logprobs(model, explicit, packed=packed, monkeypatch=monkeypatch)
         assert torch.equal(a, b) and torch.equal(ent_a, ent_b)
 
 
@@ -212,7 +213,7 @@ def test_environment_tokens_carry_no_loss_and_no_gradient(tiny_model_dir):
     assert torch.equal(loss, loud_loss) and grads.keys() == loud_grads.keys() and grads
     assert all(torch.equal(grads[n], loud_grads[n]) for n in grads)
     with torch.no_grad():
-        logp, entropy, width = forward.policy_logprobs(model, as_single_turn(episode), opts.temperature,
+        logp, entropy, width = logprobs.policy_logprobs(model, as_single_turn(episode), opts.temperature,
                                                        with_entropy=True)
         expected, _ = algos.policy_objective(opts.policy_loss, logp, logp, episode.advantages[:, :width],
                                              episode.response_mask[:, :width], norm, opts.loss, entropy=entropy,

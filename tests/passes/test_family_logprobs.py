@@ -16,7 +16,7 @@ from covey.batch import Rollout
 from covey.models.attention import attention_implementation
 from covey.models.families import family_of
 from covey.models.tiny import FAMILY_NAMES, TINY_WINDOW, tiny_family_model, tiny_tokenizer
-from covey.passes import logprobs as forward
+from covey.passes import logprobs
 from covey.passes.logprobs import batched_logprobs, encode_prompts, packs, policy_logprobs
 
 PROMPT_LENGTHS = [11, 4]        # left-padded to 11; the first is longer than the window
@@ -81,7 +81,7 @@ def test_packed_pass_equals_a_plain_forward(family_model, tok):
 def test_padded_pass_equals_a_plain_forward(family_model, tok, monkeypatch):
     name, model = family_model
     rollout = family_rollout(len(tok))
-    monkeypatch.setattr(forward, "packs", lambda model: False)
+    monkeypatch.setattr(logprobs, "packs", lambda model: False)
     with torch.no_grad():
         logp, _, _ = policy_logprobs(model, rollout, 1.0)
     torch.testing.assert_close(logp.float() * rollout.response_mask, plain_logprobs(model, rollout), atol=1e-5, rtol=0)
@@ -116,7 +116,7 @@ def test_bf16_autocast_packed_pass_is_the_padded_pass_in_bf16(family_model, tok,
     rollout = family_rollout(len(tok))
     with torch.no_grad():
         packed, _, _ = policy_logprobs(model, rollout, 1.0, precision="bfloat16")
-        monkeypatch.setattr(forward, "packs", lambda model: False)
+        monkeypatch.setattr(logprobs, "packs", lambda model: False)
         padded, _, _ = policy_logprobs(model, rollout, 1.0, precision="bfloat16")
     mask = rollout.response_mask
     assert float(((packed - padded).abs() * mask).max()) < 0.05
@@ -133,7 +133,7 @@ def test_gradients_of_the_packed_pass_equal_the_padded_pass(tok, monkeypatch):
         model.zero_grad()
         with monkeypatch.context() as patch:
             if not packed:
-                patch.setattr(forward, "packs", lambda model: False)
+                patch.setattr(logprobs, "packs", lambda model: False)
             logp, _, _ = policy_logprobs(model, rollout, 1.0)
         (logp * weights * rollout.response_mask).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

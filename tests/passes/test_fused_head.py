@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from covey.algos.logits import DEFAULT_CHUNK
 from covey.models.kernels import fused_head, use_fused_head
 from covey.models.load import load_policy
-from covey.passes import logprobs as forward
+from covey.passes import logprobs
 from tests.helpers import grouped_rollout
 
 
@@ -27,8 +27,8 @@ def run(model, part, plain, monkeypatch):
     model.zero_grad(set_to_none=True)
     with monkeypatch.context() as patch:
         if plain:
-            patch.setattr(forward, "packs", lambda model: False)
-        logp, entropy, width = forward.policy_logprobs(model, part, 0.7, with_entropy=True)
+            patch.setattr(logprobs, "packs", lambda model: False)
+        logp, entropy, width = logprobs.policy_logprobs(model, part, 0.7, with_entropy=True)
     mask = part.response_mask[:, :width]
     weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
     ((logp * weights * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
@@ -94,6 +94,6 @@ def test_lora_reference_view_reads_the_base_model(tiny):
     reference = frozen_reference(policy)
     assert fused_head(reference) is not None
     part = grouped_rollout(tokenizer)
-    want = forward.batched_logprobs(model, part, 0.7, 4)  # the base model itself, unfused
-    torch.testing.assert_close(forward.batched_logprobs(reference, part, 0.7, 4), want, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(forward.batched_logprobs(policy, part, 0.7, 4), want, atol=1e-3)
+    want = logprobs.batched_logprobs(model, part, 0.7, 4)  # the base model itself, unfused
+    torch.testing.assert_close(logprobs.batched_logprobs(reference, part, 0.7, 4), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logprobs.batched_logprobs(policy, part, 0.7, 4), want, atol=1e-3)

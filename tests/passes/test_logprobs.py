@@ -5,7 +5,7 @@ import torch
 
 from covey.models.attention import attention_implementation
 from covey.models.load import load_policy
-from covey.passes import logprobs as forward
+from covey.passes import logprobs
 from covey.passes import packing
 from tests.helpers import grouped_rollout
 
@@ -21,8 +21,8 @@ def logprobs_and_grads(model, part, plain: bool, monkeypatch, temperature=0.7):
     model.zero_grad(set_to_none=True)
     with monkeypatch.context() as patch:
         if plain:
-            patch.setattr(forward, "packs", lambda model: False)
-        logp, entropy, width = forward.policy_logprobs(model, part, temperature, with_entropy=True)
+            patch.setattr(logprobs, "packs", lambda model: False)
+        logp, entropy, width = logprobs.policy_logprobs(model, part, temperature, with_entropy=True)
     mask = part.response_mask[:, :width]
     weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
     ((logp * weights * mask).sum() + 0.1 * (entropy * mask).sum()).backward()
@@ -63,7 +63,7 @@ def test_packed_width_padded_to_a_multiple_changes_no_value_or_gradient(tiny, mo
         widths.append(packed.input_ids.shape[1])
         return packed
 
-    monkeypatch.setattr(forward, "pack", padded_pack)
+    monkeypatch.setattr(logprobs, "pack", padded_pack)
     logp_b, ent_b, grads_b = logprobs_and_grads(model, part, False, monkeypatch)
     assert widths and all(w % multiple == 0 for w in widths)
     torch.testing.assert_close(logp_a, logp_b, atol=1e-5, rtol=1e-5)
@@ -77,19 +77,19 @@ def test_rows_in_any_order_and_distinct_prompts(tiny, monkeypatch):
     model, tokenizer = tiny
     part = grouped_rollout(tokenizer, groups=3, group_size=2)
     shuffled = part.select(torch.tensor([3, 0, 5, 1, 4, 2]))
-    first, inverse = forward.shared_prompts(shuffled.prompt_ids, shuffled.prompt_mask)
+    first, inverse = logprobs.shared_prompts(shuffled.prompt_ids, shuffled.prompt_mask)
     assert torch.equal(shuffled.prompt_ids[first][inverse], shuffled.prompt_ids)
     with torch.no_grad():
-        logp_s, _, width = forward.policy_logprobs(model, shuffled, 1.0)
-        monkeypatch.setattr(forward, "packs", lambda model: False)
-        logp_p, _, _ = forward.policy_logprobs(model, shuffled, 1.0)
+        logp_s, _, width = logprobs.policy_logprobs(model, shuffled, 1.0)
+        monkeypatch.setattr(logprobs, "packs", lambda model: False)
+        logp_p, _, _ = logprobs.policy_logprobs(model, shuffled, 1.0)
     mask = shuffled.response_mask[:, :width]
     torch.testing.assert_close(logp_s * mask, logp_p * mask, atol=1e-5, rtol=1e-5)
     distinct = part.select(torch.tensor([0, 2, 4]))
     with torch.no_grad():
-        logp_s, _, width = forward.policy_logprobs(model, distinct, 1.0)
+        logp_s, _, width = logprobs.policy_logprobs(model, distinct, 1.0)
         monkeypatch.undo()
-        logp_p, _, _ = forward.policy_logprobs(model, distinct, 1.0)
+        logp_p, _, _ = logprobs.policy_logprobs(model, distinct, 1.0)
     mask = distinct.response_mask[:, :width]
     torch.testing.assert_close(logp_s * mask, logp_p * mask, atol=1e-5, rtol=1e-5)
 
@@ -97,23 +97,23 @@ def test_rows_in_any_order_and_distinct_prompts(tiny, monkeypatch):
 def test_batched_reference_logprobs_unchanged(tiny, monkeypatch):
     model, tokenizer = tiny
     part = grouped_rollout(tokenizer, groups=2, group_size=4)
-    shared = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
-    monkeypatch.setattr(forward, "packs", lambda model: False)
-    plain = forward.batched_logprobs(model, part, 1.0, micro_batch_size=4)
+    shared = logprobs.batched_logprobs(model, part, 1.0, micro_batch_size=4)
+    monkeypatch.setattr(logprobs, "packs", lambda model: False)
+    plain = logprobs.batched_logprobs(model, part, 1.0, micro_batch_size=4)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("precision, weights, multiple", [
-    ("none", torch.float32, 1), ("bfloat16", torch.float32, forward.BF16_WIDTH_MULTIPLE),
-    ("none", torch.bfloat16, forward.BF16_WIDTH_MULTIPLE)])
+    ("none", torch.float32, 1), ("bfloat16", torch.float32, logprobs.BF16_WIDTH_MULTIPLE),
+    ("none", torch.bfloat16, logprobs.BF16_WIDTH_MULTIPLE)])
 def test_packed_width_is_bucketed_whenever_the_pass_runs_in_bf16(tiny_model_dir, monkeypatch, precision, weights,
                                                                  multiple):
     """bf16 autocast or bf16 weights: oneDNN would keep memory for every width (covey/passes/packing.py)."""
     model, tokenizer = load_policy(tiny_model_dir, dtype=weights)
     seen = []
-    monkeypatch.setattr(forward, "pack", lambda *a, **k: seen.append(k["width_multiple"]) or packing.pack(*a, **k))
+    monkeypatch.setattr(logprobs, "pack", lambda *a, **k: seen.append(k["width_multiple"]) or packing.pack(*a, **k))
     with torch.no_grad():
-        forward.policy_logprobs(model, grouped_rollout(tokenizer), 1.0, precision=precision)
+        logprobs.policy_logprobs(model, grouped_rollout(tokenizer), 1.0, precision=precision)
     assert seen == [multiple]
 
 
@@ -129,10 +129,10 @@ def test_bf16_packed_pass_on_cpu_runs_eager_attention_then_restores_the_model(ti
         lambda module, args: seen.append(model.config._attn_implementation))
     part = grouped_rollout(tokenizer)
     with torch.no_grad():
-        packed, _, width = forward.policy_logprobs(model, part, 1.0, precision=precision)
+        packed, _, width = logprobs.policy_logprobs(model, part, 1.0, precision=precision)
         assert seen == [expected, expected] and model.config._attn_implementation == "sdpa"
-        monkeypatch.setattr(forward, "packs", lambda model: False)
-        padded, _, _ = forward.policy_logprobs(model, part, 1.0, precision=precision)
+        monkeypatch.setattr(logprobs, "packs", lambda model: False)
+        padded, _, _ = logprobs.policy_logprobs(model, part, 1.0, precision=precision)
     mask = part.response_mask[:, :width]
     torch.testing.assert_close(packed * mask, padded * mask, atol=0.1, rtol=0.02)
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from covey.passes import logprobs as forward
+from covey.passes import logprobs
 
 from covey.train import update
 from covey.config import Config
@@ -85,9 +85,9 @@ def test_batched_logprobs_with_prompts_encoded_once(tiny64, monkeypatch):
     model, tokenizer = tiny64
     rollout = rollout_with_advantages(tokenizer)
     with torch.no_grad():
-        once = forward.batched_logprobs(model, rollout, 0.7, micro_batch_size=2, precision="none")
-        monkeypatch.setattr(forward, "encode_prompts", lambda *args, **kwargs: None)
-        each = forward.batched_logprobs(model, rollout, 0.7, micro_batch_size=2, precision="none")
+        once = logprobs.batched_logprobs(model, rollout, 0.7, micro_batch_size=2, precision="none")
+        monkeypatch.setattr(logprobs, "encode_prompts", lambda *args, **kwargs: None)
+        each = logprobs.batched_logprobs(model, rollout, 0.7, micro_batch_size=2, precision="none")
     torch.testing.assert_close(once, each, atol=1e-10, rtol=1e-10)
     assert once.abs().sum() > 0
 
@@ -98,7 +98,7 @@ def test_views_read_the_right_prompts_and_columns(tiny64):
     rollout = rollout_with_advantages(tokenizer)
     rows = torch.arange(len(rollout))
     with torch.no_grad():
-        encoded, of_row = forward.encode_prompts(model, rollout, rows)
+        encoded, of_row = logprobs.encode_prompts(model, rollout, rows)
         view = encoded.view(torch.tensor([2, 0, 2]), width=3)
     assert view.prompts.tolist() == [0, 2] and view.inverse.tolist() == [1, 0, 1]
     keys, _ = view.cache.layers[0].keys, view.cache.layers[0].values
@@ -116,7 +116,7 @@ def test_collect_adds_each_micro_batch_gradient_at_its_columns(tiny64):
     """Two views of one prompt, of widths 5 and 3: their leaf gradients add up in the last 3 columns."""
     model, tokenizer = tiny64
     rollout = rollout_with_advantages(tokenizer)
-    encoded, _ = forward.encode_prompts(model, rollout, torch.arange(len(rollout)))
+    encoded, _ = logprobs.encode_prompts(model, rollout, torch.arange(len(rollout)))
     assert isinstance(encoded, EncodedPrompts) and encoded.differentiable
     wide, narrow = encoded.view(torch.tensor([1]), width=5), encoded.view(torch.tensor([1]), width=3)
     wide.leaves[0].grad = torch.ones_like(wide.leaves[0])

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from covey.cli.main import main
-from covey.report.compare import (Budget, CompareSpec, budget_overrides, parse_budget, run_compare, run_status,
-                           subprocess_runner, train_argv)
 from covey.config import ConfigError
+from covey.report.compare import budget_overrides, run_compare, run_status, subprocess_runner, train_argv
 from covey.report.report import FIGURES
+from covey.report.spec import Budget, CompareSpec, parse_budget
 from tests.helpers import tiny_overrides
 from tests.report.report_fixtures import assert_valid_png, write_run
 

@@ -278,9 +278,9 @@ def test_config_key_is_checked(keys, message):
 
 
 def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
-    """With importance sampling on (algo.tis_cap): the static path hands the sampler's log-probs over."""
+    """With importance sampling on (algo.tis.cap): the static path hands the sampler's log-probs over."""
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.decode": "static",
-                                                                        "algo.tis_cap": 2}))
+                                                                        "algo.tis.cap": 2}))
     session = open_run(cfg, evaluate_before=False)
     engine, eval_engine = session.feed.engine, session.feed.eval_engine
     assert engine.static is not None and engine.static.persistent

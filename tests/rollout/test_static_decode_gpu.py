@@ -119,5 +119,5 @@ def test_a_training_run_on_cuda_decodes_with_graphs(tiny_model_dir, tmp_path):
     from covey.cli.main import main
     from tests.helpers import tiny_overrides
     assert main(["train", "grpo", *tiny_overrides(tiny_model_dir, tmp_path, **{
-        "train.device": "cuda", "rollout.decode": "graphs", "rollout.max_new_tokens": 24, "algo.tis_cap": 2,
-        "algo.tis_mode": "sequence_mask"})]) == 0  # importance sampling reads the graphs' log-probs
+        "train.device": "cuda", "rollout.decode": "graphs", "rollout.max_new_tokens": 24, "algo.tis.cap": 2,
+        "algo.tis.mode": "sequence_mask"})]) == 0  # importance sampling reads the graphs' log-probs

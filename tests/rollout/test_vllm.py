@@ -153,7 +153,7 @@ def test_lora_adapters_reach_vllm_as_a_new_request(fake_vllm, monkeypatch, tiny_
 
 
 def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.engine": "vllm", "algo.tis_cap": 2}))
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.engine": "vllm", "algo.tis.cap": 2}))
     run = SimpleNamespace(plan=make_plan(cfg))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     rollout = SampledRollout(
@@ -213,7 +213,7 @@ def test_train_two_steps_with_vllm_and_truncated_is(vllm_model_dir, tmp_path):
     import json
 
     from covey.cli.main import main
-    keys = {"rollout.engine": "vllm", "algo.tis_cap": 2, "rollout.vllm_gpu_memory_utilization": 0.2}
+    keys = {"rollout.engine": "vllm", "algo.tis.cap": 2, "rollout.vllm_gpu_memory_utilization": 0.2}
     assert main(["train", *tiny_overrides(vllm_model_dir, tmp_path, **keys)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "policy/loss" in r][-1]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from covey.cli import main as cli
+from covey.cli import main
 from covey.config import load_config
 from covey.runtime.cpu import MALLOC_ENV, apply_cpu_settings, malloc_env
 
@@ -34,31 +34,31 @@ def test_malloc_env_is_none_when_off_or_already_set(environ):
 @glibc
 def test_entry_restarts_once_with_the_variables(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
-    monkeypatch.setattr(cli, "main", lambda: 0)
+    monkeypatch.setattr(main.os, "execve", lambda path, argv, env: calls.append((path, argv, env)))
+    monkeypatch.setattr(main, "main", lambda: 0)
     monkeypatch.setattr(sys, "argv", ["/venv/bin/covey", "train", "steps=3"])
     monkeypatch.delenv("COVEY_MALLOC_KEEP", raising=False)
     for key in MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
-    cli.entry()
+    main.entry()
     (path, argv, env), = calls
     assert path == sys.executable and argv == [sys.executable, "-m", "covey.cli", "train", "steps=3"]
     assert all(env[k] == v for k, v in MALLOC_ENV.items())
     monkeypatch.setenv("COVEY_MALLOC_KEEP", "0")
-    assert cli.entry() == 0 and len(calls) == 1  # switched off: main() runs in this process
+    assert main.entry() == 0 and len(calls) == 1  # switched off: main() runs in this process
 
 
 def test_a_torchrun_rank_ends_without_interpreter_teardown(monkeypatch):
-    """A finished rank leaves through os._exit with main()'s code (cli.exit_without_teardown)."""
+    """A finished rank leaves through os._exit with main()'s code (main.exit_without_teardown)."""
     exits = []
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
-    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(main.os, "_exit", exits.append)
+    monkeypatch.setattr(main, "main", lambda: 3)
     monkeypatch.setenv("COVEY_MALLOC_KEEP", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cli.entry()
+    main.entry()
     assert exits == [3]
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert cli.entry() == 3 and exits == [3]  # one process: an ordinary return
+    assert main.entry() == 3 and exits == [3]  # one process: an ordinary return
 
 
 @glibc
@@ -67,8 +67,8 @@ def test_the_command_line_restarts_with_the_variables_and_runs():
     # finds the variables set and runs the command. Without them it would restart forever
     # (and time out), so a normal exit also shows they reached the new process.
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "COVEY_MALLOC_KEEP"}
-    code = ("import sys, covey.cli.main as c; sys.argv = ['covey', 'advantages', '--estimator', 'grpo', "
-            "'--rewards', '1,0', '--lengths', '1,1', '--json']; sys.exit(c.entry())")
+    code = ("import sys; from covey.cli import main; sys.argv = ['covey', 'advantages', '--estimator', 'grpo', "
+            "'--rewards', '1,0', '--lengths', '1,1', '--json']; sys.exit(main.entry())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)

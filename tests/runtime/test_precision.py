@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from covey.runtime import precision as hardware
+from covey.runtime import precision
 from covey.runtime.precision import autocast_context, resolve_autocast
 from covey.runtime.precision import cpu_has_native_bf16
 from covey.rollout.precision import resolve_precision
@@ -24,9 +24,9 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
 
 
 def test_rollout_precision_auto_picks_bf16_only_where_it_is_native(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_precision("auto", "cpu") == "bfloat16"
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert resolve_precision("auto", "cpu") == "float32"
     assert resolve_precision("bfloat16", "cpu") == "bfloat16"  # explicit settings are obeyed
     assert resolve_precision("float32", "cpu") == "float32"
@@ -35,9 +35,9 @@ def test_rollout_precision_auto_picks_bf16_only_where_it_is_native(monkeypatch):
 
 
 def test_autocast_auto_picks_bf16_only_where_it_is_native(monkeypatch):
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert resolve_autocast("auto", "cpu") == "bfloat16"
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert resolve_autocast("auto", "cpu") == "none"
     assert resolve_autocast("bfloat16", "cpu") == "bfloat16"
     assert resolve_autocast("none", "cpu") == "none"
@@ -49,7 +49,7 @@ def test_autocast_auto_picks_bf16_only_where_it_is_native(monkeypatch):
     ("none", True, torch.float32), ("bfloat16", False, torch.bfloat16),
     ("auto", True, torch.bfloat16), ("auto", False, torch.float32)])
 def test_autocast_context_runs_linear_layers_in_the_resolved_precision(monkeypatch, setting, native, dtype):
-    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     layer, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
     with autocast_context(setting, x.device):
         assert layer(x).dtype == dtype
@@ -58,7 +58,7 @@ def test_autocast_context_runs_linear_layers_in_the_resolved_precision(monkeypat
 def test_bf16_autocast_reaches_the_policy_passes_and_a_training_step(tiny_model_dir, tmp_path):
     import json
 
-    from covey.passes import logprobs as forward
+    from covey.passes import logprobs
     from covey.cli.main import main
     from covey.models.load import load_policy
     from tests.helpers import grouped_rollout
@@ -67,8 +67,8 @@ def test_bf16_autocast_reaches_the_policy_passes_and_a_training_step(tiny_model_
     model, tokenizer = load_policy(tiny_model_dir)
     part = grouped_rollout(tokenizer, groups=2, group_size=2)
     with torch.no_grad():
-        fp32, _, width = forward.policy_logprobs(model, part, 1.0, precision="none")
-        bf16, _, _ = forward.policy_logprobs(model, part, 1.0, precision="bfloat16")
+        fp32, _, width = logprobs.policy_logprobs(model, part, 1.0, precision="none")
+        bf16, _, _ = logprobs.policy_logprobs(model, part, 1.0, precision="bfloat16")
     mask = part.response_mask[:, :width].bool()
     gap = (fp32 - bf16)[mask].abs()
     assert 0 < gap.max() < 0.1  # rounded (so autocast ran), but only by bf16's ~3 significant digits

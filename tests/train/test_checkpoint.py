@@ -58,7 +58,7 @@ def test_save_every_zero_still_checkpoints_the_end(tiny_model_dir, tmp_path):
     {},  # GRPO
     {"algo.estimator": "gae", "algo.kl_in": "reward", "algo.kl_estimator": "k1",
      "algo.loss_agg": "token_mean", "algo.normalize": "global_token", "algo.epochs": 2, "algo.minibatches": 2},
-    {"algo.dynamic_sampling": "true", "algo.ref_refresh_every": 2, "algo.kl_target": 0.05},
+    {"algo.dynamic_sampling": "true", "algo.ref_refresh_every": 2, "algo.adaptive_kl.target": 0.05},
 ], ids=["grpo", "ppo-critic", "dynamic-sampling-ref-refresh"])
 def test_extending_a_finished_run_equals_a_longer_run(tiny_model_dir, tmp_path, variant):
     """resume=auto with more steps: the same numbers as one longer run, the short run's final line cut."""

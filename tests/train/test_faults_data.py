@@ -1,7 +1,7 @@
 """Bad data through `covey train`: one line naming file and line (or dataset row), before any
 model loads; or skipped and counted in `data/skipped_rows` with task.on_bad_row=skip.
 
-The row-level parsing is tested in test_tasks_files.py; here the model path does not exist,
+The row-level parsing is tested in tests/tasks/test_files.py; here the model path does not exist,
 so an error about the data proves the data was checked first.
 """
 

@@ -1,7 +1,7 @@
 """covey.runtime.dist and covey.train.global_batch in one process: the split of a global batch and
 split-independent sampling.
 
-The multi-process behaviour itself is tested end to end in test_distributed_torchrun.py.
+The multi-process behaviour itself is tested end to end in tests/train/test_torchrun.py.
 """
 
 import pytest

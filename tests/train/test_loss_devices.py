@@ -15,7 +15,7 @@ GMPO = ["algo.policy_loss=gmpo", "algo.beta=0"]
 
 @pytest.mark.parametrize("keys, message", [
     (["algo.top_entropy_quantile=0.2"], "algo.top_entropy_quantile=0.2: algo.policy_loss=gmpo averages"),
-    (["algo.tis_cap=2", "algo.tis_mode=token_truncate"], "algo.tis_mode=token_truncate weights each token: "
+    (["algo.tis.cap=2", "algo.tis.mode=token_truncate"], "algo.tis.mode=token_truncate weights each token: "
                                                           "algo.policy_loss=gmpo averages"),
     (["algo.cov_control=clip_cov"], "algo.cov_control=clip_cov drops the gradient of chosen tokens: "
                                     "algo.policy_loss=gmpo averages"),
@@ -26,10 +26,10 @@ def test_token_devices_with_a_sequence_averaged_loss_are_refused(keys, message):
 
 
 def test_sequence_weights_with_a_sequence_averaged_loss_are_planned():
-    plan = make_plan(load_config(None, [*GMPO, "algo.tis_cap=2", "algo.tis_mode=sequence_truncate"]))
+    plan = make_plan(load_config(None, [*GMPO, "algo.tis.cap=2", "algo.tis.mode=sequence_truncate"]))
     assert plan.update.policy_loss == "gmpo"
 
 
 @pytest.mark.parametrize("loss", ["ppo_clip", "cispo", "sapo"])
 def test_token_devices_with_per_token_losses_are_planned(loss):
-    make_plan(load_config(None, [f"algo.policy_loss={loss}", "algo.top_entropy_quantile=0.2", "algo.tis_cap=2"]))
+    make_plan(load_config(None, [f"algo.policy_loss={loss}", "algo.top_entropy_quantile=0.2", "algo.tis.cap=2"]))

@@ -18,7 +18,6 @@ from covey.config import ConfigError, OptimConfig, load_config
 from covey.config.checks import CHOICES
 from covey.models.tiny import tiny_llama
 from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
-from covey.train import optim as optim_module
 from covey.train.optim import OPTIMIZERS, check_optimizer, make_optimizer, state_bytes, state_tensors
 from tests.helpers import tiny_overrides
 
@@ -66,7 +65,7 @@ def test_gpu_only_options_are_refused_on_a_cpu(optim, message):
 def test_a_missing_package_is_one_line_naming_the_key_and_the_extra(monkeypatch, optim, device, key, package, extra):
     # torchao is a CPU-safe wheel (lowmem); bitsandbytes' CUDA builds come only with lowmem-cuda
     real = importlib.util.find_spec
-    monkeypatch.setattr(optim_module.importlib.util, "find_spec", lambda name: None if name == package else real(name))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == package else real(name))
     with pytest.raises(ConfigError) as err:
         check_optimizer(optim, device)
     assert str(err.value) == f"{key} needs the optional package {package}: pip install 'covey[{extra}]'"

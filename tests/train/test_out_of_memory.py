@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from covey.config import load_config
-from covey.passes import logprobs as passes
+from covey.passes import logprobs
 from covey.rollout.fast import FastEngine
-from covey.train import dpo as dpo_module
-from covey.train import update as update_module
+from covey.train import dpo
+from covey.train import update
 from covey.train.api import train
 from tests.helpers import tiny_overrides
 
@@ -46,7 +46,7 @@ def comparable(row):
 def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monkeypatch):
     small_steps, small_weights, _ = run_preset("ppo", tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
     with monkeypatch.context() as patch:
-        for module in (passes, update_module):
+        for module in (logprobs, update):
             patch.setattr(module, "policy_logprobs", failing_above(ROWS_THAT_FIT, module.policy_logprobs))
             patch.setattr(module, "critic_values", failing_above(ROWS_THAT_FIT, module.critic_values))
         steps, weights, result = run_preset("ppo", tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
@@ -64,7 +64,7 @@ def test_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monk
 def test_dpo_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, monkeypatch):
     small_steps, small_weights, _ = run_preset("dpo_iterative", tiny_model_dir, tmp_path / "small", ROWS_THAT_FIT)
     with monkeypatch.context() as patch:
-        for module in (passes, dpo_module):  # the reference's pass, and the policy's in the DPO steps
+        for module in (logprobs, dpo):  # the reference's pass, and the policy's in the DPO steps
             patch.setattr(module, "policy_logprobs", failing_above(ROWS_THAT_FIT, module.policy_logprobs))
         steps, weights, result = run_preset("dpo_iterative", tiny_model_dir, tmp_path / "halved", 4 * ROWS_THAT_FIT)
     assert all(row["dpo/pairs"] >= 1 for row in steps)  # there was an update to redo
@@ -80,7 +80,7 @@ def test_dpo_halving_gives_the_run_that_started_small(tiny_model_dir, tmp_path, 
 
 def test_a_row_that_does_not_fit_ends_the_run_with_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from covey.cli.main import main
-    monkeypatch.setattr(update_module, "policy_logprobs", failing_above(0, update_module.policy_logprobs))
+    monkeypatch.setattr(update, "policy_logprobs", failing_above(0, update.policy_logprobs))
     code = main(["train", "grpo", *tiny_overrides(tiny_model_dir, tmp_path, **{"algo.micro_batch_size": 2})])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2

@@ -40,20 +40,20 @@ def test_a_loss_defined_with_its_aggregation_runs_with_it():
 
 
 def test_the_plan_hands_each_loss_its_options():
-    plan = make_plan(load_config(None, ["algo.policy_loss=vespo", "algo.vespo_k_pos=1.5", "algo.vespo_lambda_neg=4"]))
-    assert (plan.update.loss.vespo_k_pos, plan.update.loss.vespo_lambda_neg) == (1.5, 4.0)
-    plan = make_plan(load_config(None, ["algo.policy_loss=sapo", "algo.sapo_temperature_neg=2",
+    plan = make_plan(load_config(None, ["algo.policy_loss=vespo", "algo.vespo.k_pos=1.5", "algo.vespo.lambda_neg=4"]))
+    assert (plan.update.loss.vespo.k_pos, plan.update.loss.vespo.lambda_neg) == (1.5, 4.0)
+    plan = make_plan(load_config(None, ["algo.policy_loss=sapo", "algo.sapo.temperature_neg=2",
                                         "algo.ratio_level=sequence"]))
-    assert (plan.update.loss.sapo_temperature_neg, plan.update.loss.ratio_level) == (2.0, "sequence")
+    assert (plan.update.loss.sapo.temperature_neg, plan.update.loss.ratio_level) == (2.0, "sequence")
     make_plan(load_config(None, ["algo.policy_loss=luspo", "algo.ratio_level=sequence"]))  # what luspo is
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["algo.policy_loss=vespo", "algo.clip_eps_high=0.28"],
-     "algo.clip_eps_high=0.28 is not read by algo.policy_loss=vespo (it reads: algo.vespo_k_pos, "
-     "algo.vespo_lambda_pos, algo.vespo_k_neg, algo.vespo_lambda_neg)"),
-    (["algo.sapo_temperature_pos=2"],
-     "algo.sapo_temperature_pos=2.0 is not read by algo.policy_loss=ppo_clip (it reads: algo.clip_eps_low, "
+     "algo.clip_eps_high=0.28 is not read by algo.policy_loss=vespo (it reads: "
+     "algo.vespo.*)"),
+    (["algo.sapo.temperature_pos=2"],
+     "algo.sapo.temperature_pos=2.0 is not read by algo.policy_loss=ppo_clip (it reads: algo.clip_eps_low, "
      "algo.clip_eps_high, algo.dual_clip, algo.ratio_level, algo.ratio_against)"),
     (["algo.policy_loss=pg", "algo.ratio_level=sequence"],
      "algo.ratio_level=sequence is not read by algo.policy_loss=pg (it reads: no loss option)"),

@@ -71,8 +71,9 @@ def test_ppo():
     assert (raw["kl_in"], raw["kl_estimator"]) == ("reward", "k1") and raw["beta"] > 0
     assert plan.traits.per_token_rewards and not plan.update.kl_in_loss
     assert (raw["policy_loss"], raw["loss_agg"]) == ("ppo_clip", "token_mean")
-    assert (raw["gamma"], raw["lam"]) == (1.0, 0.95) and raw["value_clip"] > 0 and raw["value_coef"] > 0
-    assert (plan.update.value_clip, plan.update.value_coef) == (raw["value_clip"], raw["value_coef"])
+    gae = raw["gae"]
+    assert (raw["gamma"], gae["lam"]) == (1.0, 0.95) and gae["value_clip"] > 0 and gae["value_coef"] > 0
+    assert (plan.update.value_clip, plan.update.value_coef) == (gae["value_clip"], gae["value_coef"])
     assert raw["epochs"] > 1 and raw["minibatches"] > 1 and plan.needs_old_logprobs
     assert plan.sizes == Sizes(sequences_per_step=64, sequences_per_minibatch=32, micro_batches_per_minibatch=4,
                                optimizer_steps_per_rollout=4)
@@ -114,12 +115,12 @@ def test_remax():
 
 def test_dpo_iterative():
     # DPO (Rafailov et al. 2023, arXiv:2305.18290) on on-policy pairs, iterated (Xiong et al. 2024,
-    # arXiv:2312.11456): loss -log sigmoid(dpo_beta * margin) on each group's best-vs-worst pair; the
+    # arXiv:2312.11456): loss -log sigmoid(algo.dpo.beta * margin) on each group's best-vs-worst pair; the
     # reference model enters through the margin only: no KL term, no advantages, no critic.
     # The reference is kept for the margin; no importance ratio, so no old log-prob pass.
     raw, plan = preset("dpo_iterative")
-    assert raw["learner"] == "dpo" and raw["dpo_beta"] > 0 and plan.learner == "dpo"
-    assert raw["beta"] == 0.0 and raw["kl_in"] == "none" and plan.update.dpo_beta == raw["dpo_beta"]
+    assert raw["learner"] == "dpo" and raw["dpo"]["beta"] > 0 and plan.learner == "dpo"
+    assert raw["beta"] == 0.0 and raw["kl_in"] == "none" and plan.update.dpo_beta == raw["dpo"]["beta"]
     assert (raw["epochs"], raw["minibatches"]) == (1, 1) and not plan.needs_critic
     assert plan.needs_reference and not plan.needs_old_logprobs and plan.sizes == ONE_STEP
 
@@ -200,7 +201,7 @@ def test_sapo():
     # tau_pos 1.0 (A > 0) and tau_neg 1.05 (A < 0), the sequence-mean of the token mean, no KL.
     raw, plan = preset("sapo")
     assert plan.update.policy_loss == "sapo" and plan.update.loss_agg == "seq_mean_token_mean"
-    assert (plan.update.loss.sapo_temperature_pos, plan.update.loss.sapo_temperature_neg) == (1.0, 1.05)
+    assert (plan.update.loss.sapo.temperature_pos, plan.update.loss.sapo.temperature_neg) == (1.0, 1.05)
     grpo_without_kl(plan)
 
 
@@ -210,7 +211,7 @@ def test_gmpo():
     # (the registry's aggregation, whatever algo.loss_agg says), no KL.
     raw, plan = preset("gmpo")
     assert plan.update.policy_loss == "gmpo" and plan.update.loss_agg == "seq_mean_token_mean"
-    assert (plan.update.loss.gmpo_log_clip_low, plan.update.loss.gmpo_log_clip_high) == (0.4, 0.4)
+    assert (plan.update.loss.gmpo.log_clip_low, plan.update.loss.gmpo.log_clip_high) == (0.4, 0.4)
     grpo_without_kl(plan)
 
 

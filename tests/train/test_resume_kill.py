@@ -39,7 +39,7 @@ def command(model_dir: str, out_dir: Path) -> list[str]:
         model_dir, out_dir, **{
             "train.steps": STEPS, "train.save_every": 1, "train.keep_checkpoints": 2, "train.resume": "auto",
             "train.samples_every": 1, "train.eval_every": 2, "model.threads": 1,
-            "algo.epochs": 2, "algo.minibatches": 2, "algo.micro_batch_size": 2, "algo.kl_target": 0.05,
+            "algo.epochs": 2, "algo.minibatches": 2, "algo.micro_batch_size": 2, "algo.adaptive_kl.target": 0.05,
             "algo.ref_ema": 0.1, "optim.lr": 1e-3, "optim.warmup_steps": 3,
             "reward.functions": "tests.helpers:varied_reward"})
     return [sys.executable, "-m", "covey.cli", "train", *overrides]

@@ -13,7 +13,7 @@ import torch
 from covey.config import Config, ConfigError, load_config
 from covey.models.routers import RouterTap, model_router_aux, num_experts, router_aux_coef
 from covey.models.tiny import build_tiny_family, build_tiny_model, tiny_family_config, tiny_family_model
-from covey.passes import logprobs as passes
+from covey.passes import logprobs
 from covey.train.plan import make_plan
 from covey.train.router_aux import RouterAux, routed_tokens
 from covey.train.update import MetricAverager, UpdateState, update_policy
@@ -44,9 +44,9 @@ def test_routed_tokens_are_the_attended_response_tokens_but_the_last():
 def expected_aux(model, part, tokens=routed_tokens):
     """transformers' own loss (load_balancing_loss_func, in float32, via output_router_logits) over the
     part's `tokens`, from one plain padded forward."""
-    ids, mask, resp_len = passes.trim(part)
+    ids, mask, resp_len = logprobs.trim(part)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=passes.position_ids(mask),
+        out = model(input_ids=ids, attention_mask=mask, position_ids=logprobs.position_ids(mask),
                     output_router_logits=True, use_cache=False)
     keep = torch.zeros(ids.shape, dtype=torch.bool)
     keep[:, -resp_len:] = tokens(part.response_attended[:, :resp_len])
@@ -61,15 +61,15 @@ def test_hooks_read_the_routing_of_the_response_tokens(moe64, mode, monkeypatch)
     model, tokenizer = moe64
     rollout = grouped_rollout(tokenizer, groups=2, group_size=3)
     if mode == "padded":
-        monkeypatch.setattr(passes, "packs", lambda model: False)
-    prompts = passes.encode_prompts(model, rollout, torch.arange(len(rollout))) if mode.endswith("prompts") else None
+        monkeypatch.setattr(logprobs, "packs", lambda model: False)
+    prompts = logprobs.encode_prompts(model, rollout, torch.arange(len(rollout))) if mode.endswith("prompts") else None
     assert (prompts is not None) == (mode == "packed_step_prompts")
     tap = RouterTap(model)
     try:
         for micro in torch.arange(len(rollout)).split(4):  # a group split across micro-batches
             part = rollout.select(micro)
             with tap.recording():
-                passes.policy_logprobs(model, part, 1.0, prompts=(prompts[0], prompts[1][micro]) if prompts else None)
+                logprobs.policy_logprobs(model, part, 1.0, prompts=(prompts[0], prompts[1][micro]) if prompts else None)
             avg = MetricAverager()
             term = RouterAux(tap, coef=0.5, step_tokens=100).term(part, avg)
             aux, tokens = expected_aux(model, part)
@@ -80,7 +80,7 @@ def test_hooks_read_the_routing_of_the_response_tokens(moe64, mode, monkeypatch)
     finally:
         tap.close()
     with tap.recording() as forwards:  # closed: its hooks are gone
-        passes.policy_logprobs(model, rollout, 1.0)
+        logprobs.policy_logprobs(model, rollout, 1.0)
     assert forwards == []
 
 

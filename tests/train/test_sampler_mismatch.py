@@ -1,5 +1,5 @@
 """The sampler-trainer mismatch on the local engines: logged every step, and truncated IS available
-(algo.tis_cap) on fast and hf as on vLLM."""
+(algo.tis.cap) on fast and hf as on vLLM."""
 
 import json
 
@@ -24,7 +24,7 @@ def test_the_mismatch_is_logged_and_truncated_is_runs_on_local_engines(tiny_mode
     assert abs(m["sampler/log_ratio_mean"]) < 1e-4 and m["sampler/log_ratio_max"] < 1e-3
     assert m["sampler/beyond_cap_frac"] == 0.0 and "tis/weight_mean" not in m
     corrected = covey.train(load_config(None, tiny_overrides(tiny_model_dir, tmp_path / "tis", **{
-        "rollout.engine": engine, "train.steps": 1, "algo.tis_cap": 2})))
+        "rollout.engine": engine, "train.steps": 1, "algo.tis.cap": 2})))
     m = step_one(corrected.run_dir)
     assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["tis/capped_frac"] == 0.0
     assert torch.isfinite(torch.tensor(m["optim/grad_norm"]))
@@ -33,7 +33,7 @@ def test_the_mismatch_is_logged_and_truncated_is_runs_on_local_engines(tiny_mode
 def test_every_decode_path_takes_truncated_is():
     """The static and graph paths record the sampler's log-probs too (tests/rollout/test_static_decode*.py)."""
     for decode in ("plain", "static", "graphs", "compile"):
-        assert load_config(None, ["algo.tis_cap=2", f"rollout.decode={decode}"]).algo.tis_cap == 2
+        assert load_config(None, ["algo.tis.cap=2", f"rollout.decode={decode}"]).algo.tis.cap == 2
 
 
 def test_mask_truncated_takes_cut_responses_out_of_the_update(tiny_model_dir, tmp_path):

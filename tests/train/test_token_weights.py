@@ -30,8 +30,8 @@ def test_high_entropy_tokens_carry_the_gradient(tiny_model_dir, tmp_path):
 def test_adaptive_entropy_steps_and_resumes_exactly(tiny_model_dir, tmp_path):
     # a target far above the tiny model's entropy: e_k < target every step, so alpha_k = c_k and c grows by
     # delta: alpha_1 = c_0 = 0.01, alpha_2 = 0.01 + 0.005 = 0.015, alpha_3 = 0.02
-    keys = {"train.steps": 3, "algo.adaptive_entropy": "true", "algo.entropy_target": 100.0,
-            "algo.entropy_coef": 0.01, "algo.entropy_coef_delta": 0.005}
+    keys = {"train.steps": 3, "algo.adaptive_entropy": "true", "algo.adaptive_entropy.target": 100.0,
+            "algo.entropy_coef": 0.01, "algo.adaptive_entropy.coef_delta": 0.005}
     whole = run(tiny_model_dir, tmp_path / "whole", **keys)
     assert [m["policy/entropy_coef"] for m in whole[1:4]] == pytest.approx([0.01, 0.015, 0.02])
     assert whole[1]["select/rollout_entropy"] < 100.0
@@ -45,8 +45,8 @@ def test_adaptive_entropy_steps_and_resumes_exactly(tiny_model_dir, tmp_path):
 def test_covariance_controls_select_their_share(tiny_model_dir, tmp_path, control):
     # 8 sequences x up to 8 tokens; a share of 0.25 of the T valid tokens: floor(0.25 T) of them chosen
     # (Clip-Cov among the tokens whose covariance lies in (-100, 100): all of them)
-    keys = {"train.steps": 1, "algo.cov_control": control, "algo.clip_cov_ratio": 0.25, "algo.clip_cov_lb": -100,
-            "algo.clip_cov_ub": 100, "algo.kl_cov_ratio": 0.25, "algo.epochs": 2}
+    keys = {"train.steps": 1, "algo.cov_control": control, "algo.clip_cov.ratio": 0.25, "algo.clip_cov.lb": -100,
+            "algo.clip_cov.ub": 100, "algo.kl_cov.ratio": 0.25, "algo.epochs": 2}
     m = run(tiny_model_dir, tmp_path / control, **keys)[1]
     tokens = round(m["response/len_mean"] * 8)
     assert m["select/cov_frac"] == pytest.approx(int(0.25 * tokens) / tokens, abs=1e-6)
@@ -55,23 +55,23 @@ def test_covariance_controls_select_their_share(tiny_model_dir, tmp_path, contro
 
 def test_clip_cov_draw_is_seeded(tiny_model_dir, tmp_path):
     """Two runs with one seed pick the same tokens: their losses agree to the bit."""
-    keys = {"train.steps": 1, "algo.cov_control": "clip_cov", "algo.clip_cov_ratio": 0.3, "algo.clip_cov_lb": -100,
-            "algo.clip_cov_ub": 100}
+    keys = {"train.steps": 1, "algo.cov_control": "clip_cov", "algo.clip_cov.ratio": 0.3, "algo.clip_cov.lb": -100,
+            "algo.clip_cov.ub": 100}
     a, b = run(tiny_model_dir, tmp_path / "a", **keys)[1], run(tiny_model_dir, tmp_path / "b", **keys)[1]
     assert a["policy/loss"] == b["policy/loss"] and a["select/cov_frac"] > 0
 
 
 def test_a_masked_tis_mode_runs_on_the_fast_engine(tiny_model_dir, tmp_path):
     """The modes' weights by hand: tests/algos/test_tis_modes.py."""
-    m = run(tiny_model_dir, tmp_path / "tis", **{"train.steps": 1, "algo.tis_cap": 2,
-                                                 "algo.tis_mode": "sequence_mask"})[1]
+    m = run(tiny_model_dir, tmp_path / "tis", **{"train.steps": 1, "algo.tis.cap": 2,
+                                                 "algo.tis.mode": "sequence_mask"})[1]
     # fp32 sampling from the trained weights: every ratio is 1 up to kernel order, nothing beyond the cap
     assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["tis/capped_frac"] == 0.0
 
 
 def test_bad_values_fail_with_their_key():
-    for bad, key in (("algo.tis_mode=sequence", "algo.tis_mode"), ("algo.cov_control=cov", "algo.cov_control"),
+    for bad, key in (("algo.tis.mode=sequence", "algo.tis.mode"), ("algo.cov_control=cov", "algo.cov_control"),
                      ("algo.top_entropy_quantile=1.5", "algo.top_entropy_quantile"),
-                     ("algo.clip_cov_lb=6", "algo.clip_cov_lb")):
+                     ("algo.clip_cov.lb=6", "algo.clip_cov.lb")):
         with pytest.raises(ConfigError, match=key):
             covey.train(load_config(None, [bad, "model.path=/nonexistent"]))
