@@ -1,37 +1,37 @@
 """The covey side of every benchmark, one role per child process:
 
-    python -m bench.covey_side speed|gpu|learn|eval|decode|device|build --result FILE [options] [key=value ...]
+    python -m bench.covey_side steps|learn|eval|decode|device|build --result FILE [options] [key=value ...]
 
 covey runs through its public step API, as `covey train` does: `open_run` (here without the held-out
 evaluation before training) -> `steps` (one step per iteration; `break` stops early) -> `finish` (here
-without evaluation or saving). Measurements read covey's own step metrics (time/generate, time/score,
-time/logprobs, time/update, time/step, memory/gpu_peak_mb/*) and hooks on `session.run.policy` (the FLOP
-counter); learning runs save their evaluation points with covey's `save_final`.
+without evaluation or saving). Measurements read covey's step metrics (time/*, response/len_mean,
+memory/gpu_peak_mb/*), forward hooks on `session.run.policy` (the FLOP counter) and the wall clock around
+public calls (the decode step: the engine's `generate`); nothing of covey's is replaced or reached into.
 
-- speed: the CPU workload (bench/workloads.py), FLOPs of the training passes per step;
-- gpu: the GPU workload on a model folder with fixed-length responses (the engine's end-of-sequence
-  token taken away), then the decode step against its floor and, with --profile, one more step under
-  torch.profiler (bench/probes.py);
-- learn: a learning run to its Schedule's stop (bench/workloads.py), saving the policy at its points;
-- eval: `covey eval` of saved folders (greedy answers to the held-out problems, covey's verifier), the
-  same evaluation for both trainers' folders; `covey eval`'s HF generate, so a figure can differ
-  slightly from what `covey train` prints for the same model;
-- decode, device, build: rollout.decode modes timed, the device's peaks, a random Qwen2 model folder.
+- steps: a workload (bench/workloads.py) with a memory setup and an allocator cap; on a GPU workload then
+  the decode step timed from outside and, with --profile, one more step under torch.profiler;
+- learn: a learning run to its Schedule's stop, the policy saved at its points with covey's `save_final`;
+- eval: `covey eval` of saved folders, the same evaluation for both trainers' folders;
+- decode: rollout.decode modes on a model folder's bf16 weights; device: the device's peaks; build: a
+  random Qwen2 model folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import PHASES, LinearFlops, StepRecord, measure_device, peak_gpu_bytes, say, step_result, write_json
-from bench.probes import StepEvents, decode_details, decode_modes, held_bytes, innermost, profile_step
-from bench.workloads import STEP_CAP, WORKLOADS, Schedule, Tracker, build_model, cpu_keys, gpu_keys, varied_reward
+import torch
+
+from bench.harness import (PHASES, LinearFlops, best_seconds, cap_memory, child_args, measure_device,
+                           peak_rss_mib, say, sync, write_json)
+from bench.workloads import (SETUPS, STEP_CAP, WORKLOADS, Schedule, Tracker, build_model, varied_reward,
+                             workload_keys)
 from covey.config import load_config
+from covey.runtime.dist import resolve_device
 from covey.runtime.precision import resolve_autocast
 from covey.train.checkpoint import save_final
 from covey.train.loop import finish, open_run, steps
@@ -49,85 +49,116 @@ def covey_run(cfg, reward_funcs=None):
         session.close()
 
 
-def role_speed(args) -> dict:
-    """The CPU workload: each step's phases, response tokens and training FLOPs."""
-    records = []
+def step_record(step: int, m: dict, w: dict, flops: LinearFlops | None) -> dict:
+    """One step in the harness's format, from covey's step metrics."""
+    peaks = [v for k, v in m.items() if k.startswith("memory/gpu_peak_mb/")]
+    record = {"step": step, "step_s": m["time/step"], **{f"{p}_s": m[f"time/{p}"] for p in PHASES},
+              "tokens": round(m["response/len_mean"] * w["prompts"] * w["group_size"]),
+              "flops": flops.take() if flops else 0.0, "gpu_peak_mib": max(peaks) if peaks else None,
+              "update_micro_batch": m.get("memory/micro_batch/update")}
+    say(f"covey step {step}: {m['time/step']:.2f} s (generate {m['time/generate']:.2f}, log-probs "
+        f"{m['time/logprobs']:.2f}, update {m['time/update']:.2f} in micro-batches of {record['update_micro_batch']})")
+    return record
+
+
+def role_steps(args) -> dict:
+    """A workload's steps under covey's defaults plus the setup's keys and the overrides."""
+    w, allowed = WORKLOADS[args.workload], cap_memory(args.cap_gib)
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
-        cfg = load_config("grpo", [*cpu_keys(args.workload, args.steps, args.threads, out_dir, args.model),
-                                   *args.overrides])
-        samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        with covey_run(cfg) as session:
-            flops = LinearFlops(session.run.policy)  # forward hooks on the policy's linear layers
-            for m in steps(session):
-                records.append(StepRecord(step=session.run.step, seconds=m["time/step"],
-                                          phases={p: m[f"time/{p}"] for p in PHASES},
-                                          completion_tokens=round(m["response/len_mean"] * samples),
-                                          train_flops=flops.take()))
-                say(f"covey step {session.run.step}: {m['time/step']:.2f} s")
-    precision = "bfloat16 (autocast)" if resolve_autocast(cfg.model.autocast) == "bfloat16" else cfg.model.dtype
-    return step_result(args.name, records, precision=precision, overrides=args.overrides)
-
-
-def gpu_step(m: dict, w: dict, step: int) -> dict:
-    """One timed step of the GPU child from covey's metrics."""
-    say(f"covey step {step}: {m['time/step']:.2f} s (generate {m['time/generate']:.2f}, reference "
-        f"{m['time/logprobs']:.2f}, update {m['time/update']:.2f} in micro-batches of "
-        f"{m.get('memory/micro_batch/update')})")
-    return {"step_s": m["time/step"], "generate_s": m["time/generate"], "score_s": m["time/score"],
-            "reference_s": m["time/logprobs"], "update_s": m["time/update"],
-            "gpu_peak_mb": {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith("memory/gpu_peak_mb/")},
-            "response_tokens": m.get("response/len_mean", 0) * w["prompts"] * w["group_size"],
-            "update_micro_batch": m.get("memory/micro_batch/update")}
-
-
-def role_gpu(args) -> dict:
-    """The GPU workload with covey's GPU defaults; the decode details of the last rollout; --profile: one
-    more step under torch.profiler."""
-    w = WORKLOADS[args.workload]
-    with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
-        cfg = load_config("grpo", gpu_keys(args.workload, args.model, args.steps + args.profile, out_dir, args.keys))
-        with covey_run(cfg, [varied_reward]) as session:
-            fast = innermost(session.feed.engine)
-            fast.eos = []  # fixed-length responses
-            probe = StepEvents(fast.static) if fast.static is not None else None
-            steps_left, timed = steps(session), []
-            for i in range(args.steps):
-                if probe is not None:
-                    probe.on, probe.events = i == args.steps - 1, []
-                timed.append(gpu_step(next(steps_left), w, i + 1))
-            peaks = [v for s in timed for v in s["gpu_peak_mb"].values()]
-            result = {"steps": timed, "peak_gpu_bytes": max(peaks) * 2**20 if peaks else peak_gpu_bytes(),
-                      "held_bytes": held_bytes(session.run, fast),
-                      "config": {"rollout.decode": cfg.rollout.decode, "model.autocast": cfg.model.autocast,
-                                 "rollout.precision": cfg.rollout.precision}}
-            try:
-                result["decode"] = decode_details(fast, session.feed.prompts, probe, w)
-            except Exception as err:  # the timed steps stand without the decode details
-                say(f"decode details failed: {type(err).__name__}: {err}")
-                result["decode_error"] = f"{type(err).__name__}: {err}"
+        cfg = load_config("grpo", [*workload_keys(args.workload, args.steps + args.profile, out_dir, args.model,
+                                                  args.threads), *SETUPS["covey"][args.setup], *args.overrides])
+        with covey_run(cfg, [varied_reward] if w["gpu"] else None) as session:
+            flops = LinearFlops(session.run.policy) if args.flops else None
+            run_steps = steps(session)
+            records = [step_record(i + 1, next(run_steps), w, flops) for i in range(args.steps)]
+            peaks = [r["gpu_peak_mib"] for r in records if r["gpu_peak_mib"] is not None]
+            autocast = resolve_autocast(cfg.model.autocast, resolve_device(cfg.train.device))
+            result = {"name": args.name, "steps": records, "peak_rss_mib": peak_rss_mib(), "allowed_gib": allowed,
+                      "peak_gpu_mib": max(peaks) if peaks else None, "overrides": args.overrides,
+                      "precision": "bfloat16 (autocast)" if autocast == "bfloat16" else cfg.model.dtype,
+                      "config": {k: str(v) for k, v in (("rollout.decode", cfg.rollout.decode),
+                                                        ("model.autocast", cfg.model.autocast),
+                                                        ("rollout.precision", cfg.rollout.precision))}}
+            if w["gpu"]:
+                result["decode"] = decode_timing(session.feed.engine, session.feed.prompts[:w["prompts"]], w)
             if args.profile:
                 write_json(args.result, result)  # kept if profiling fails
-                if probe is not None:
-                    probe.on = False
-                result["profile"] = profile_step(steps_left)
-            steps_left.close()
+                result["profile"] = profile_step(run_steps)
+            run_steps.close()
     return result
+
+
+def decode_timing(engine, prompts: list[str], w: dict) -> dict:
+    """The decode step at the workload's rows, timed around the engine's public `generate`: the best of two
+    warm calls of L and of L/2 new tokens; their difference over L/2 steps leaves the prefill out (every
+    response runs to its length: bench/workloads.py, build_model)."""
+    length, half = w["new_tokens"], w["new_tokens"] // 2
+    seconds = {n: best_seconds(lambda: engine.generate(prompts, w["group_size"], max_new_tokens=n), 2)
+               for n in (length, half)}
+    out = {"rows": len(prompts) * w["group_size"], "generate_s": seconds[length],
+           "step_ms": 1000 * (seconds[length] - seconds[half]) / (length - half)}
+    say(f"decode at {out['rows']} rows: {out['step_ms']:.3f} ms/step, generate {seconds[length]:.3f} s")
+    return out
+
+
+def profile_step(run_steps) -> dict:
+    """The next step of a covey run (`run_steps`, its steps generator) under torch.profiler: the ops that take
+    the most device and host time, printed to the log, and the device's busy time against the step's wall
+    time (busy well under wall: the host's launches bound the step)."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        t0 = time.perf_counter()
+        metrics = next(run_steps)
+        sync()
+        wall_s = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy_s = sum(e.self_device_time_total for e in events) / 1e6 if gpu else 0.0
+    for key in (["self_device_time_total"] if gpu else []) + ["self_cpu_time_total"]:
+        print(f"profile of one step, top ops by {key}:\n" + events.table(sort_by=key, row_limit=25), flush=True)
+    micro = metrics.get("memory/micro_batch/update")
+    say(f"profiled step: {wall_s:.2f} s wall (update {metrics['time/update']:.2f} s), device busy {busy_s:.2f} s")
+    return {"step_wall_s": wall_s, "update_s": metrics["time/update"], "device_busy_s": busy_s, "micro_batch": micro}
+
+
+def role_decode(args) -> dict:
+    """rollout.decode modes on the bf16 weights of the model folder at the workload's rows and tokens: per mode
+    the first call's seconds (captures, compilation), then the decode step (decode_timing). The result file
+    is rewritten after each mode, so a run stopped at its time limit keeps the modes it finished."""
+    from covey.models.load import load_policy
+    from covey.rollout.local import DecodeOptions, local_engine
+    from covey.tasks.data import format_prompts, load_task_data
+    w, out = WORKLOADS[args.workload], {}
+    model, tok = load_policy(args.model, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    model.requires_grad_(False)
+    prompts = format_prompts(tok, load_task_data(load_config("grpo", []).task, w["seed"]).train[:w["prompts"]])
+    for mode in [m for m in args.decode_modes.split(",") if m]:
+        try:
+            engine = local_engine("fast", model, tok, max_new_tokens=w["new_tokens"], temperature=w["temperature"],
+                                  precision="bfloat16", decode=DecodeOptions(mode))
+        except ValueError as err:  # graphs on a CPU
+            out[mode] = {"error": str(err)}
+            continue
+        t0 = time.perf_counter()
+        engine.generate(prompts, w["group_size"])
+        sync()
+        out[mode] = {"first_call_s": round(time.perf_counter() - t0, 2), **decode_timing(engine, prompts, w)}
+        write_json(args.result, {"modes": out})
+    return {"modes": out}
 
 
 def role_learn(args) -> dict:
     """A learning run: covey's config (the grpo preset and the overrides) until the Schedule stops it
     (`break`), the policy saved at each evaluation point with save_final."""
     from covey.rollout.precision import resolve_precision
-    from covey.runtime.dist import resolve_device
-    args.save_dir.mkdir(parents=True, exist_ok=True)
+    Path(args.save_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="learn-covey-") as tmp:
         cfg = load_config("grpo", [*args.overrides, f"train.steps={STEP_CAP}", "train.max_minutes=0",
                                    "train.eval_every=0", "train.save_every=0", "train.samples_every=0",
                                    "train.progress=false", f"train.output_dir={tmp}", "train.run_name=covey"])
         device = resolve_device(cfg.train.device)
-        samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes), samples,
-                          args.save_dir)
+        tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes),
+                          cfg.rollout.prompts_per_step * cfg.rollout.group_size, args.save_dir)
         with covey_run(cfg) as session:
             tracker.begin()
             for m in steps(session):
@@ -142,53 +173,27 @@ def role_learn(args) -> dict:
 
 
 def role_eval(args) -> dict:
-    """`covey eval` of each LABEL=FOLDER on the config's held-out problems: label -> accuracy, n, seconds."""
+    """`covey eval` of each LABEL=FOLDER on the config's held-out problems: label -> accuracy, n, seconds
+    (`covey eval`'s HF generate, so a figure can differ slightly from what `covey train` prints)."""
     from covey.cli.eval import run_eval_command
     from covey.runtime.cpu import apply_cpu_settings
-    cfg = load_config("grpo", args.overrides)
-    apply_cpu_settings(cfg)
     out = {}
     for label, folder in (item.split("=", 1) for item in args.folders):
-        cfg.model.path = folder
+        cfg = load_config("grpo", [*args.overrides, f"model.path={folder}"])
+        apply_cpu_settings(cfg)
         t0 = time.perf_counter()
         result = run_eval_command(cfg)
         out[label] = {"accuracy": result["eval/accuracy"], "n": result["eval/n"], "eval_s": time.perf_counter() - t0}
     return out
 
 
-ROLES = {
-    "speed": role_speed, "gpu": role_gpu, "learn": role_learn, "eval": role_eval,
-    "decode": lambda a: decode_modes(a.model, a.decode_modes, a.workload, a.result),
-    "device": lambda a: measure_device(),
-    "build": lambda a: build_model(a.size, a.model, a.tokenizer, a.workload),
-}
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="the covey side of bench/'s drivers")
-    p.add_argument("role", choices=tuple(ROLES))
-    p.add_argument("--result", required=True)
-    p.add_argument("--workload", default="cpu", choices=tuple(WORKLOADS))
-    p.add_argument("--steps", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="speed: torch threads (model.threads)")
-    p.add_argument("--name", default="covey", help="speed: the run's name in the result")
-    p.add_argument("--model", default="", help="model folder (speed: the default model if not given)")
-    p.add_argument("--size", default="", help="build: a key of SHAPES")
-    p.add_argument("--tokenizer", default="", help="build: tokenizer folder (default: SmolLM2's)")
-    p.add_argument("--keys", default="", help="gpu: extra covey key=value settings, space-separated")
-    p.add_argument("--profile", action="store_true", help="gpu: one more step under torch.profiler")
-    p.add_argument("--decode-modes", default="", help="decode: rollout.decode modes, comma-separated")
-    p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
-    p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
-    p.add_argument("--save-dir", type=Path, help="learn: where the evaluation points are saved")
-    p.add_argument("--folders", nargs="*", default=[], help="eval: LABEL=FOLDER ...")
-    p.add_argument("overrides", nargs="*", help="covey key=value settings (speed, learn, eval)")
-    return p.parse_intermixed_args(argv)
+ROLES = {"steps": role_steps, "learn": role_learn, "eval": role_eval, "decode": role_decode,
+         "device": lambda args: measure_device(),
+         "build": lambda args: build_model(args.size, args.model, args.tokenizer, args.workload)}
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = child_args("the covey side of bench/'s drivers", ROLES, argv)
     write_json(args.result, ROLES[args.role](args))
 
 

@@ -10,6 +10,7 @@ step 1 warms up (graph capture, allocation) and every median is over steps 2..N.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -113,6 +114,32 @@ class Children:
         if result is None or result.get("partial"):
             raise SystemExit(f"bench: {name} failed, log {self.log_dir / (name + '.log')}")
         return result
+
+
+def child_args(description: str, roles: dict, argv=None, setup: str = "defaults"):
+    """The command line of a trainer child (bench/covey_side.py, bench/trl_side.py); each role reads its part."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("role", choices=tuple(roles))
+    p.add_argument("--result", required=True)
+    p.add_argument("--workload", default="cpu")
+    p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--model", default="", help="model folder (default: the workload's model)")
+    p.add_argument("--setup", default=setup, help="steps: a setup of bench/workloads.py SETUPS")
+    p.add_argument("--cap-gib", type=float, default=0.0, help="steps: the CUDA allocator's cap (0: none)")
+    p.add_argument("--threads", type=int, default=0, help="steps: torch threads (0: torch's default)")
+    p.add_argument("--name", default="", help="steps: the run's name in the result")
+    p.add_argument("--flops", action="store_true", help="steps: count the training passes' FLOPs")
+    p.add_argument("--profile", action="store_true", help="steps: one more step under torch.profiler")
+    p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
+    p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
+    p.add_argument("--save-dir", default="", help="learn: where the evaluation points are saved")
+    p.add_argument("--size", default="", help="build: a key of SHAPES")
+    p.add_argument("--tokenizer", default="", help="build: tokenizer folder (default: SmolLM2's)")
+    p.add_argument("--decode-modes", default="", help="decode: rollout.decode modes, comma-separated")
+    p.add_argument("--folders", nargs="*", default=[], help="eval: LABEL=FOLDER ...")
+    p.add_argument("overrides", nargs="*", help="covey key=value settings")
+    return p.parse_intermixed_args(argv)
 
 
 def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:

@@ -11,6 +11,14 @@ import textwrap
 from covey.config.schema import Config, is_group
 
 
+GPU_ONLY = ("model.fused_kernels", "model.load_in_4bit", "optim.name=paged_adamw_8bit", "optim.offload",
+            "rollout.engine=vllm", "rollout.decode=graphs", "rollout.decode=compile", "train.device=cuda",
+            "train.gpu_memory_gib")
+"""Options (a key, or a key=value) that only a GPU runs. Until docs/results.md's table "Options that only a
+GPU runs" records a run on a named card and date, the option's help line says "not yet run on a GPU"
+(tests/config/test_gpu_options.py ties the two together)."""
+
+
 def field_docs(section_class) -> dict[str, str]:
     """{field: its one-line docstring} of a config section, read from the source."""
     body = ast.parse(textwrap.dedent(inspect.getsource(section_class))).body[0].body

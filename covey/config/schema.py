@@ -40,9 +40,9 @@ class ModelConfig:
     router_aux_coef: float | None = None
     """Weight of the routers' load-balancing loss (Fedus et al. 2021, arXiv:2101.03961) in the policy loss, for a model with experts (docs/algorithms.md): unset = the model's own (its config's router_aux_loss_coef where it sets output_router_logits, else off) | 0 = off | a weight, e.g. 0.001; refused for a model without experts."""
     fused_kernels: str = "auto"
-    """Liger's fused RMSNorm, rotary and SwiGLU kernels (Hsu et al. 2024, arXiv:2410.10989; pip install 'covey[kernels]') and covey's fused linear log-prob (no micro-batch-wide logits) on CUDA: auto (on where CUDA and liger-kernel are present) | on | off."""
+    """Liger's fused RMSNorm, rotary and SwiGLU kernels (Hsu et al. 2024, arXiv:2410.10989; pip install 'covey[kernels]') and covey's fused linear log-prob (no micro-batch-wide logits) on CUDA: auto (on where CUDA and liger-kernel are present) | on | off. Not yet run on a GPU."""
     load_in_4bit: bool = False
-    """QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the base weights frozen in 4-bit NF4 by bitsandbytes (pip install 'covey[qlora]'), the rest in bfloat16; needs CUDA and model.lora_rank > 0."""
+    """QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the base weights frozen in 4-bit NF4 by bitsandbytes (pip install 'covey[qlora]'), the rest in bfloat16; needs CUDA and model.lora_rank > 0. Not yet run on a GPU."""
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "fast"
-    """Generation engine: fast (own loop: prompt encoded once per group) | hf (model.generate) | vllm (GPU)."""
+    """Generation engine: fast (own loop: prompt encoded once per group) | hf (model.generate) | vllm (GPU; not yet run on a GPU)."""
     prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
@@ -165,9 +165,9 @@ class OptimConfig:
     max_skipped_steps: int = 5
     """Abort after this many consecutive non-finite updates."""
     name: str = "adamw"
-    """Optimizer: adamw (torch's fused AdamW, fp32 moments) | adamw_8bit (8-bit block-wise moments, Dettmers et al. 2021, arXiv:2110.02861) | adamw_4bit (4-bit moments, Li et al. 2023, arXiv:2309.01507) | adamw_bf16 (needs model.dtype=bfloat16: bf16 weights and moments, each update rounded stochastically, Zamirai et al. 2020, arXiv:2010.06192) | paged_adamw_8bit (bitsandbytes' 8-bit AdamW, state paged to CPU memory under pressure; CUDA only; pip install 'covey[lowmem-cuda]'). The low-bit ones are torchao's and round bf16 weights stochastically too; pip install 'covey[lowmem]'."""
+    """Optimizer: adamw (torch's fused AdamW, fp32 moments) | adamw_8bit (8-bit block-wise moments, Dettmers et al. 2021, arXiv:2110.02861) | adamw_4bit (4-bit moments, Li et al. 2023, arXiv:2309.01507) | adamw_bf16 (needs model.dtype=bfloat16: bf16 weights and moments, each update rounded stochastically, Zamirai et al. 2020, arXiv:2010.06192) | paged_adamw_8bit (bitsandbytes' 8-bit AdamW, state paged to CPU memory under pressure; CUDA only; pip install 'covey[lowmem-cuda]'; not yet run on a GPU). The low-bit ones are torchao's and round bf16 weights stochastically too; pip install 'covey[lowmem]'."""
     offload: bool = False
-    """Hold the optimizer state in CPU memory and step there (torchao's CPUOffloadOptimizer; CUDA only, one process): no GPU memory for the state, a host copy of weights and gradients each step. pip install 'covey[lowmem]'."""
+    """Hold the optimizer state in CPU memory and step there (torchao's CPUOffloadOptimizer; CUDA only, one process): no GPU memory for the state, a host copy of weights and gradients each step. pip install 'covey[lowmem]'. Not yet run on a GPU."""
 
 
 @dataclass
@@ -177,7 +177,7 @@ class TrainConfig:
     device: str = "auto"
     """Where every model and engine runs: auto (cuda:LOCAL_RANK when torch sees a CUDA GPU, else cpu) | cpu | cuda."""
     gpu_memory_gib: float = 0.0
-    """On one GPU, the GiB the run may take (docs/scale.md): it stops before its first step if weights, gradients, optimizer state, reference and sampling copies and one sequence do not fit, and sizes the update micro-batches, prompts per generate call (the sampler's KV cache) and log-prob passes to fit; 0 = the card's memory less 10%."""
+    """On one GPU, the GiB the run may take (docs/scale.md): it stops before its first step if weights, gradients, optimizer state, reference and sampling copies and one sequence do not fit, and sizes the update micro-batches, prompts per generate call (the sampler's KV cache) and log-prob passes to fit; 0 = the card's memory less 10%. On its one GPU run (docs/results.md) a LoRA update at 1.4B overshot its budget by 9%."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     eval_every: int = 0

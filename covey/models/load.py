@@ -11,7 +11,8 @@ A model spec is one string (see `resolve_model_path`):
   `covey.models.tiny`), cached the same way.
 - a local HF folder; a ``.gguf`` file (converted once, cached); a hub id.
 
-The critic and the reward model (`ValueModel`) live in `covey.models.critic`.
+The critic and the reward model (`ValueModel`) live in `covey.models.critic`. `ModelOptions` is what a
+run loads and trains (model.*), the plan's model section (covey/train/plan_setup.py builds it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -33,10 +35,35 @@ from covey.models.kernels import quantization_config
 from covey.models.tiny import build_tiny_model
 from covey.runtime.errors import first_line
 
-__all__ = ["ModelError", "as_dtype", "load_policy", "load_pretrained", "load_reference", "load_tokenizer",
-           "optimizer_state_mb", "param_memory_mb", "resolve_model_path"]
+__all__ = ["ModelError", "ModelOptions", "as_dtype", "load_policy", "load_pretrained", "load_reference",
+           "load_tokenizer", "optimizer_state_mb", "param_memory_mb", "resolve_model_path"]
 
 MiB = 2**20
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The models a run loads and trains (model.*; each field is the key of its name)."""
+    path: str
+    """The policy's model spec (`resolve_model_path`)."""
+    dtype: str
+    """Parameter dtype of the trained models: float32 | bfloat16."""
+    autocast: str
+    """Autocast of the train-time passes: auto | none | bfloat16."""
+    critic_path: str
+    """The critic's backbone: model.critic_path, or the policy's spec when that is empty."""
+    offload_reference: bool
+    gradient_checkpointing: bool
+    lora_rank: int
+    """LoRA adapter rank (0: every weight trains)."""
+    lora_alpha: int
+    lora_targets: str
+    fused_kernels: str
+    """Liger's kernels and the fused log-prob head: auto | on | off."""
+    load_in_4bit: bool
+    """QLoRA: the base weights in 4-bit NF4."""
+    threads: int
+    """torch intra-op threads (0: torch's default)."""
 
 
 def _build_tiny(out: Path, work: Path) -> dict:

@@ -1,7 +1,7 @@
 """Generation with vLLM on the training GPUs (optional extra: `pip install covey[vllm]`).
 
-`rollout.engine=vllm`. vLLM is imported only when this engine is built; importing
-this module, and everything else in covey, works without it.
+`rollout.engine=vllm`. vLLM is imported only when this engine is built (covey/rollout/factory.py starts
+it); importing this module, and everything else in covey, works without it.
 
 One vLLM instance per training process (tensor_parallel_size=1) on the same GPU,
 "colocated" (under torchrun through vLLM's ``external_launcher`` executor, so it joins
@@ -38,8 +38,6 @@ from pathlib import Path
 import torch
 
 from covey.batch import Rollout
-from covey.config import ModelConfig, RolloutConfig
-from covey.models.load import resolve_model_path
 from covey.rollout.base import Prompt, encode_prompts
 from covey.rollout.hf import eos_ids
 from covey.runtime.fsdp import full_state_dict
@@ -173,30 +171,6 @@ class VLLMEngine:
         self.lora_request, self.lora_version = None, 0
         self.lora_dir = tempfile.TemporaryDirectory(prefix="covey-lora-") if lora else None
         self._sleep()
-
-    @classmethod
-    def from_config(cls, rollout: RolloutConfig, model: ModelConfig, policy, tokenizer, *, seed: int) -> "VLLMEngine":
-        """Start vLLM on this process's GPU with the policy's initial weights (read from its folder);
-        `seed` is train.seed (each rank adds its rank)."""
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'covey[vllm]'") from None
-        import torch.distributed as dist
-
-        r, m = rollout, model
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        kwargs = dict(model=resolve_model_path(m.path), dtype=m.dtype, tensor_parallel_size=1,
-                      gpu_memory_utilization=r.vllm_gpu_memory_utilization, enable_sleep_mode=r.vllm_sleep,
-                      max_model_len=r.vllm_max_model_len or None, seed=seed + rank,
-                      logprobs_mode="processed_logprobs")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            kwargs["distributed_executor_backend"] = "external_launcher"  # joins torchrun's processes
-        if m.lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_for_vllm(m.lora_rank))
-        return cls(LLM(**kwargs), policy, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                   top_p=r.top_p, top_k=r.top_k, sleep=r.vllm_sleep, bucket_mb=r.vllm_sync_bucket_mb,
-                   timeout_s=r.vllm_sync_timeout_s, lora=bool(m.lora_rank))
 
     # ----------------------------------------------------------------- memory
 
