@@ -41,7 +41,7 @@ from covey.train.loop import finish, open_run, steps
 def covey_run(cfg, reward_funcs=None):
     """An open covey run, no held-out evaluation before it; finished without evaluation or saving
     (the benchmark measures and saves by itself), closed if the body fails."""
-    session = open_run(cfg, reward_funcs, evaluate_before=False)
+    session = open_run(cfg, reward_funcs=reward_funcs, evaluate_before=False)
     try:
         yield session
         finish(session, evaluate=False, save=False)
@@ -66,7 +66,7 @@ def role_steps(args) -> dict:
     w, allowed = WORKLOADS[args.workload], cap_memory(args.cap_gib)
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
         cfg = load_config("grpo", [*workload_keys(args.workload, args.steps + args.profile, out_dir, args.model,
-                                                  args.threads), *SETUPS["covey"][args.setup], *args.overrides])
+                                                  args.threads), *SETUPS["covey"][args.setup or "defaults"], *args.overrides])
         with covey_run(cfg, [varied_reward] if w["gpu"] else None) as session:
             flops = LinearFlops(session.run.policy) if args.flops else None
             run_steps = steps(session)

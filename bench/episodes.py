@@ -15,16 +15,15 @@ turn. Greedy, so both episode arms produce the same tokens (tests/rollout/test_f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import machine, say
+from bench.harness import machine, publish, sync
+from bench.report import table
 
 REPLY = "The calculator returned 1234."
 
@@ -56,7 +55,23 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="the tiny model, 2 x 2 episodes, 1 round")
     p.add_argument("--out", default="", help="write the report here as .md and .json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:  # again, with the smoke run's defaults
+        p.set_defaults(prompts=2, group=2, rounds=1, turn_tokens=8)
+        args = p.parse_args(argv)
+    return args
+
+
+def smoke_model() -> str:
+    """The tiny random model with every id an end of a turn (its saved generation config's end-of-sequence
+    ids): a random model never stops otherwise, and the tool is called after a turn that ends."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from covey.models.tiny import build_tiny_model
+    folder = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    tok = AutoTokenizer.from_pretrained(folder)
+    GenerationConfig(eos_token_id=list(range(len(tok))), pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    return str(folder)
 
 
 def build(args):
@@ -70,16 +85,10 @@ def build(args):
     from covey.tasks.data import load_task_data
     from covey.tasks.tools import calculator
 
-    if args.smoke and not args.model:
-        from covey.models.tiny import build_tiny_model
-        args.model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
-    model, tok = load_policy(args.model or "default", device=args.device)
+    model, tok = load_policy(args.model or (smoke_model() if args.smoke else "default"), device=args.device)
     precision = resolve_precision("auto", args.device)
     engines = [local_engine("fast", model, tok, max_new_tokens=args.turn_tokens, precision=precision,
                             decode=DecodeOptions(mode)) for mode in ("plain", "auto")]
-    if args.smoke:  # a random model never stops: every id ends its turns (each turn is one token)
-        for e in engines:
-            getattr(e, "engine", e).eos = list(range(len(tok)))
     cfg = load_config(None, ["task.name=wordproblems", f"task.train_size={max(args.prompts, 8)}"])
     agent = Agent(tok, [calculator], timeout_s=10.0)
     prompts = agent.prompts(load_task_data(cfg.task, 0).train[:args.prompts])
@@ -92,13 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     from covey.rollout.episodes import EpisodeOptions, run_episodes
 
     args = parse_args(argv)
-    if args.smoke:
-        args.prompts, args.group, args.rounds, args.turn_tokens = 2, 2, 1, 8
     (loop_engine, turn_engine), tok, prompts, reply_ids = build(args)
     options = EpisodeOptions(max_turns=2, max_turn_tokens=args.turn_tokens,
                              max_episode_tokens=2 * args.turn_tokens + len(reply_ids) + 1)
     n = len(prompts) * args.group
-    hosts = lambda: [ScriptedHost(reply_ids) for _ in range(n)]  # noqa: E731
+
+    def hosts() -> list[ScriptedHost]:
+        return [ScriptedHost(reply_ids) for _ in range(n)]
 
     def sample(batch, g, budget):
         return turn_engine.generate(batch, g, greedy=True, max_new_tokens=budget)
@@ -106,38 +115,28 @@ def main(argv: list[str] | None = None) -> dict:
     arms = {"single turn": lambda: (turn_engine.generate(prompts, args.group, greedy=True), None),
             "episodes, loop": lambda: loop_engine.decode_episodes(prompts, args.group, hosts(), options, greedy=True),
             "episodes, turn by turn": lambda: run_episodes(sample, tok, prompts, args.group, hosts(), options)}
-    times = {name: [] for name in arms}
-    tokens = {}
+    times, tokens = {name: [] for name in arms}, {}
     arms["single turn"]()  # warm-up: first calls allocate buffers (and capture graphs on a GPU)
     for _ in range(args.rounds):
         for name, arm in arms.items():
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             rollout, _ = arm()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            sync()
             times[name].append(time.perf_counter() - start)
             model_tokens = int(rollout.response_mask.sum())
             tokens[name] = (model_tokens, int(rollout.response_attended.sum()) - model_tokens)
-    return report(args, times, tokens, n)
-
-
-def report(args, times: dict, tokens: dict, n: int) -> dict:
     single = statistics.median(times["single turn"])
-    lines = [machine() + f", device {args.device}", f"{args.prompts} prompts x {args.group} episodes, turns of "
-             f"up to {args.turn_tokens} tokens, greedy, medians of {args.rounds} interleaved rounds", "",
-             "| arm | median s | model tokens | tool tokens | s over the single turn |", "|---|---|---|---|---|"]
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        lines.append(f"| {name} | {med:.2f} | {tokens[name][0]} | {tokens[name][1]} | {med - single:+.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    result = {"times": times, "tokens": tokens, "episodes": n, "argv": ["python -m bench.episodes", *sys.argv[1:]]}
+    text = "\n".join([f"{machine()}, device {args.device}", f"{args.prompts} prompts x {args.group} episodes, turns "
+                      f"of up to {args.turn_tokens} tokens, greedy, medians of {args.rounds} interleaved rounds", "",
+                      table(["arm", "median s", "model tokens", "tool tokens", "s over the single turn"],
+                            [[name, f"{statistics.median(ts):.2f}", *tokens[name],
+                              f"{statistics.median(ts) - single:+.2f}"] for name, ts in times.items()])])
+    result = {"times": times, "tokens": tokens, "episodes": n}
     if args.out:
-        Path(args.out).with_suffix(".md").write_text(text + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=1))
-        say(f"wrote {Path(args.out).with_suffix('.md')}")
+        publish(Path(args.out), text, result)
+    else:
+        print(text)
     return result
 
 

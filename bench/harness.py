@@ -1,11 +1,10 @@
 """The benchmark harness: trainer runs as child processes under one time budget, interleaved rounds, step
 medians and rates, the machine's peaks, a FLOP counter, and the report files every driver writes.
 
-A child is `python -m bench.<side> <role> --result FILE ...` started from the repository root, one at a
-time (its peak memory is its own), its output in `<name>.log` and its figures in `<name>.json`. Every
-trainer run records its steps in one format, whichever trainer and workload:
-{"step", "step_s", "generate_s", "score_s", "logprobs_s", "update_s", "tokens", "flops", "gpu_peak_mib"};
-step 1 warms up (graph capture, allocation) and every median is over steps 2..N.
+A child is `python -m bench.<side> <role> --result FILE ...` run from the repository root, one at a time
+(its peak memory is its own), its output in `<name>.log`. Every trainer run records its steps in one
+format: {"step", "step_s", "generate_s", "score_s", "logprobs_s", "update_s", "tokens", "flops",
+"gpu_peak_mib"}; step 1 warms up (allocation, graph capture) and every median is over steps 2..N.
 """
 
 from __future__ import annotations
@@ -38,26 +37,18 @@ def write_json(path, result) -> None:
 
 
 def out_prefix(out: str, name: str) -> Path:
-    """The results prefix `out` (a temporary folder's `name` if not given), its `<prefix>-logs/` made."""
+    """The results prefix `out` (a temporary folder's `name` if not given), with its `<prefix>-logs/` folder."""
     prefix = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
     (prefix.parent / f"{prefix.name}-logs").mkdir(parents=True, exist_ok=True)
     return prefix
 
 
 def publish(prefix: Path, text: str, data: dict) -> None:
-    """The report: printed, and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
+    """The report printed, and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
     print(text)
     prefix.with_suffix(".md").write_text(text + "\n")
     write_json(prefix.with_suffix(".json"), {**data, "argv": sys.argv})
     say(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}")
-
-
-def child_env(malloc: bool | None = None) -> dict:
-    """A child's environment, output unbuffered: covey's glibc malloc variables added (True), removed
-    (False) or as they are (None); the `covey` command sets them itself (covey/runtime/cpu.py)."""
-    from covey.runtime.cpu import MALLOC_ENV
-    env = {k: v for k, v in os.environ.items() if malloc is None or k not in MALLOC_ENV}
-    return {**env, **(MALLOC_ENV if malloc else {}), "PYTHONUNBUFFERED": "1"}
 
 
 class Children:
@@ -74,35 +65,36 @@ class Children:
     def say(self, text: str) -> None:
         print(f"bench [{time.monotonic() - self.start:5.0f}s] {text}", flush=True)
 
+    def skip(self, name: str, why: str) -> None:
+        self.say(f"{name}: skipped, {why}")
+        self.failed += 1
+
     def run(self, module: str, role: str, name: str, args: list[str], reserve_s: float = 0.0,
             malloc: bool | None = None) -> dict | None:
-        """The child's JSON result ("partial": True if it failed after writing one), or None (it failed, or
-        no time was left: `reserve_s` of the budget is kept for later runs)."""
-        timeout = self.left() - reserve_s
-        if timeout < 20:
-            self.say(f"{name}: skipped, {self.left():.0f} s of the budget left")
-            self.failed += 1
-            return None
+        """The child's JSON result ("partial": True if it failed after writing one), or None (it failed, or too
+        little time was left: `reserve_s` of the budget is kept for later runs). `malloc`: covey's glibc malloc
+        variables (covey/runtime/cpu.py) added, removed or, None, as they are."""
+        from covey.runtime.cpu import MALLOC_ENV
+        if (timeout := self.left() - reserve_s) < 20:
+            return self.skip(name, f"{self.left():.0f} s of the budget left")
         result, log_path = self.log_dir / f"{name}.json", self.log_dir / f"{name}.log"
         result.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", f"bench.{module}", role, "--result", str(result), *args]
+        env = {k: v for k, v in os.environ.items() if malloc is None or k not in MALLOC_ENV}
         self.say(f"{name}: {' '.join(cmd[1:])}")
-        t0 = time.perf_counter()
         with open(log_path, "w") as log:
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                     env=child_env(malloc))
-            timer = threading.Timer(timeout, child.kill) if timeout != float("inf") else None
-            if timer is not None:
-                timer.start()
+                                     env={**env, **(MALLOC_ENV if malloc else {}), "PYTHONUNBUFFERED": "1"})
+            timer = threading.Timer(min(timeout, 7 * 86400), child.kill)
+            timer.start()
             for line in child.stdout:
                 log.write(line)
                 if line.startswith("bench:"):
                     self.say(f"  {name}: {line[7:].rstrip()}")
             code = child.wait()
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
         if code == 0:
-            return {**json.loads(result.read_text()), "wall_s": time.perf_counter() - t0}
+            return json.loads(result.read_text())
         self.failed += 1
         self.say(f"{name}: FAILED (exit {code}{', killed at its time limit' if code == -9 else ''}); log tail:\n"
                  f"{log_path.read_text()[-3000:]}")
@@ -116,27 +108,27 @@ class Children:
         return result
 
 
-def child_args(description: str, roles: dict, argv=None, setup: str = "defaults"):
-    """The command line of a trainer child (bench/covey_side.py, bench/trl_side.py); each role reads its part."""
+CHILD_OPTIONS = {  # the options of a trainer child (bench/covey_side.py, bench/trl_side.py): default, help
+    "workload": ("cpu", "a key of bench/workloads.py WORKLOADS"), "steps": (0, "optimizer steps"),
+    "model": ("", "model folder (default: the workload's model)"), "setup": ("", "a setup of SETUPS"),
+    "cap-gib": (0.0, "the CUDA allocator's cap (0: none)"), "threads": (0, "torch threads (0: torch's default)"),
+    "name": ("", "the run's name in the result"), "minutes": (12.0, "learn: training minutes of the Schedule"),
+    "eval-every": (10, "learn: evaluation points every K steps"),
+    "max-minutes": (0.0, "learn: stop past this training time (0: no cap)"),
+    "save-dir": ("", "learn: where the evaluation points are saved"), "size": ("", "build: a key of SHAPES"),
+    "tokenizer": ("", "build: tokenizer folder (default: SmolLM2's)"),
+    "decode-modes": ("", "decode: rollout.decode modes, comma-separated"),
+}
+
+
+def child_args(description: str, roles: dict, argv=None):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("role", choices=tuple(roles))
     p.add_argument("--result", required=True)
-    p.add_argument("--workload", default="cpu")
-    p.add_argument("--steps", type=int, default=0)
-    p.add_argument("--model", default="", help="model folder (default: the workload's model)")
-    p.add_argument("--setup", default=setup, help="steps: a setup of bench/workloads.py SETUPS")
-    p.add_argument("--cap-gib", type=float, default=0.0, help="steps: the CUDA allocator's cap (0: none)")
-    p.add_argument("--threads", type=int, default=0, help="steps: torch threads (0: torch's default)")
-    p.add_argument("--name", default="", help="steps: the run's name in the result")
-    p.add_argument("--flops", action="store_true", help="steps: count the training passes' FLOPs")
-    p.add_argument("--profile", action="store_true", help="steps: one more step under torch.profiler")
-    p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
-    p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
-    p.add_argument("--save-dir", default="", help="learn: where the evaluation points are saved")
-    p.add_argument("--size", default="", help="build: a key of SHAPES")
-    p.add_argument("--tokenizer", default="", help="build: tokenizer folder (default: SmolLM2's)")
-    p.add_argument("--decode-modes", default="", help="decode: rollout.decode modes, comma-separated")
+    for name, (default, text) in CHILD_OPTIONS.items():
+        p.add_argument(f"--{name}", type=type(default), default=default, help=text)
+    p.add_argument("--flops", action="store_true", help="count the training passes' FLOPs")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     p.add_argument("--folders", nargs="*", default=[], help="eval: LABEL=FOLDER ...")
     p.add_argument("overrides", nargs="*", help="covey key=value settings")
     return p.parse_intermixed_args(argv)
@@ -152,17 +144,9 @@ def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:
     return by_name
 
 
-# --------------------------------------------------------------------------- step records and summaries
-
-
-def timed(steps: list[dict]) -> list[dict]:
-    """Steps 2..N (all of them where there is only one)."""
-    return steps[1:] or steps
-
-
 def medians(steps: list[dict], keys=("step_s", *(f"{p}_s" for p in PHASES))) -> dict:
-    """Median of each key over steps 2..N."""
-    return {key: statistics.median(s[key] for s in timed(steps)) for key in keys}
+    """Median of each key over steps 2..N (over the one step where there is only one)."""
+    return {key: statistics.median(s[key] for s in steps[1:] or steps) for key in keys}
 
 
 def peak_rss_mib() -> float:
@@ -171,20 +155,18 @@ def peak_rss_mib() -> float:
 
 def summarize(result: dict) -> dict:
     """A CPU run's row: median / min step time and phases over steps 2..N, tokens/s, training FLOP rate."""
-    steps = timed(result["steps"])
-    seconds, tokens = sum(s["step_s"] for s in steps), sum(s["tokens"] for s in steps)
-    generate, update = (sum(s[f"{p}_s"] for s in steps) for p in ("generate", "update"))
-    return {"name": result["name"], **medians(steps), "min_s": min(s["step_s"] for s in steps),
-            "steps_timed": len(steps), "tokens_per_s": tokens / seconds,
-            "gen_tokens_per_s": tokens / max(generate, 1e-9),
-            "train_gflops": sum(s["flops"] for s in steps) / max(update, 1e-9) / 1e9,
+    steps = result["steps"][1:] or result["steps"]
+    total = {key: sum(s[key] for s in steps) for key in ("step_s", "generate_s", "update_s", "tokens", "flops")}
+    return {"name": result["name"], **medians(result["steps"]), "min_s": min(s["step_s"] for s in steps),
+            "steps_timed": len(steps), "tokens_per_s": total["tokens"] / total["step_s"],
+            "gen_tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
+            "train_gflops": total["flops"] / max(total["update_s"], 1e-9) / 1e9,
             "peak_rss_mib": result["peak_rss_mib"], "precision": result.get("precision", "float32")}
 
 
 def pooled(rounds: list[dict]) -> dict:
     """One run's rounds as one result: the timed steps (2..N) of every round, the highest peak RSS."""
-    steps = [step for r in rounds for step in r["steps"][1:]]
-    return {**rounds[0], "steps": [rounds[0]["steps"][0], *steps],
+    return {**rounds[0], "steps": [rounds[0]["steps"][0], *(step for r in rounds for step in r["steps"][1:])],
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds)}
 
 
@@ -202,9 +184,27 @@ def machine() -> str:
     return f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """Best wall time of fn() after one warm-up call, the device synchronised around each call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_s: float = 0.25) -> float:
-    """Best GFLOP/s of an n x n x n matmul on the CPU (the machine's practical peak for this precision).
-    n doubles from 256 up to n_max while one product takes under `budget_s`: where a precision is emulated
+    """Best GFLOP/s of an n x n x n matmul on the CPU (the machine's practical peak for this precision). n
+    doubles from 256 up to n_max while one product takes under `budget_s`: where a precision is emulated
     (bf16 on AVX2-only parts runs at ~1 GFLOP/s) the small sizes already show it."""
     n = 256
     while True:
@@ -222,40 +222,22 @@ def peaks(threads: int, n_max: int = 2048) -> dict:
     return {"float32": matmul_peak(torch.float32, n_max), "bfloat16": matmul_peak(torch.bfloat16, n_max)}
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """Best wall time of fn() after one warm-up call, the device synchronised around each."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_device() -> dict:
     """A device-to-device copy of 2 GiB (bytes read + written per second) and the best of three large bf16
     matmuls (2 m n k FLOPs each); small sizes on a CPU."""
     gpu = torch.cuda.is_available()
     device, nbytes = ("cuda", 2 * 2**30) if gpu else ("cpu", 64 * 2**20)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_s = best_seconds(lambda: dst.copy_(src), 10)
-    del src, dst
-    best, best_shape = 0.0, None
+    buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    copy_s = best_seconds(lambda: buffers[1].copy_(buffers[0]), 10)
+    buffers.clear()
+    rates = {}
     for m, n, k in ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 16384, 4096)) if gpu else ((256, 256, 256),):
-        a, b = (torch.randn(*shape, dtype=torch.bfloat16, device=device) for shape in ((m, k), (k, n)))
-        rate = 2 * m * n * k / best_seconds(lambda: a @ b, 10) / 1e12
-        best, best_shape = max((best, best_shape), (rate, (m, n, k)), key=lambda x: x[0])
+        a, b = torch.randn(m, k, dtype=torch.bfloat16, device=device), torch.randn(k, n, dtype=torch.bfloat16,
+                                                                                    device=device)
+        rates[(m, n, k)] = 2 * m * n * k / best_seconds(lambda: a @ b, 10) / 1e12
+    shape = max(rates, key=rates.get)
     return {"name": torch.cuda.get_device_name() if gpu else "cpu", "copy_bytes_per_s": 2 * nbytes / copy_s,
-            "matmul_tflops": best, "matmul_shape": f"(m, n, k) = {best_shape}", "torch": torch.__version__}
+            "matmul_tflops": rates[shape], "matmul_shape": f"(m, n, k) = {shape}", "torch": torch.__version__}
 
 
 def cap_memory(cap_gib: float) -> float:
@@ -271,8 +253,7 @@ def cap_memory(cap_gib: float) -> float:
 class LinearFlops:
     """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for backward
     (input and weight gradients), through forward hooks on the model's linear layers. Attention scores
-    (~4% at these lengths) are not counted, so the rate is a lower bound; a forward recomputed by gradient
-    checkpointing is counted (it runs)."""
+    (~4% at these lengths) are not counted, so the rate is a lower bound."""
 
     def __init__(self, model: torch.nn.Module):
         self.forward = 0

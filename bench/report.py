@@ -1,14 +1,14 @@
 """The drivers' results as tables and verdicts: the CPU speed table, the GPU rows against their targets,
-the learning comparison's two views, verdicts, table and figure.
+the learning comparison's two views, its verdicts, table and figure.
 
 Learning runs: {"trainer", "seed", "points": [{"step", "samples", "minutes", "tags", "accuracy", "n"}]}
-whose first point is the untrained model (step 0, tags ["base"]). The per-sample view reads each run
-at the point tagged "steps" (step == --steps); the wall-clock view at the point tagged "minutes" (the
-first step boundary past --minutes of training time). Spread verdict: with a handful of seeds per
-trainer, "within the seeds' spread of each other" means that the ranges [min, max] over the seeds of
-the two trainers overlap; otherwise one trainer is higher in every seed. Each seed draws its own train
-and held-out problems, which both trainers of that seed share, so the per-seed differences are printed
-too, beside the binomial standard error of one measurement, sqrt(p (1 - p) / n).
+whose first point is the untrained model (step 0, tags ["base"]). The per-sample view reads each run at
+the point tagged "steps" (step == --steps); the wall-clock view at the point tagged "minutes" (the first
+step boundary past --minutes of training time). With a handful of seeds per trainer, "within the seeds'
+spread of each other" means that the ranges [min, max] over the seeds of the two trainers overlap;
+otherwise one trainer is higher in every seed. Each seed draws its own train and held-out problems, which
+both trainers of that seed share, so the per-seed differences are printed too, beside the binomial standard
+error of one measurement, sqrt(p (1 - p) / n).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.workloads import update_flops
+from bench.harness import medians
+from bench.workloads import floor_bytes, update_flops
 
 GPU_TARGETS = {  # what the GPU run is judged against (ratios; see docs/benchmark.md)
     "step_vs_trl": {"0.5b": 0.15, "1.5b": 0.25},
@@ -29,117 +30,105 @@ TRAINERS = ("covey", "trl")
 VIEWS = {"steps": "per-sample view", "minutes": "wall-clock view"}
 
 
+def table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(str(x) for x in row) + " |" for row in rows)])
+
+
 def cpu_table(rows: list[dict], peak: dict) -> str:
     """One line per CPU run (harness.summarize rows); ratios against `trl` (TRL as it ships) and TRL's best."""
     trl = [r for r in rows if r["name"].startswith("trl")]
-    base = next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None)
-    fastest = min(trl, key=lambda r: r["median_s"]) if trl else None
-    leanest = min(trl, key=lambda r: r["peak_rss_mib"]) if trl else None
+    refs = (next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None),
+            min(trl, key=lambda r: r["step_s"], default=None), min(trl, key=lambda r: r["peak_rss_mib"], default=None))
 
-    def ratio(value: float, ref: dict | None, key: str) -> str:
-        return f"{value / ref[key]:.2f}" if ref else "-"
+    def ratio(r: dict, ref: dict | None, key: str) -> str:
+        return f"{r[key] / ref[key]:.2f}" if ref else "-"
 
-    head = ("| run | precision | median s/step | min s | generate | score | ref logp | update | tokens/s (in generate) "
-            "| train GFLOP/s (% of peak) | peak RSS GiB | step / trl | step / fastest TRL | RSS / trl "
-            "| RSS / leanest TRL |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        share = 100 * r["train_gflops"] / peak["bfloat16" if r["precision"].startswith("bfloat16") else "float32"]
-        lines.append(f"| {r['name']} | {r['precision']} | {r['median_s']:.1f} | {r['min_s']:.1f} | "
-                     f"{r['generate_s']:.1f} | {r['score_s']:.2f} | {r['logprobs_s']:.1f} | {r['update_s']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} ({r['gen_tokens_per_s']:.0f}) | "
-                     f"{r['train_gflops']:.0f} ({share:.0f}%) | {r['peak_rss_mib'] / 1024:.2f} | "
-                     f"{ratio(r['median_s'], base, 'median_s')} | {ratio(r['median_s'], fastest, 'median_s')} | "
-                     f"{ratio(r['peak_rss_mib'], base, 'peak_rss_mib')} | "
-                     f"{ratio(r['peak_rss_mib'], leanest, 'peak_rss_mib')} |")
-    return "\n".join(lines)
+    head = ["run", "precision", "median s/step", "min s", "generate", "score", "ref logp", "update",
+            "tokens/s (in generate)", "train GFLOP/s (% of peak)", "peak RSS GiB", "step / trl",
+            "step / fastest TRL", "RSS / trl", "RSS / leanest TRL"]
+    return table(head, [[r["name"], r["precision"], f"{r['step_s']:.1f}", f"{r['min_s']:.1f}", f"{r['generate_s']:.1f}",
+                         f"{r['score_s']:.2f}", f"{r['logprobs_s']:.1f}", f"{r['update_s']:.1f}",
+                         f"{r['tokens_per_s']:.0f} ({r['gen_tokens_per_s']:.0f})",
+                         f"{r['train_gflops']:.0f} ({100 * r['train_gflops'] / peak[peak_key(r)]:.0f}%)",
+                         f"{r['peak_rss_mib'] / 1024:.2f}", ratio(r, refs[0], "step_s"), ratio(r, refs[1], "step_s"),
+                         ratio(r, refs[0], "peak_rss_mib"), ratio(r, refs[2], "peak_rss_mib")] for r in rows])
+
+
+def peak_key(row: dict) -> str:
+    return "bfloat16" if row["precision"].startswith("bfloat16") else "float32"
 
 
 # --------------------------------------------------------------------------- the GPU benchmark
 
 
-def step_medians(steps: list[dict]) -> dict:
-    """Medians over steps 2..N of a GPU child's step and its phases."""
-    timed = steps[1:] or steps
-    return {key: statistics.median(s[key] for s in timed)
-            for key in ("step_s", "generate_s", "reference_s", "update_s", "score_s")}
-
-
 def gpu_summary(size: str, device: dict, shape: dict, results: dict, workload: dict) -> dict:
     """One model size's row: each trainer's medians and rates (`results`: name -> child result or None),
-    covey against TRL, covey's decode step against its floor."""
+    covey against TRL, covey's decode step against its floor (floor_bytes over the copy bandwidth)."""
     flops = update_flops(shape, workload, shape["prompt_tokens_mean"])
     out = {"size": size, "update_model_flops": flops, "trainers": list(results)}
-    covey, trl = results.get("covey"), results.get("trl")
     for name, res in results.items():
-        if res is None:
+        if not (res or {}).get("steps"):
             continue
-        med = step_medians(res["steps"])
-        med["peak_gpu_gib"] = res["peak_gpu_bytes"] / 2**30 if res.get("peak_gpu_bytes") else None
+        med = medians(res["steps"])
+        med["peak_gpu_gib"] = res["peak_gpu_mib"] / 1024 if res.get("peak_gpu_mib") else None
         med["generate_ms_per_token"] = 1000 * med["generate_s"] / workload["new_tokens"]
         med["update_tflops"] = flops / med["update_s"] / 1e12
         med["update_share_of_peak"] = med["update_tflops"] / device["matmul_tflops"] if device else None
         out[name] = {**med, "detail": {k: v for k, v in res.items() if k != "steps"}}
+    covey, trl = out.get("covey"), out.get("trl")
     if covey and trl:
-        out["step_vs_trl"] = out["covey"]["step_s"] / out["trl"]["step_s"]
-        if out["covey"]["peak_gpu_gib"] and out["trl"]["peak_gpu_gib"]:
-            out["memory_vs_trl"] = out["covey"]["peak_gpu_gib"] / out["trl"]["peak_gpu_gib"]
-    if covey and covey.get("decode"):
-        floor_ms = 1000 * covey["decode"]["floor_bytes_per_step"] / device["copy_bytes_per_s"]
-        out["decode_floor_ms"] = floor_ms
-        out["decode_loop_ms"] = covey["decode"]["loop_ms_median"]
-        out["decode_vs_floor"] = out["decode_loop_ms"] / floor_ms
+        out["step_vs_trl"] = covey["step_s"] / trl["step_s"]
+        if covey["peak_gpu_gib"] and trl["peak_gpu_gib"]:
+            out["memory_vs_trl"] = covey["peak_gpu_gib"] / trl["peak_gpu_gib"]
+    if covey and covey["detail"].get("decode") and device:
+        out["decode_floor_ms"] = 1000 * floor_bytes(shape, workload, shape["prompt_tokens_mean"]) / \
+            device["copy_bytes_per_s"]
+        out["decode_vs_floor"] = covey["detail"]["decode"]["step_ms"] / out["decode_floor_ms"]
     return out
 
 
 def verdicts(row: dict) -> list[str]:
     """One line per target that applies to this size: measured, target, met or not."""
-    size, lines = row["size"], []
+    lines = []
     for key, goal in GPU_TARGETS.items():
-        goal = goal.get(size) if isinstance(goal, dict) else goal
-        if goal is None or key not in row and key != "update_share_of_peak":
-            continue
-        value = row.get("covey", {}).get(key) if key == "update_share_of_peak" else row.get(key)
-        if value is None:
-            continue
-        met = value >= goal if key == "update_share_of_peak" else value <= goal
-        lines.append(f"{size} {key}: {value:.3f} (target {'>=' if key == 'update_share_of_peak' else '<='} "
-                     f"{goal}) {'met' if met else 'NOT MET'}")
+        goal = goal.get(row["size"]) if isinstance(goal, dict) else goal
+        higher = key == "update_share_of_peak"
+        value = row.get("covey", {}).get(key) if higher else row.get(key)
+        if goal is not None and value is not None:
+            met = value >= goal if higher else value <= goal
+            lines.append(f"{row['size']} {key}: {value:.3f} (target {'>=' if higher else '<='} {goal}) "
+                         f"{'met' if met else 'NOT MET'}")
     return lines
 
 
 def gpu_table(rows: list[dict]) -> str:
-    head = ("| shape | trainer | median s/step | generate s | reference s | update s | peak GPU GiB "
-            "| generate ms/token | update TFLOP/s (% of bf16 peak) |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    head = ["shape", "trainer", "median s/step", "generate s", "reference s", "update s", "peak GPU GiB",
+            "generate ms/token", "update TFLOP/s (% of bf16 peak)"]
+    lines = []
     for row in rows:
         for name in row["trainers"]:
             r = row.get(name)
             if r is None:
-                lines.append(f"| {row['size']} | {name} | failed or skipped | | | | | | |")
+                lines.append([row["size"], name, "failed or skipped", "", "", "", "", "", ""])
                 continue
-            peak = f"{r['peak_gpu_gib']:.2f}" if r["peak_gpu_gib"] is not None else "-"
             share = f" ({100 * r['update_share_of_peak']:.0f}%)" if r["update_share_of_peak"] is not None else ""
-            lines.append(f"| {row['size']} | {name} | {r['step_s']:.2f} | {r['generate_s']:.2f} | "
-                         f"{r['reference_s']:.2f} | {r['update_s']:.2f} | {peak} | {r['generate_ms_per_token']:.2f} | "
-                         f"{r['update_tflops']:.1f}{share} |")
-    return "\n".join(lines)
+            lines.append([row["size"], name, f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}", f"{r['logprobs_s']:.2f}",
+                          f"{r['update_s']:.2f}", "-" if r["peak_gpu_gib"] is None else f"{r['peak_gpu_gib']:.2f}",
+                          f"{r['generate_ms_per_token']:.2f}", f"{r['update_tflops']:.1f}{share}"])
+    return table(head, lines)
 
 
 def decode_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
-        dec = row.get("covey", {}).get("detail", {}).get("decode")
-        if not dec:
-            continue
-        lines.append(f"{row['size']} covey decode at {dec['rows']} rows: {row['decode_loop_ms']:.3f} ms/step in the "
-                     f"loop (graph replay with sampling, host checks), floor {row['decode_floor_ms']:.3f} ms "
-                     f"({dec['floor_bytes_per_step'] / 1e9:.3f} GB read per step) -> {row['decode_vs_floor']:.2f} x")
-        for length, ms in sorted(dec.get("replay_ms", {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(f"  replays back to back, {length} columns attended: {ms:.3f} ms")
-    for row in rows:
-        for mode, res in row.get("decode_modes", {}).items():
-            lines.append(f"{row['size']} rollout.decode={mode} (bf16 weights alone): {res}")
+        if "decode_vs_floor" in row:
+            dec = row["covey"]["detail"]["decode"]
+            lines.append(f"{row['size']} covey decode at {dec['rows']} rows: {dec['step_ms']:.3f} ms/step (generate of "
+                         f"L tokens less generate of L/2, over L/2), floor {row['decode_floor_ms']:.3f} ms -> "
+                         f"{row['decode_vs_floor']:.2f} x")
+        lines += [f"{row['size']} rollout.decode={mode} (bf16 weights alone): {res}"
+                  for mode, res in row.get("decode_modes", {}).items()]
     return lines
 
 
@@ -189,8 +178,7 @@ def view_sentence(tag: str, where: str, s: dict) -> str:
     """One line of the report from a learn_summary() entry."""
     c, t, v = s["covey"], s["trl"], s["verdict"]
     seeds = {k: ", ".join(pct(x) for x in s[k]["seeds"].values()) for k in TRAINERS}
-    judged = ("within the seeds' spread of each other" if v["within_spread"]
-              else f"{v['higher']} is higher in every seed")
+    judged = "within the seeds' spread of each other" if v["within_spread"] else f"{v['higher']} is higher in every seed"
     lead = f"{v['higher']} higher by {100 * abs(v['difference']):.1f} points" if v["higher"] != "neither" else "equal"
     paired = ", ".join(f"{100 * d:+.1f}" for d in v["paired"].values())
     return (f"- {VIEWS[tag]} ({where}): covey {pct(c['mean'])} (seeds {seeds['covey']}) vs TRL {pct(t['mean'])} "
@@ -199,43 +187,33 @@ def view_sentence(tag: str, where: str, s: dict) -> str:
             f"{100 * s['binomial_se']:.1f} points).")
 
 
-def trainer_table(runs: list[dict], summary: dict, steps: int, minutes: float) -> list[str]:
-    """One row per trainer: untrained, both views (mean; seeds), where the minutes mark fell, speed."""
+def markdown(runs: list[dict], summary: dict, header: str, steps: int, minutes: float) -> str:
+    """The header, one row per trainer (untrained, both views: mean and seeds, where the minutes mark fell,
+    speed), each view's verdict, and one row per evaluation point."""
     def cell(tag: str, trainer: str) -> str:
         v = summary.get(tag, {}).get(trainer)
         return f"{pct(v['mean'])} ({', '.join(pct(x) for x in v['seeds'].values())})" if v else "-"
 
-    lines = [f"| trainer | untrained | step {steps} (mean; seeds) | {minutes:g} training min (mean; seeds) "
-             f"| step at {minutes:g} min | median s/step | steps run |", "|---|---|---|---|---|---|---|"]
-    for t in TRAINERS:
-        mine = [r for r in runs if r["trainer"] == t]
-        if not mine:
-            continue
-        mark = summary.get("minutes", {}).get(t)
-        lines.append(f"| {t} | {', '.join(pct(r['points'][0]['accuracy']) for r in mine)} | {cell('steps', t)} | "
-                     f"{cell('minutes', t)} | {'/'.join(str(x) for x in mark['step'].values()) if mark else '-'} | "
-                     f"{statistics.median([s['step_s'] for r in mine for s in r['steps']]):.1f} | "
-                     f"{'/'.join(str(r['steps'][-1]['step']) for r in mine)} |")
-    return lines
+    def marks(tag: str, trainer: str) -> str:
+        v = summary.get(tag, {}).get(trainer)
+        return "/".join(str(x) for x in v["step"].values()) if v else "-"
 
-
-def markdown(runs: list[dict], summary: dict, header: str, steps: int, minutes: float) -> str:
-    lines = [header, "", *trainer_table(runs, summary, steps, minutes), ""]
+    rows = [[t, ", ".join(pct(r["points"][0]["accuracy"]) for r in mine), cell("steps", t), cell("minutes", t),
+             marks("minutes", t), f"{statistics.median([s['step_s'] for r in mine for s in r['steps']]):.1f}",
+             "/".join(str(r["steps"][-1]["step"]) for r in mine)]
+            for t in TRAINERS if (mine := [r for r in runs if r["trainer"] == t])]
+    lines = [header, "", table(["trainer", "untrained", f"step {steps} (mean; seeds)", f"{minutes:g} training min "
+                                "(mean; seeds)", f"step at {minutes:g} min", "median s/step", "steps run"], rows), ""]
     if "steps" in summary:
         lines.append(view_sentence("steps", f"step {steps}", summary["steps"]))
     if "minutes" in summary:
-        s = summary["minutes"]
-        where = (f"first step past {minutes:g} training minutes: covey at step "
-                 f"{'/'.join(str(x) for x in s['covey']['step'].values())}, TRL at step "
-                 f"{'/'.join(str(x) for x in s['trl']['step'].values())}")
-        lines.append(view_sentence("minutes", where, s))
-    lines += ["", "| trainer | seed | step | samples seen | training min | held-out accuracy | n | evaluated because |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        for p in r["points"]:
-            lines.append(f"| {r['trainer']} | {r['seed']} | {p['step']} | {p['samples']} | {p['minutes']:.2f} | "
-                         f"{pct(p['accuracy'])} | {p['n']} | {', '.join(p['tags'])} |")
-    return "\n".join(lines) + "\n"
+        where = (f"first step past {minutes:g} training minutes: covey at step {marks('minutes', 'covey')}, TRL at "
+                 f"step {marks('minutes', 'trl')}")
+        lines.append(view_sentence("minutes", where, summary["minutes"]))
+    points = [[r["trainer"], r["seed"], p["step"], p["samples"], f"{p['minutes']:.2f}", pct(p["accuracy"]), p["n"],
+               ", ".join(p["tags"])] for r in runs for p in r["points"]]
+    return "\n".join([*lines, "", table(["trainer", "seed", "step", "samples seen", "training min",
+                                         "held-out accuracy", "n", "evaluated because"], points)]) + "\n"
 
 
 def mean_curve(runs: list[dict], x: str) -> list[tuple[float, float]]:
@@ -267,8 +245,8 @@ def figure(runs: list[dict], path: Path, title: str, minutes: float) -> Path:
             if mine:
                 curve = mean_curve(mine, x)
                 ax.plot([c[0] for c in curve], [100 * c[1] for c in curve], color=color, lw=2, label=f"{trainer} mean")
-        marks = [p["samples"] for r in runs for p in r["points"] if "steps" in p["tags"]][:1] if x == "samples" \
-            else [minutes] if minutes > 0 else []
+        marks = ([p["samples"] for r in runs for p in r["points"] if "steps" in p["tags"]][:1] if x == "samples"
+                 else [minutes] if minutes > 0 else [])
         for mark in marks:
             ax.axvline(mark, color="grey", ls="--", lw=1)
         ax.set_ylim(0, max(10.0, 1.15 * max((100 * p["accuracy"] for r in runs for p in r["points"]), default=0.0)))

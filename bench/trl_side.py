@@ -1,59 +1,50 @@
 """The TRL side of every benchmark: TRL's GRPOTrainer on the settings of covey's workload config, one role
 per child process (TRL comes from the `bench` extra):
 
-    python -m bench.trl_side speed|gpu|learn --result FILE [options] [key=value ...]
+    python -m bench.trl_side steps|learn --result FILE [options] [key=value ...]
 
 `trl_grpo_kwargs(cfg)` reads a covey `Config` (the `grpo` preset plus overrides) and returns the
-`trl.GRPOConfig` keyword arguments that train with the same update: every covey setting that changes
-the update is either mapped or refused with a one-line error naming its key; nothing is silently dropped.
-What maps, and why it is the same computation (TRL 1.16, trl/trainer/grpo_trainer.py):
+`trl.GRPOConfig` keyword arguments that train with the same update: every covey setting that changes the
+update is either mapped or refused with a one-line error naming its key (REQUIRED). Why the mapped ones
+compute the same thing (TRL 1.16, trl/trainer/grpo_trainer.py):
 
-- B prompts x G samples per step: `num_generations=G`; the generation batch B*G is split into
-  micro-batches of `per_device_train_batch_size` whose gradients accumulate
-  (`gradient_accumulation_steps = B*G / micro`), and `steps_per_generation` defaults to the
-  accumulation steps, so one generation batch makes exactly one optimizer step
-  (`num_iterations=1`); TRL then skips its old-log-prob pass, as covey does (the ratio is
-  exp(logp - logp.detach()) on both sides).
-- `algo.loss_agg` -> `loss_type` (LOSS_TYPES): covey's default `seq_mean_token_mean`
-  (1/N sum_i 1/|o_i| sum_t over the step's N sequences) is TRL's `grpo`: each micro-batch
-  takes the mean over its sequences of their token means and is divided by the accumulation
-  steps; micro-batches all hold the same number of sequences, so the accumulated gradient is
-  the mean over all N sequences, covey's global estimator. `token_mean` is `dapo` (divided by
-  the active tokens of the whole generation batch), `constant` is `dr_grpo` (N x the
-  generation budget). `seq_mean_token_sum` has no TRL counterpart and is refused.
-- KL: covey's k3 in the loss with r = pi_ref / pi_theta is TRL's only in-loss KL; TRL's
-  default `use_bias_correction_kl=True` multiplies it by the (differentiable) importance ratio,
-  which changes the gradient even on-policy, so it is switched off to match covey.
-- `algo.std_normalize` -> `scale_rewards` group / none; clip eps low/high -> `epsilon` /
-  `epsilon_high`; lr, warm-up (linear, then constant), AdamW betas and weight decay,
-  `max_grad_norm`, temperature / top-p / top-k, `max_new_tokens` -> `max_completion_length`,
-  `train.seed`, gradient checkpointing (TRL's default is on: set from covey's), and the training
-  precision: TRL's `bf16` autocast exactly where covey's `model.autocast` resolves to bfloat16.
+- B prompts x G samples: `num_generations=G`; the B*G samples are split into micro-batches of
+  `per_device_train_batch_size` whose gradients accumulate, and `steps_per_generation` defaults to the
+  accumulation steps, so one generation batch makes one optimizer step (`num_iterations=1`) and TRL skips
+  its old-log-prob pass, as covey does (the ratio is exp(logp - logp.detach()) on both sides).
+- `algo.loss_agg` -> `loss_type`: covey's `seq_mean_token_mean` is TRL's `grpo` (each micro-batch's mean
+  of sequence token means over the accumulation steps: equal micro-batches make it covey's global mean),
+  `token_mean` is `dapo`, `constant` is `dr_grpo`; `seq_mean_token_sum` has no counterpart.
+- KL: k3 in the loss with r = pi_ref / pi_theta is TRL's only in-loss KL; its default
+  `use_bias_correction_kl=True` multiplies it by the importance ratio, which changes the gradient even
+  on-policy, so it is switched off.
+- std normalisation, clip eps low/high, lr and warm-up, AdamW betas and weight decay, max_grad_norm,
+  sampling, max new tokens, seed, gradient checkpointing (TRL's default is on: set from covey's) and bf16
+  autocast exactly where covey's `model.autocast` resolves to bfloat16.
 
-What does not map (stated, not patched): TRL divides by the group std with Bessel's correction
-(n - 1) and adds 1e-4; covey by the population std (`algo.ddof=0`) plus `algo.adv_eps` (1e-6):
-`algo.ddof=1 algo.adv_eps=1e-4` makes the advantages identical. covey samples with a bf16 copy of
-the policy where bf16 is native (`rollout.precision=auto`); TRL with the training weights. The prompt
-order differs (each library shuffles with its own generator from the same seed).
-
-Timing: generation, scoring and the no-grad log-prob passes wrap TRL's own methods; `update` is the
-rest of the step. Models load TRL's way (fp32 weights, `model_init_kwargs`).
+What does not map (stated, not patched): TRL divides by the group std with Bessel's correction plus 1e-4,
+covey by the population std plus 1e-6 (`algo.ddof=1 algo.adv_eps=1e-4` makes them identical); covey
+samples from a bf16 copy where bf16 is native, TRL with the training weights; each library orders the
+prompts with its own generator. Timing: generation, scoring and the no-grad log-prob passes wrap TRL's
+own methods in a subclass; `update` is the rest of the step.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import functools
 import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
-from bench.harness import LinearFlops, StepRecord, peak_gpu_bytes, say, step_result, write_json
-from bench.workloads import STEP_CAP, WORKLOADS, Schedule, Tracker, cpu_keys, gpu_keys, varied_reward
+from bench.harness import LinearFlops, cap_memory, child_args, peak_rss_mib, say, write_json
+from bench.workloads import SETUPS, STEP_CAP, WORKLOADS, Schedule, Tracker, varied_reward, workload_keys
 from covey.config import load_config
+from covey.runtime.dist import resolve_device
 from covey.runtime.precision import resolve_autocast
 
 LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "constant": "dr_grpo"}
@@ -62,25 +53,21 @@ REQUIRED = (
     ("algo.learner", "advantage"), ("algo.estimator", "grpo"), ("algo.policy_loss", "ppo_clip"),
     ("algo.ratio_level", "token"), ("algo.ratio_against", "old"), ("algo.dual_clip", 0.0),
     ("algo.adaptive_kl.target", 0.0), ("algo.entropy_coef", 0.0), ("algo.token_credit", "shared"),
-    ("algo.epochs", 1), ("algo.minibatches", 1), ("algo.dynamic_sampling", False),
+    ("algo.epochs", 1), ("algo.minibatches", 1), ("algo.dynamic_sampling.enabled", False),
     ("algo.ref_refresh_every", 0), ("algo.ref_ema", 0.0), ("algo.tis.cap", 0.0),
     ("reward.format", 0.0), ("reward.overlong_buffer", 0), ("reward.functions", ""),
     ("reward.model_path", ""), ("reward.prm_path", ""), ("reward.remote_url", ""), ("reward.language", 0.0),
     ("model.lora_rank", 0),
 )
+TRAINER_KEYS = ("peft_config", "quantization_config")  # GRPOTrainer's arguments in a setup, not GRPOConfig's
 QUIET = dict(logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-
-
-def setting(cfg, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def check_mappable(cfg) -> None:
     """Raise ValueError naming the first covey setting TRL's GRPOTrainer cannot reproduce."""
     for key, value in REQUIRED:
-        if setting(cfg, key) != value:
-            raise ValueError(f"{key}={setting(cfg, key)!r} has no TRL GRPOTrainer counterpart (needs {value!r})")
+        if (have := functools.reduce(getattr, key.split("."), cfg)) != value:
+            raise ValueError(f"{key}={have!r} has no TRL GRPOTrainer counterpart (needs {value!r})")
     a = cfg.algo
     if a.loss_agg not in LOSS_TYPES:
         raise ValueError(f"algo.loss_agg={a.loss_agg!r} has no TRL loss_type (mapped: {', '.join(LOSS_TYPES)})")
@@ -123,233 +110,196 @@ def trl_grpo_kwargs(cfg, micro_batch: int = 0, autocast_bf16: bool = False) -> d
     }
 
 
-def trl_dataset(examples, system_prompt: str = ""):
-    """covey examples as TRL conversational prompts (the messages covey's format_prompts templates)
-    with the reference answers in the `answer` column that covey's correctness reward reads."""
-    from datasets import Dataset
-
-    from covey.tasks.base import build_messages
-    return Dataset.from_list([{"prompt": build_messages(ex, system_prompt or None), "answer": ex.answer}
-                              for ex in examples])
+def trainer_objects(setup: dict) -> dict:
+    """GRPOTrainer's keyword arguments of a setup: peft's LoraConfig and bitsandbytes' NF4 config, made."""
+    kwargs = {}
+    if "peft_config" in setup:
+        from peft import LoraConfig
+        kwargs["peft_config"] = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                           task_type="CAUSAL_LM")
+    if "quantization_config" in setup:
+        from transformers import BitsAndBytesConfig
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True,
+                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+    return kwargs
 
 
 # --------------------------------------------------------------------------- the timed trainer
 
 
-def make_trainer_class():
+class Meter:
+    """The steps of a TRL run in the harness's format: the trainer's timed methods add their phases and
+    tokens, a callback opens and closes each optimizer step; `update` is the rest of the step."""
+
+    def __init__(self):
+        self.records, self.phases, self.tokens, self.t0 = [], defaultdict(float), 0, 0.0
+        self.flops: LinearFlops | None = None
+
+    def count_flops(self, model) -> None:
+        self.flops = LinearFlops(model)
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.phases[name] += time.perf_counter() - t0
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def begin(self) -> None:
+        self.phases, self.tokens, self.t0 = defaultdict(float), 0, time.perf_counter()
+        if self.flops is not None:
+            self.flops.take()
+
+    def end(self, step: int) -> dict:
+        seconds, p = time.perf_counter() - self.t0, self.phases
+        record = {"step": step, "step_s": seconds, "generate_s": p["generate"], "score_s": p["score"],
+                  "logprobs_s": p["logprobs"], "update_s": seconds - sum(p.values()), "tokens": self.tokens,
+                  "flops": self.flops.take() if self.flops is not None else 0.0, "gpu_peak_mib": None}
+        self.records.append(record)
+        say(f"trl step {step}: {seconds:.2f} s {dict(p)}")
+        return record
+
+
+class StepCallback(TrainerCallback):
+    """Opens and closes each step on the meter; with a tracker, saves its evaluation points and stops the run
+    when its Schedule says (a changed TrainerControl returned, as transformers' callbacks do)."""
+
+    def __init__(self, meter: Meter, tracker: Tracker | None = None):
+        self.meter, self.tracker = meter, tracker
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.begin()
+        self.meter.begin()
+
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        record = self.meter.end(state.global_step)
+        if self.tracker is None:
+            return None
+
+        def save(folder):
+            model.save_pretrained(folder, safe_serialization=True)
+            processing_class.save_pretrained(folder)
+
+        self.tracker.end(state.global_step, record["step_s"], save)
+        return dataclasses.replace(control, should_training_stop=self.tracker.done)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.tracker is not None and logs and "reward" in logs:
+            self.tracker.note_reward(logs["reward"])
+
+
+def timed_trainer(cfg, model: str, reward, config, callback: StepCallback, **trainer_kwargs):
+    """TRL's GRPOTrainer on the config's train problems (covey's examples as conversational prompts, their
+    answers in the `answer` column covey's correctness reward reads), its phases timed into the callback's meter."""
+    from datasets import Dataset
     from trl import GRPOTrainer
 
+    from covey.tasks.base import build_messages
+    from covey.tasks.data import load_task_data
+    meter = callback.meter
+
     class TimedGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer whose generation, scoring and no-grad log-prob passes add to `self.phase_times`."""
-
-        phase_times: dict = defaultdict(float)
-        completion_tokens: int = 0
-        flop_counter: LinearFlops | None = None
-
-        @contextmanager
-        def _timed(self, phase: str):
-            t0 = time.perf_counter()
-            yield
-            self.phase_times[phase] += time.perf_counter() - t0
-
         def _generate(self, prompts):
-            with self._timed("generate"):
+            with meter.phase("generate"):
                 out = super()._generate(prompts)
-            self.completion_tokens += sum(len(ids) for ids in out[1])
+            meter.add_tokens(sum(len(ids) for ids in out[1]))
             return out
 
         def _calculate_rewards(self, *args, **kwargs):
-            with self._timed("score"):
+            with meter.phase("score"):
                 return super()._calculate_rewards(*args, **kwargs)
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             if torch.is_grad_enabled():  # the training forward: part of `update`
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with self._timed("logprobs"):
+            with meter.phase("logprobs"):
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    return TimedGRPOTrainer
-
-
-def step_recorder(box: dict, records: list):
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            trainer = box["trainer"]
-            trainer.phase_times.clear()
-            trainer.completion_tokens = 0
-            if trainer.flop_counter is not None:
-                trainer.flop_counter.take()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            seconds, trainer = time.perf_counter() - self.t0, box["trainer"]
-            phases = dict(trainer.phase_times)
-            phases["update"] = seconds - sum(phases.values())
-            flops = trainer.flop_counter.take() if trainer.flop_counter is not None else 0.0
-            records.append(StepRecord(step=state.global_step, seconds=seconds, phases=phases,
-                                      completion_tokens=trainer.completion_tokens, train_flops=flops))
-            say(f"trl step {state.global_step}: {seconds:.2f} s {phases}")
-
-    return StepTimer()
-
-
-def timed_trainer(cfg, model: str, reward, config, records: list, **trainer_kwargs):
-    """A TimedGRPOTrainer on the config's train problems, each step recorded in `records` (`trainer_kwargs`:
-    GRPOTrainer's peft_config, quantization_config)."""
-    from covey.tasks.data import load_task_data
-    box = {}
-    train = load_task_data(cfg.task, cfg.train.seed).train
-    box["trainer"] = make_trainer_class()(model=model, reward_funcs=reward, args=config,
-                                          train_dataset=trl_dataset(train, cfg.task.system_prompt),
-                                          callbacks=[step_recorder(box, records)], **trainer_kwargs)
-    return box["trainer"]
+    system = cfg.task.system_prompt or None
+    data = Dataset.from_list([{"prompt": build_messages(ex, system), "answer": ex.answer}
+                              for ex in load_task_data(cfg.task, cfg.train.seed).train])
+    return TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, callbacks=[callback],
+                            **trainer_kwargs)
 
 
 # --------------------------------------------------------------------------- the roles
 
 
-def role_speed(args) -> dict:
-    """The CPU workload: `--micro-batch 0` is TRL as it ships (the step's samples in one forward and
-    backward); 8 is covey's micro-batch (gradient accumulation). One optimizer step per rollout either way."""
-    from trl import GRPOConfig
+def role_steps(args) -> dict:
+    """A workload's steps: covey's settings mapped, then the setup's (bench/workloads.py SETUPS); on a CPU
+    workload TRL as it ships takes the step's samples in one forward; on a GPU, bf16 autocast where covey's
+    resolves to bf16, HF `generate` (no vLLM), the benchmark's reward."""
+    from trl import GRPOConfig, __version__
 
     from covey.models.load import resolve_model_path
     from covey.rewards.rules import correctness_reward
+    w, gpu, setup = WORKLOADS[args.workload], torch.cuda.is_available(), SETUPS["trl"][args.setup or "mapped"]
+    allowed = cap_memory(args.cap_gib)
     if args.threads:
         torch.set_num_threads(args.threads)
-    records = []
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
-        cfg = load_config("grpo", cpu_keys(args.workload, args.steps, args.threads, out_dir, args.model))
-        micro = args.micro_batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        settings = {**trl_grpo_kwargs(cfg, micro_batch=micro, autocast_bf16=args.bf16),
-                    "gradient_checkpointing": args.gradient_checkpointing}
-        config = GRPOConfig(output_dir=out_dir, max_steps=args.steps, use_cpu=True, **settings, **QUIET)
-        trainer = timed_trainer(cfg, resolve_model_path(cfg.model.path), correctness_reward, config, records)
-        trainer.flop_counter = LinearFlops(trainer.model)
-        trainer.train()
-    return step_result("trl", records, precision="bfloat16 (autocast)" if args.bf16 else "float32", micro_batch=micro,
-                       gradient_checkpointing=args.gradient_checkpointing)
-
-
-def role_gpu(args, settings: dict | None = None, trainer_kwargs: dict | None = None) -> dict:
-    """The GPU workload: TRL's default model load (fp32 weights), HF `generate` (no vLLM), bf16 autocast where
-    covey's resolves to bf16; fixed-length responses (min_new_tokens); --trl-gc: gradient checkpointing on.
-    `settings` replace GRPOConfig's, `trainer_kwargs` go to the trainer (bench/gpu_capacity.py)."""
-    from trl import GRPOConfig, __version__
-    w, gpu, records = WORKLOADS[args.workload], torch.cuda.is_available(), []
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
-        # covey's config without its reward keys: the benchmark's reward function is handed to both trainers
-        cfg = load_config("grpo", [k for k in gpu_keys(args.workload, args.model, args.steps, out_dir)
-                                   if not k.startswith("reward.")])
-        bf16 = resolve_autocast(cfg.model.autocast, "cuda" if gpu else "cpu") == "bfloat16"
-        settings = {**trl_grpo_kwargs(cfg, autocast_bf16=bf16), **({"gradient_checkpointing": True} if args.trl_gc
-                                                                    else {}), **(settings or {})}
+        # covey's config without its reward keys: the GPU benchmark's reward function is handed to both trainers
+        cfg = load_config("grpo", [k for k in workload_keys(args.workload, args.steps, out_dir, args.model,
+                                                            args.threads) if not k.startswith("reward.")])
+        bf16 = w["gpu"] and resolve_autocast(cfg.model.autocast, "cuda" if gpu else "cpu") == "bfloat16"
+        micro = w["prompts"] * w["group_size"] if w["trl_whole_step"] else 0
+        settings = {**trl_grpo_kwargs(cfg, micro, bf16), **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
         config = GRPOConfig(output_dir=out_dir, max_steps=args.steps, use_cpu=not gpu, use_vllm=False, **settings,
-                            generation_kwargs={"min_new_tokens": w["new_tokens"]}, **QUIET)
-        trainer = timed_trainer(cfg, args.model, varied_reward, config, records, **(trainer_kwargs or {}))
-        setup = {"trl": __version__, "model_dtype": str(next(trainer.model.parameters()).dtype), "bf16": config.bf16,
-                 "gradient_checkpointing": config.gradient_checkpointing, "loss_type": config.loss_type,
-                 "per_device_train_batch_size": config.per_device_train_batch_size,
-                 "gradient_accumulation_steps": config.gradient_accumulation_steps,
-                 "steps_per_generation": config.steps_per_generation, "optim": str(config.optim),
-                 "use_liger_kernel": config.use_liger_kernel, "trainer_kwargs": sorted(trainer_kwargs or {}),
-                 "reference_dtype": str(next(trainer.ref_model.parameters()).dtype) if trainer.ref_model else None}
-        say(f"TRL setup: {setup}")
-        if gpu:  # the peak of the steps, as covey's phase peaks (its models loaded, its optimizer state from step 1)
+                            **QUIET)
+        callback = StepCallback(Meter())
+        trainer = timed_trainer(cfg, resolve_model_path(cfg.model.path), varied_reward if w["gpu"] else
+                                correctness_reward, config, callback, **trainer_objects(setup))
+        if args.flops:
+            callback.meter.count_flops(trainer.model)
+        described = {"trl": __version__, "model_dtype": str(next(trainer.model.parameters()).dtype),
+                     **{k: str(getattr(config, k)) for k in ("bf16", "gradient_checkpointing", "loss_type", "optim",
+                                                             "per_device_train_batch_size", "use_liger_kernel",
+                                                             "gradient_accumulation_steps", "steps_per_generation")},
+                     "trainer_kwargs": sorted(trainer_objects(setup))}
+        say(f"TRL setup: {described}")
+        if gpu:  # the peak of the steps (its models loaded, its optimizer state from step 1)
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
-    steps = [{"step_s": r.seconds, "generate_s": r.phases.get("generate", 0.0), "score_s": r.phases.get("score", 0.0),
-              "reference_s": r.phases.get("logprobs", 0.0), "update_s": r.phases["update"],
-              "response_tokens": r.completion_tokens} for r in records]
-    return {"steps": steps, "peak_gpu_bytes": peak_gpu_bytes(), "setup": setup}
-
-
-def learn_callback(tracker: Tracker, box: dict):
-    from transformers import TrainerCallback
-
-    class Track(TrainerCallback):
-        """Times each optimizer step (generation included), saves at evaluation points, stops by the Schedule."""
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            tracker.begin()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            trainer = box["trainer"]
-
-            def save(folder):
-                trainer.accelerator.unwrap_model(trainer.model).save_pretrained(folder, safe_serialization=True)
-                trainer.processing_class.save_pretrained(folder)
-
-            tracker.end(state.global_step, time.perf_counter() - self.t0, save)
-            control.should_training_stop = tracker.done
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs and tracker.steps:
-                tracker.steps[-1]["reward"] = logs["reward"]
-
-    return Track()
+    return {"name": args.name or "trl", "steps": callback.meter.records, "peak_rss_mib": peak_rss_mib(),
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if gpu else None, "allowed_gib": allowed,
+            "precision": "bfloat16 (autocast)" if config.bf16 else "float32", "setup": described}
 
 
 def role_learn(args) -> dict:
-    """A learning run on covey's config until the Schedule stops it, scored by covey's correctness reward."""
-    from trl import GRPOConfig, GRPOTrainer
+    """A learning run on covey's config until the Schedule stops it, scored by covey's correctness reward,
+    TRL on the device covey's train.device names."""
+    from trl import GRPOConfig
 
     from covey.models.load import resolve_model_path
     from covey.rewards.rules import correctness_reward
     from covey.tasks.data import load_task_data
     from covey.tasks.verifiers import resolve_verifier
-    from covey.runtime.dist import resolve_device
     cfg = load_config("grpo", args.overrides)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
-    device = resolve_device(cfg.train.device)  # TRL on the GPU where covey's train.device puts covey
-    data = load_task_data(cfg.task, cfg.train.seed)
-    if resolve_verifier(cfg.eval.metric, [ex.answer for ex in data.eval]) != "math":
+    device = resolve_device(cfg.train.device)
+    if resolve_verifier(cfg.eval.metric, [ex.answer for ex in load_task_data(cfg.task, cfg.train.seed).eval]) != "math":
         raise SystemExit("bench: eval.metric does not resolve to 'math', the verifier of TRL's correctness reward")
-    bf16 = resolve_autocast(cfg.model.autocast, device) == "bfloat16"
-    settings = trl_grpo_kwargs(cfg, micro_batch=args.micro_batch, autocast_bf16=bf16)
+    settings = trl_grpo_kwargs(cfg, autocast_bf16=resolve_autocast(cfg.model.autocast, device) == "bfloat16")
     tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes),
                       cfg.rollout.prompts_per_step * cfg.rollout.group_size, args.save_dir)
-    box = {}
     with tempfile.TemporaryDirectory(prefix="learn-trl-") as tmp:
         config = GRPOConfig(output_dir=tmp, max_steps=STEP_CAP, use_cpu=device == "cpu", use_vllm=False, **settings,
                             **QUIET)
-        box["trainer"] = GRPOTrainer(model=resolve_model_path(cfg.model.path), reward_funcs=correctness_reward,
-                                     args=config, train_dataset=trl_dataset(data.train, cfg.task.system_prompt),
-                                     callbacks=[learn_callback(tracker, box)])
-        if device != "cpu":  # the peak of the run, its model and reference loaded
-            torch.cuda.reset_peak_memory_stats()
-        box["trainer"].train()
-    return tracker.result(precision="bfloat16" if bf16 else "none", trl_settings=settings, device=device)
+        timed_trainer(cfg, resolve_model_path(cfg.model.path), correctness_reward, config,
+                      StepCallback(Meter(), tracker)).train()
+    return tracker.result(precision="bfloat16" if settings["bf16"] else "none", trl_settings=settings, device=device)
 
 
-ROLES = {"speed": role_speed, "gpu": role_gpu, "learn": role_learn}
+ROLES = {"steps": role_steps, "learn": role_learn}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="the TRL side of bench/'s drivers")
-    p.add_argument("role", choices=tuple(ROLES))
-    p.add_argument("--result", required=True)
-    p.add_argument("--workload", default="cpu", choices=tuple(WORKLOADS))
-    p.add_argument("--steps", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="speed: torch threads")
-    p.add_argument("--model", default="", help="model folder (speed: the default model if not given)")
-    p.add_argument("--micro-batch", type=int, default=0, help="per_device_train_batch_size (speed: 0 is all the "
-                   "step's samples, TRL as it ships; learn: 0 is covey's algo.micro_batch_size)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="speed: TRL's gradient checkpointing")
-    p.add_argument("--bf16", action="store_true", help="speed: TRL's bf16 autocast")
-    p.add_argument("--trl-gc", action="store_true", help="gpu: gradient checkpointing on (TRL's own default)")
-    p.add_argument("--minutes", type=float, default=12.0, help="learn: training minutes of the Schedule")
-    p.add_argument("--eval-every", type=int, default=10, help="learn: evaluation points every K steps")
-    p.add_argument("--max-minutes", type=float, default=0.0, help="learn: stop past this training time (0: no cap)")
-    p.add_argument("--save-dir", type=Path, help="learn: where the evaluation points are saved")
-    p.add_argument("overrides", nargs="*", help="learn: covey key=value settings")
-    args = p.parse_intermixed_args(argv)
-    if args.save_dir is not None:
-        args.save_dir.mkdir(parents=True, exist_ok=True)
+    args = child_args("the TRL side of bench/'s drivers", ROLES, argv)
     write_json(args.result, ROLES[args.role](args))
 
 

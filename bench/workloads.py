@@ -1,18 +1,12 @@
-"""What the benchmarks run: the workloads, the memory setups of the GPU capacity grid, the random Qwen2
-models, the reward both trainers score with where correctness would not vary, and the learning runs'
-stop rule and evaluation points.
+"""What the benchmarks run: the workloads, the memory setups, the random Qwen2 models, the reward both
+trainers score with where correctness would not vary, and the learning runs' stop rule and evaluation points.
 
-Every workload is a covey `grpo` config (the preset plus the key=value settings built here); the TRL side
-reads its settings from that config (bench/trl_side.py), so both trainers run from one source.
-
-- `cpu`: SmolLM2-135M-Instruct, 4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5, temperature
-  1.0 (TRL's default), fp32 weights, one optimizer step per rollout, covey's micro-batches of 8; TRL as
-  it ships takes the step's samples in one forward (`trl_whole_step`).
-- `gpu`: random Qwen2 models of Qwen2.5's dimensions (SHAPES) with SmolLM2's tokenizer (49152 entries
-  instead of Qwen's 151936, so the sampled ids decode), saved in bf16; 8 prompts x 8 samples, 256 new
-  tokens at full length, lr 1e-6, micro-batches of 8, the deterministic `varied_reward` (every step
-  updates). `capacity`: the same at 512 tokens, 3 steps.
-- `*-smoke`: tiny shapes and few tokens, the whole pipeline in seconds on a CPU (tests/bench/).
+Every workload is a covey `grpo` config (the preset plus the keys built here); the TRL side reads its
+settings from that config (bench/trl_side.py), so both trainers run from one source. `cpu`: SmolLM2-135M-
+Instruct, 4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5, temperature 1, fp32 weights, one
+optimizer step per rollout, covey's micro-batches of 8. `gpu`: random models of Qwen2.5's dimensions with
+SmolLM2's tokenizer, 8 x 8 samples x 256 tokens at full length, lr 1e-6, the deterministic `varied_reward`;
+`capacity`: 512 tokens, 3 steps. `*-smoke`: tiny shapes and few tokens, seconds on a CPU (tests/bench/).
 """
 
 from __future__ import annotations

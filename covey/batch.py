@@ -51,6 +51,8 @@ class Rollout:
     response_attention: Tensor | None = None  # (N, L) 1 on every real response token; None: response_mask
     old_entropy: Tensor | None = None  # (N, L) pi_old's entropy at each token (token selection, adaptive entropy)
     cov_tokens: Tensor | None = None   # (N, L) bool: the tokens a covariance control acts on (Clip-Cov, KL-Cov)
+    is_weights: Tensor | None = None   # (N, L) the sampler correction's bounded pi_old/mu (algo.tis.*), no gradient
+    kept_tokens: Tensor | None = None  # (N, L) bool: the tokens whose policy term the high-entropy selection keeps
     turn_steps: list | None = None     # (N,) an episode's model turns: (index of its last token, score) each
 
     @property

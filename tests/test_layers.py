@@ -283,3 +283,76 @@ def test_every_package_docstring_names_its_modules():
         bad += [f"{init.relative_to(ROOT.parent)}: {name}" for name in sorted(owned)
                 if not re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w/-]|\.py)", doc)]
     assert not bad, "modules their package's docstring does not name:\n" + "\n".join(bad)
+
+
+CONFIG_LIMIT = 8
+"""At most this many functions outside covey/config/ take the Config (DESIGN.md: the Config stops at the top)."""
+CONFIG_PENDING = {
+    "covey.train.plan": {"token_options", "step_sizes", "sampling_options", "episode_options", "schedule",
+                         "update_options", "max_model_tokens"},
+    "covey.train.plan_checks": {"check_estimator_needs", "check_policy_loss", "check_step_scores"},
+    "covey.tasks.data": {"settle_config"},
+    "covey.runtime.cpu": {"apply_cpu_settings"},
+    "covey.cli.common": {"command_device"},
+    "covey.cli.eval": {"with_tools"},
+}
+"""Functions that take the Config today and are to take the config sections or plan options they read instead:
+outside the count until then, and listed only while they still take it (the list only shrinks)."""
+
+
+def imports_covey_config(tree: ast.Module) -> bool:
+    """The module imports covey.config's Config: there a parameter named `config` is a covey Config (elsewhere,
+    in models/, runtime/ and rollout/, `config` is a Hugging Face model's configuration)."""
+    return any(isinstance(node, ast.ImportFrom) and node.module == "covey.config"
+               and any(a.name == "Config" for a in node.names) for node in ast.walk(tree))
+
+
+def config_names(tree: ast.Module) -> set[str]:
+    return {"cfg", "config"} if imports_covey_config(tree) else {"cfg"}
+
+
+def takes_config(fn: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]) -> bool:
+    """A parameter annotated Config (or covey.config.Config), or named as a covey Config is named."""
+    args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+    return any(a.arg in names or (a.annotation is not None
+                                  and ast.unparse(a.annotation).strip("'\"").split(".")[-1] == "Config")
+               for a in args)
+
+
+def test_at_most_a_handful_of_functions_take_the_config():
+    """Outside covey/config/, at most CONFIG_LIMIT functions (by the syntax tree: a parameter annotated `Config`,
+    or named `cfg`, or `config` in a module that imports covey.config's Config) see the Config; set-up functions
+    take the Plan's sections (covey/train/plan_setup.py)."""
+    found: dict[str, set[str]] = {}
+    for name, path in modules().items():
+        if name.startswith("covey.config"):
+            continue
+        tree = ast.parse(path.read_text())
+        names = config_names(tree)
+        found[name] = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and takes_config(node, names)}
+    stale = [f"{module}.{fn}" for module, fns in CONFIG_PENDING.items() for fn in sorted(fns - found.get(module, set()))]
+    assert not stale, "no longer take the Config: remove them from CONFIG_PENDING: " + ", ".join(stale)
+    counted = sorted(f"{module}.{fn}" for module, fns in found.items() for fn in fns - CONFIG_PENDING.get(module, set()))
+    assert len(counted) <= CONFIG_LIMIT, f"{len(counted)} functions take the Config:\n" + "\n".join(counted)
+
+
+def test_no_getattr_or_hasattr_on_the_config_outside_config():
+    """A config field is read by its name (the schema is typed): no getattr / hasattr on the Config or on one of
+    its sections outside covey/config/ (`getattr(cfg.optim, "name", ...)` would hide a renamed key)."""
+    bad = []
+    for name, path in modules().items():
+        if name.startswith("covey.config"):
+            continue
+        tree = ast.parse(path.read_text())
+        names = config_names(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args):
+                continue
+            root = node.args[0]
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in names:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "getattr / hasattr on the Config:\n" + "\n".join(bad)

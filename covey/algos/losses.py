@@ -4,8 +4,12 @@ registered by name, with their traits, in covey.algos.loss_registry (SAPO, GMPO,
 
 All policy losses share one signature::
 
-    loss_fn(logp, old_logp, advantages, response_mask, norm, opts, ref_logp=None) -> (scalar loss, metrics)
+    loss_fn(inp: PolicyInputs, norm, opts) -> (scalar loss, metrics)
 
+with `inp` masked (PolicyInputs.masked). The token weights in `inp` (kept tokens, importance weights)
+are read as the loss's registry trait `token_weights` says; every loss here is `scale_term`: its
+per-token term is positively homogeneous in A_t and carries only token t's gradient, so a weight w_t >= 0
+scales the term by multiplying the advantage (`scaled_advantages`).
 Metrics are micro-batch-local plain floats (means over valid tokens).
 """
 
@@ -17,7 +21,7 @@ from torch import Tensor
 from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean, masked_summary
 from covey.algos.aggregation import Normalizer, aggregate
 from covey.algos.kl import kl_penalty
-from covey.algos.options import PolicyLossOptions
+from covey.algos.options import PolicyInputs, PolicyLossOptions
 
 LOG_RATIO_CLAMP = 20.0
 """|log ratio| is clamped here before exp (e^20 ~ 4.9e8): no overflow, no NaN."""
@@ -41,6 +45,19 @@ def _adv_metrics(adv: Tensor, mask: Tensor) -> dict:
     return {"adv/mean": s["mean"], "adv/std": s["std"], "adv/max_abs": s["max_abs"]}
 
 
+def scaled_advantages(inp: PolicyInputs, mask: Tensor, importance: bool = True) -> Tensor:
+    """A_t times the weights a `scale_term` loss applies: `inp.kept` (0 or 1) and, when `importance`,
+    `inp.is_weights`; 0 where masked, in logp's dtype. For l(w A) = w l(A) (w >= 0) this is w_t times the
+    token's term, its value and its gradient."""
+    dtype = inp.logp.dtype
+    adv = masked_fill_zero(inp.advantages.detach().to(dtype), mask)
+    if inp.kept is not None:
+        adv = adv * as_bool_mask(inp.kept).to(dtype)
+    if importance and inp.is_weights is not None:
+        adv = adv * masked_fill_zero(inp.is_weights.detach().to(dtype), mask)
+    return adv
+
+
 def log_ratio(logp: Tensor, base_logp: Tensor, mask: Tensor, level: str) -> Tensor:
     """Clamped log importance ratio per token; 0 on masked positions.
 
@@ -56,8 +73,7 @@ def log_ratio(logp: Tensor, base_logp: Tensor, mask: Tensor, level: str) -> Tens
     return lr.clamp(min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
 
 
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
-                  opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+def ppo_clip_loss(inp: PolicyInputs, norm: Normalizer, opts: PolicyLossOptions) -> tuple[Tensor, dict]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), per token:
 
         l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
@@ -67,16 +83,16 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_m
     in derivations: no trust region around the sampling policy).
     """
     opts.validate()
-    mask = as_bool_mask(response_mask)
+    mask, logp, old_logp = as_bool_mask(inp.response_mask), inp.logp, inp.old_logp
     if opts.ratio_against == "ref":
-        if ref_logp is None:
+        if inp.ref_logp is None:
             raise ValueError("ratio_against='ref' needs ref_logp")
-        base = ref_logp
+        base = inp.ref_logp
     else:
         if old_logp is None:
             raise ValueError("ppo_clip with ratio_against='old' needs old_logp")
         base = old_logp
-    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    adv = scaled_advantages(inp, mask)
     ratio = torch.exp(log_ratio(logp, base, mask, opts.ratio_level))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(min=1.0 - opts.clip_eps_low, max=1.0 + opts.clip_eps_high)
@@ -102,15 +118,14 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, response_m
     return loss, metrics
 
 
-def pg_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
-            opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+def pg_loss(inp: PolicyInputs, norm: Normalizer, opts: PolicyLossOptions) -> tuple[Tensor, dict]:
     """Plain policy gradient (REINFORCE): l = -A * logp per token. No ratio, no clipping.
 
     Its gradient equals ppo_clip's on the first on-policy epoch (ratio = 1).
     """
     opts.validate()
-    mask = as_bool_mask(response_mask)
-    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    mask, logp, old_logp = as_bool_mask(inp.response_mask), inp.logp, inp.old_logp
+    adv = scaled_advantages(inp, mask)
     loss = aggregate(-adv * masked_fill_zero(logp, mask), mask, norm)
     metrics = {"policy/clipfrac": 0.0, "policy/clipfrac_upper": 0.0, "policy/clipfrac_lower": 0.0,
                "policy/clipfrac_dual": 0.0, **_old_kl_metrics(logp, old_logp, mask), **_adv_metrics(adv, mask)}
@@ -121,8 +136,7 @@ def pg_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_
     return loss, metrics
 
 
-def cispo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, response_mask: Tensor, norm: Normalizer,
-               opts: PolicyLossOptions, ref_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+def cispo_loss(inp: PolicyInputs, norm: Normalizer, opts: PolicyLossOptions) -> tuple[Tensor, dict]:
     """CISPO (MiniMax 2025, MiniMax-M1, arXiv:2506.13585): the importance weight is clipped and detached,
     never the token's gradient:
 
@@ -132,9 +146,9 @@ def cispo_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, respon
     on-policy step (ratio = 1) it is `pg`'s. The paper aggregates over all tokens (loss_agg=token_mean).
     """
     opts.validate()
-    mask = as_bool_mask(response_mask)
+    mask, logp, old_logp = as_bool_mask(inp.response_mask), inp.logp, inp.old_logp
     base = old_logp if old_logp is not None else logp.detach()
-    adv = masked_fill_zero(advantages.detach().to(logp.dtype), mask)
+    adv = scaled_advantages(inp, mask)
     ratio = torch.exp(log_ratio(logp, base, mask, opts.ratio_level)).detach()
     weight = ratio.clamp(min=1.0 - opts.clip_eps_low, max=1.0 + opts.clip_eps_high)
     loss = aggregate(-weight * adv * masked_fill_zero(logp, mask), mask, norm)

@@ -1,14 +1,15 @@
-"""Inputs and options of the advantage estimators and policy losses (plain scalars only).
+"""Inputs and options of the advantage estimators and policy losses (options: plain scalars only).
 
 Dimension legend (docs/design.md): N sequences, L response tokens, S reasoning steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
+from covey.algos._stats import as_bool_mask, masked_fill_zero
 from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 
 TOKEN_CREDITS = ("shared", "uniform", "discounted")
@@ -114,3 +115,49 @@ class PolicyLossOptions:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         check_choice("ratio_against", self.ratio_against, RATIO_AGAINST)
+
+
+@dataclass
+class PolicyInputs:
+    """What the policy objective and a policy loss read: (n, L) tensors over one micro-batch.
+
+    The token devices arrive as weights of their own, never folded into `advantages`: each loss reads
+    them as its registry entry's `token_weights` trait says (covey.algos.loss_registry, WEIGHT_USES).
+    """
+    logp: Tensor
+    """log pi_theta of each sampled token (differentiable)."""
+    old_logp: Tensor | None
+    """log pi_old, the weights that sampled (detached); None: the current policy's (one step per rollout)."""
+    advantages: Tensor
+    """A_t, as the estimator gave them."""
+    response_mask: Tensor
+    """bool or 0/1: the trained tokens."""
+    ref_logp: Tensor | None = None
+    """log pi_ref (the KL term, ratio_against=ref)."""
+    entropy: Tensor | None = None
+    """Per-token entropy of pi_theta (the entropy bonus)."""
+    kept: Tensor | None = None
+    """bool: the tokens whose policy term the token selections keep (high-entropy tokens); None: all."""
+    is_weights: Tensor | None = None
+    """The sampler correction: pi_old / mu bounded as algo.tis.* says (no gradient); None: off."""
+    sample_logp: Tensor | None = None
+    """log mu, the sampler's log-prob of each token it drew; None: the engine returned none."""
+    cov_tokens: Tensor | None = None
+    """bool: the tokens a covariance control acts on (Clip-Cov drops their term, KL-Cov penalises their drift)."""
+
+    def masked(self) -> "PolicyInputs":
+        """Every tensor 0 (False) on masked positions, so NaN or inf in padding never reaches an estimator;
+        logp and entropy keep their gradient, the rest are detached; ref in logp's dtype."""
+        mask = as_bool_mask(self.response_mask)
+
+        def fill(t: Tensor | None, dtype=None) -> Tensor | None:
+            return None if t is None else masked_fill_zero(t.detach().to(dtype or t.dtype), mask)
+
+        def select(t: Tensor | None) -> Tensor | None:
+            return None if t is None else mask & as_bool_mask(t)
+        dtype = self.logp.dtype
+        return replace(self, logp=masked_fill_zero(self.logp, mask), old_logp=fill(self.old_logp),
+                       advantages=fill(self.advantages), response_mask=mask, ref_logp=fill(self.ref_logp, dtype),
+                       entropy=None if self.entropy is None else masked_fill_zero(self.entropy, mask),
+                       kept=select(self.kept), is_weights=fill(self.is_weights), sample_logp=fill(self.sample_logp),
+                       cov_tokens=select(self.cov_tokens))

@@ -16,7 +16,8 @@ R = prod_t r_t over its valid tokens (exp of the summed log-ratios), and an opti
     sequence_mask      w_t = R if c <= R <= C else 0         the whole sequence leaves the policy loss
 
 computed in log space, no gradient. `pi_train` is the trainer's log-prob of the sampled token under
-the weights the sampler had (pi_old); the loss term of token t is multiplied by w_t. A masked form
+the weights the sampler had (pi_old). The weights reach the policy loss on their own (PolicyInputs.is_weights),
+read as its registry trait says: most losses multiply token t's term by w_t. A masked form
 drops a token (or sequence) that truncation would keep at weight C (or c): its ratio says the sampler's
 tokens are too far from the trainer's policy to be corrected (TRL's definitions, on identical inputs
 in tests/algos/test_trl_parity.py).
@@ -34,6 +35,8 @@ from covey.algos.losses import LOG_RATIO_CLAMP
 
 
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+TIS_DEVICES = {mode: "tis_sequence" if mode.startswith("sequence") else "tis_token" for mode in TIS_MODES}
+"""The token device (covey.algos.loss_registry.TOKEN_DEVICES) of each mode: one weight per token or per sequence."""
 
 
 def importance_weights(train_logp: Tensor, sampler_logp: Tensor, response_mask: Tensor, cap: float,

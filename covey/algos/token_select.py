@@ -13,7 +13,7 @@ Language Models", arXiv:2505.22617; verl's policy losses `clip_cov`, `kl_cov`): 
     cov_t = (A_t - mean A) * (log pi(y_t) - mean log pi)        means over the batch's valid tokens
 
 Clip-Cov picks at random max(floor(r * T), 1) tokens among those with lb < cov_t < ub (T: valid tokens)
-and drops their policy term (value and gradient: their advantage is 0); KL-Cov picks the
+and drops their policy term (they leave the kept tokens, read as the loss's `token_weights` trait says); KL-Cov picks the
 max(floor(k * T), 1) tokens of largest cov_t and adds coef * |log pi_theta(y_t) - log pi_old(y_t)| to
 their loss. verl's defaults: r = 2e-4, lb = 1, ub = 5, k = 2e-4, coef = 0.1.
 
@@ -115,7 +115,7 @@ class CovControl:
     select: Callable[[Tensor, Tensor, CovOptions, torch.Generator], Tensor] | None
     """(cov, response_mask, options, generator) -> (N, L) bool; None: no selection."""
     drops_policy_term: bool = False
-    """The selected tokens' policy term is dropped (their advantage set to 0)."""
+    """The selected tokens' policy term is dropped (they leave the kept tokens: PolicyInputs.kept)."""
     penalises_drift: bool = False
     """kl_coef * |log pi_theta - log pi_old| is added on the selected tokens."""
 
@@ -141,16 +141,17 @@ def select_cov_tokens(advantages: Tensor, logp: Tensor, response_mask: Tensor, o
     return chosen, {"select/cov_mean": float(cov.sum()) / total, "select/cov_frac": float(chosen.sum()) / total}
 
 
-def cov_terms(opts: CovOptions, logp: Tensor, old_logp: Tensor, advantages: Tensor, response_mask: Tensor,
-              chosen: Tensor, norm: Normalizer) -> tuple[Tensor, Tensor | None]:
-    """What the control does inside the objective of one micro-batch: (advantages for the policy loss,
-    the KL-Cov penalty aggregated with the step's normaliser or None). `chosen`: its rows of the selection."""
+def cov_terms(opts: CovOptions, logp: Tensor, old_logp: Tensor, kept: Tensor | None, response_mask: Tensor,
+              chosen: Tensor, norm: Normalizer) -> tuple[Tensor | None, Tensor | None]:
+    """What the control does inside the objective of one micro-batch: (the tokens whose policy term is kept,
+    None for all; the KL-Cov penalty aggregated with the step's normaliser, or None). `kept`: the kept tokens
+    so far; `chosen`: this micro-batch's rows of the selection. Clip-Cov's tokens leave `kept`."""
     control = COV_CONTROLS[opts.control]
     mask = as_bool_mask(response_mask) & as_bool_mask(chosen)
     if control.drops_policy_term:
-        advantages = advantages.masked_fill(mask, 0.0)
+        kept = (as_bool_mask(response_mask) if kept is None else as_bool_mask(kept)) & ~mask
     penalty = None
     if control.penalises_drift:
         drift = (masked_fill_zero(logp, mask) - masked_fill_zero(old_logp.detach().to(logp.dtype), mask)).abs()
         penalty = opts.kl_cov.coef * aggregate(drift, response_mask, norm)
-    return advantages, penalty
+    return kept, penalty

@@ -62,6 +62,7 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     from covey.tasks.data import format_prompts, load_run_data
     from covey.tasks.verifiers import resolve_verifier
     from covey.train.evaluate import Judge, evaluate, reply_breakdown
+    from covey.train.plan import make_plan
     if replies_path:
         Path(replies_path).parent.mkdir(parents=True, exist_ok=True)
         Path(replies_path).write_text("")  # an unwritable path fails here, before the model loads
@@ -74,8 +75,9 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     device = command_device(cfg)
     judge = Judge(verifier)
     if metric == "reward":
-        learned = load_learned_rewards(cfg.reward, device)
-        judge = Judge("reward", build_rewarder(cfg, learned, verifier=verifier), cfg.eval.reward_threshold)
+        rewards = make_plan(cfg).rewards
+        learned = load_learned_rewards(rewards.model_path, rewards.prm_path, rewards.step_separator, device)
+        judge = Judge("reward", build_rewarder(rewards, learned, verifier=verifier), cfg.eval.reward_threshold)
     policy, tokenizer = load_policy(cfg.model.path, device=device)
     policy.eval()
     engine = HFEngine(policy, tokenizer, max_new_tokens=cfg.rollout.eval_max_new_tokens,
@@ -100,6 +102,7 @@ def with_tools(cfg, engine, tokenizer, examples) -> tuple:
     from covey.rollout.agents import EpisodeEngine
     from covey.train.plan import make_plan
     from covey.train.inputs import make_agent
-    agent = make_agent(cfg, tokenizer)
+    plan = make_plan(cfg)
+    agent = make_agent(plan.tools, tokenizer)
     prompts = agent.prompts(examples, cfg.task.system_prompt)
-    return EpisodeEngine(engine, tokenizer, agent.episodes, make_plan(cfg).episodes, agent.metrics), prompts
+    return EpisodeEngine(engine, tokenizer, agent.episodes, plan.episodes, agent.metrics), prompts

@@ -27,6 +27,7 @@ def run(args) -> int:
     from covey.rewards.build import build_rewarder
     from covey.rewards.server import MiB, RewardServer, RewardService, ServeError, ServerLimits
     from covey.tasks.verifiers import resolve_verifier
+    from covey.train.plan import make_plan
 
     token = os.environ.get(args.token_env, "")
     if not token:
@@ -37,7 +38,7 @@ def run(args) -> int:
     cfg = load_config(config_path, overrides)
     limits = ServerLimits(int(args.max_body_mb * MiB), args.max_batch, args.request_timeout)
     try:  # no data to read answers from: auto means math here unless a string verifier is named
-        rewarder = build_rewarder(cfg, verifier=resolve_verifier(cfg.eval.metric, []))
+        rewarder = build_rewarder(make_plan(cfg).rewards, verifier=resolve_verifier(cfg.eval.metric, []))
         server = RewardServer((args.host, args.port), RewardService(rewarder), token, limits, args.verbose)
     except OSError as e:
         raise ServeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None

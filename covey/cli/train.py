@@ -31,8 +31,8 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
+    from covey import train
     from covey.cli.common import quiet_progress_bars
-    from covey.train.api import train
     quiet_progress_bars()
     train(cfg)
     return 0

@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from covey.config import ModelConfig
-from covey.models.load import resolve_model_path
+from covey.models.load import ModelOptions, resolve_model_path
 from covey.runtime.precision import model_device, resolve_autocast
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
@@ -126,14 +125,14 @@ def release_weights(model: nn.Module | None) -> None:
         state.release()
 
 
-def unchanging_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+def unchanging_reference(reference: nn.Module | None, model: ModelOptions, world_size: int, *,
                          reference_moves: bool) -> bool:
     """The reference is the start model of one process and stays it: no refresh, no EMA
     (`reference_moves`: algo.ref_refresh_every or algo.ref_ema), not a LoRA view."""
     return reference is not None and not model.lora_rank and not reference_moves and world_size == 1
 
 
-def maybe_offload_reference(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+def maybe_offload_reference(reference: nn.Module | None, model: ModelOptions, world_size: int, *,
                             reference_moves: bool) -> bool:
     """model.offload_reference, where the reference is the unchanging start model of one process on a CPU."""
     if not model.offload_reference or not unchanging_reference(reference, model, world_size,
@@ -161,7 +160,7 @@ def hold_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
     return converted
 
 
-def maybe_hold_reference_in_bf16(reference: nn.Module | None, model: ModelConfig, world_size: int, *,
+def maybe_hold_reference_in_bf16(reference: nn.Module | None, model: ModelOptions, world_size: int, *,
                                  reference_moves: bool) -> bool:
     """bf16 Linear weights for an unchanging reference of one process whose passes run under bf16 autocast.
 

@@ -1,5 +1,6 @@
-"""From the reward config to a Rewarder: rule terms with weights plus user callables, the user's
-functions loaded and checked before any model loads (`check_user_rewards`)."""
+"""From the plan's reward section (`RewardOptions`, built from reward.* by covey/train/plan_setup.py) to a
+Rewarder: rule terms with weights plus user callables, the user's functions loaded and checked before any
+model loads (`check_user_rewards`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import inspect
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from covey.config import RMConfig
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.remote import RemoteReward, check_reachable
@@ -28,6 +31,47 @@ NON_FINITE = ("returned nan", "returned inf", "returned -inf")
 """A reward function's faults that are values, not exceptions."""
 ERRORS_LOG = "reward_errors.log"
 """The file in the run folder that keeps the traceback of each distinct reward-function error."""
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """What scores the samples: the reward.* keys of the same names, and what the terms read of the other
+    sections (the answer column, the response budget, the environment, the run's length)."""
+    correctness: float
+    format: float
+    tool_use: float
+    overlong_buffer: int
+    overlong_weight: float
+    functions: tuple[str, ...]
+    """The "module:function[:weight]" items of reward.functions."""
+    on_error: str
+    timeout_s: float
+    max_failed_steps: int
+    model_path: str
+    model_weight: float
+    prm_path: str
+    prm_weight: float
+    step_separator: str
+    remote_url: str
+    remote_weight: float
+    remote_token_env: str
+    remote_timeout_s: float
+    remote_retries: int
+    remote_batch_size: int
+    iterative_every: int
+    replay_fraction: float
+    language: float
+    language_target: str
+    rm: RMConfig
+    """How a refreshed reward model is trained (rm.*; a copy of the config's)."""
+    answer_key: str
+    """task.answer_key: the column the correctness term compares with."""
+    max_new_tokens: int
+    """rollout.max_new_tokens: the length the overlong penalty counts from."""
+    environment: bool
+    """rollout.environment is set: its get_reward() is the term `environment`."""
+    max_steps: int
+    """train.steps: the trainer_state of the call that checks each user function."""
 
 
 def load_callable(spec: str, kind: str = "reward function") -> Callable:
@@ -159,12 +203,12 @@ def user_terms(funcs, weights: Iterable[float] | None = None) -> list[RewardTerm
     return terms
 
 
-def user_reward_terms(cfg, extra=()) -> list[RewardTerm]:
+def user_reward_terms(rewards: RewardOptions, extra=()) -> list[RewardTerm]:
     """The functions of reward.functions, then `extra` (reward_funcs of the Python API)."""
-    return user_terms([*filter(None, (s.strip() for s in cfg.reward.functions.split(","))), *function_list(extra)])
+    return user_terms([*rewards.functions, *function_list(extra)])
 
 
-def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: bool = False,
+def check_user_rewards(rewards: RewardOptions, extra, data, run_dir: Path | None = None, episodes: bool = False,
                        environments: list | None = None) -> list[RewardTerm]:
     """The user's reward functions (reward.functions, then `extra`) loaded and checked before any model
     loads: each imports, takes only keywords that exist (or **kwargs), and one call on the first
@@ -172,16 +216,16 @@ def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: 
     one line naming the function; an exception's traceback goes to the run folder's reward_errors.log.
     `environments`: the run's probe environment instances (reset on the first training row); the call
     then passes the first as TRL's `environments` keyword."""
-    terms = user_reward_terms(cfg, extra)
+    terms = user_reward_terms(rewards, extra)
     if not terms or not data.train:
         return terms
     example = data.train[0]
-    prompts, completions, columns = placeholder_inputs(example, cfg.train.steps, episodes)
+    prompts, completions, columns = placeholder_inputs(example, rewards.max_steps, episodes)
     if environments:
         columns["environments"] = environments[:1]
     for term in terms:
         check_signature(term, sorted({"prompts", "completions", *columns}))
-    rewarder = Rewarder(terms, on_error="raise", timeout_s=cfg.reward.timeout_s,
+    rewarder = Rewarder(terms, on_error="raise", timeout_s=rewards.timeout_s,
                         errors_log=run_dir / ERRORS_LOG if run_dir else None)
     for term in terms:
         values, faults = rewarder.run_term(term, prompts, completions, columns)
@@ -190,21 +234,21 @@ def check_user_rewards(cfg, extra, data, run_dir: Path | None = None, episodes: 
         where = (f"called before training on the first training prompt ({str(prompts[0])[:60]!r}) with the "
                  f"completion {text!r}")
         if fault in NON_FINITE:
-            if cfg.reward.on_error == "raise":  # the first such value in training would stop the run
+            if rewards.on_error == "raise":  # the first such value in training would stop the run
                 raise RewardError(f"reward function '{term.source or term.name}' {fault}, {where}: return a "
                                   "finite number (None: not scored), or set reward.on_error=zero or drop")
             print(f"covey: warning: reward function '{term.source or term.name}' {fault}, {where}; "
-                  f"reward.on_error={cfg.reward.on_error} applies to such values")
+                  f"reward.on_error={rewards.on_error} applies to such values")
         elif fault:
             raise RewardError(f"reward function '{term.source or term.name}' {fault}, {where}")
     return terms
 
 
-def check_reward_sources(cfg, user: list[RewardTerm], environment_reward: bool = False) -> None:
+def check_reward_sources(rewards: RewardOptions, user: list[RewardTerm], environment_reward: bool = False) -> None:
     """A run needs something that scores its samples: a rule term with a weight, a user function, a learned
     or remote scorer, or an environment with get_reward (`environment_reward`); else one line, before loading
     (TRL refuses a trainer without reward source the same way). A remote scorer must accept a connection."""
-    r = cfg.reward
+    r = rewards
     if r.remote_url:
         check_reachable(r.remote_url)
     if (r.correctness or r.format or r.tool_use or r.overlong_buffer or r.language or user or r.model_path
@@ -239,43 +283,46 @@ def environment_reward(completions, environment_reward=None, **kwargs) -> list:
     return list(environment_reward) if environment_reward is not None else [None] * len(completions)
 
 
-def build_rewarder(cfg, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math",
+def build_rewarder(rewards: RewardOptions, learned=None, extra: Iterable[Callable | str] = (), verifier: str = "math",
                    user: list[RewardTerm] | None = None, run_dir: Path | None = None,
                    environment: bool = False) -> Rewarder:
     """Rule terms, user callables (reward.functions, then `extra`; or `user`, as check_user_rewards loaded
-    them), learned RM / PRM (`learned`, loaded from cfg if None) and a remote service. `verifier`
-    (covey/tasks/verifiers.py, resolved from eval.metric) is what the correctness term checks with;
+    them), learned RM / PRM (`learned`, loaded from reward.model_path / reward.prm_path if None) and a
+    remote service. `verifier` (covey/tasks/verifiers.py, resolved from eval.metric) is what the correctness
+    term checks with;
     `run_dir` holds reward_errors.log; `environment` (or rollout.environment): the episodes' environment
     scores them through its get_reward(), the term `environment` of weight 1, as in TRL.
 
     With a learned or remote source the verifier still runs at weight 0, so the
     logged accuracy and the RM/verifier agreement are measured, never rewarded.
     """
-    r = cfg.reward
-    learned = learned if learned is not None else load_learned_rewards(cfg.reward)
+    r = rewards
+    learned = learned if learned is not None else load_learned_rewards(r.model_path, r.prm_path, r.step_separator)
     monitor = bool(learned.outcome or learned.process or r.remote_url)
     terms = []
     if r.correctness or monitor:
-        fn = functools.partial(correctness_reward, verifier=verifier, answer_column=cfg.task.answer_key)
+        fn = functools.partial(correctness_reward, verifier=verifier, answer_column=r.answer_key)
         terms.append(RewardTerm("correctness", fn, r.correctness))
     if r.format:
         terms.append(RewardTerm("format", format_reward, r.format))
     if r.tool_use:
         terms.append(RewardTerm("tool_use", tool_use_reward, r.tool_use))
     if r.overlong_buffer:
-        fn = functools.partial(overlong_penalty, max_len=cfg.rollout.max_new_tokens, buffer=r.overlong_buffer)
+        fn = functools.partial(overlong_penalty, max_len=r.max_new_tokens, buffer=r.overlong_buffer)
         terms.append(RewardTerm("overlong", fn, r.overlong_weight))
     if r.language:
         fn = functools.partial(language_consistency, language=r.language_target)
         terms.append(RewardTerm("language", fn, r.language))
-    terms += user if user is not None else user_reward_terms(cfg, extra)
+    terms += user if user is not None else user_reward_terms(r, extra)
     if learned.outcome is not None:
         terms.append(RewardTerm("rm", learned.outcome, r.model_weight, formatted_prompts=True))
     if learned.process is not None and r.prm_weight:
         terms.append(RewardTerm("prm", learned.process, r.prm_weight, formatted_prompts=True))
     if r.remote_url:
-        terms.append(RewardTerm("remote", RemoteReward.from_config(cfg), r.remote_weight))
-    if environment or cfg.rollout.environment:
+        remote = RemoteReward.from_env(r.remote_url, r.remote_token_env, timeout_s=r.remote_timeout_s,
+                                       retries=r.remote_retries, batch_size=r.remote_batch_size)
+        terms.append(RewardTerm("remote", remote, r.remote_weight))
+    if environment or r.environment:
         terms.append(RewardTerm("environment", environment_reward, 1.0))
     if r.max_failed_steps < 0:
         raise ValueError(f"reward.max_failed_steps={r.max_failed_steps}: set 0 (never stop) or a number of steps")

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from covey.config import RewardConfig
 from covey.models.critic import ValueModel
 from covey.models.hf_compat import cache_of, with_cache
 from covey.models.load import load_tokenizer
@@ -350,13 +349,13 @@ class LearnedRewards:
     process: ProcessRewardModel | None = None
 
 
-def load_learned_rewards(reward: RewardConfig, device: str = "cpu") -> LearnedRewards:
-    """Load reward.model_path / reward.prm_path onto `device` (the PRM reads steps split by
-    reward.step_separator)."""
-    r = reward
+def load_learned_rewards(model_path: str = "", prm_path: str = "", separator: str = "\n",
+                         device: str = "cpu") -> LearnedRewards:
+    """Load the outcome reward model at `model_path` (reward.model_path) and the PRM at `prm_path`
+    (reward.prm_path, reading steps split by `separator`, reward.step_separator) onto `device`; '' = none."""
     learned = LearnedRewards(
-        outcome=OutcomeRewardModel.load(r.model_path) if r.model_path else None,
-        process=ProcessRewardModel.load(r.prm_path, separator=r.step_separator) if r.prm_path else None)
+        outcome=OutcomeRewardModel.load(model_path) if model_path else None,
+        process=ProcessRewardModel.load(prm_path, separator=separator) if prm_path else None)
     for model in (learned.outcome, learned.process):
         if model is not None:
             model.model.to(device)

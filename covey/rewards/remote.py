@@ -74,13 +74,13 @@ class RemoteReward:
         self.last_item_errors: list[str] = []
 
     @classmethod
-    def from_config(cls, cfg) -> "RemoteReward":
-        r = cfg.reward
-        token = os.environ.get(r.remote_token_env, "")
+    def from_env(cls, url: str, token_env: str, **kwargs) -> "RemoteReward":
+        """The service at `url` (reward.remote_url) with the bearer token of the environment variable `token_env`
+        (reward.remote_token_env); `kwargs` as the constructor takes them."""
+        token = os.environ.get(token_env, "")
         if not token:
-            raise RemoteRewardError(f"reward.remote_url is set but {r.remote_token_env} holds no bearer token")
-        return cls(r.remote_url, token, timeout_s=r.remote_timeout_s, retries=r.remote_retries,
-                   batch_size=r.remote_batch_size)
+            raise RemoteRewardError(f"reward.remote_url is set but {token_env} holds no bearer token")
+        return cls(url, token, **kwargs)
 
     # ------------------------------------------------------------------ connections
 

@@ -3,7 +3,8 @@
 - base: the engine interface every sampler implements; factory: the sampling and evaluation
   engines a run's settings ask for; local: the engines on this process's policy module;
 - hf: Hugging Face `generate`; fast: covey's own decode loop, with its cache by layer kind
-  (decode_cache) and lean_decode (a Llama step in plain tensor ops); static_decode and static_step:
+  (decode_cache), lean_decode (a Llama step in plain tensor ops) and slots (a step's rows through S
+  slots, each refilled as its row finishes); static_decode and static_step:
   the decode loop on a static KV cache, its step replayed as a CUDA graph; precision: sampling from a
   bf16 copy of the policy; vllm: vLLM on the training GPUs;
 - tool episodes: tools (TRL's conventions), environments (tools and environments checked before

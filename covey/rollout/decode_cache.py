@@ -79,6 +79,24 @@ class BufferLayer(DynamicLayer):
             self.key_buf, self.value_buf = self.key_buf[indices], self.value_buf[indices]
             self.keys, self.values = self.key_buf[:, :, :self.filled], self.value_buf[:, :, :self.filled]
 
+    def skip_to(self, column: int) -> None:
+        """The next write goes to `column` (>= the filled columns): the columns between are holes the caller
+        masks out."""
+        if self.is_initialized:
+            self.filled = column
+            self.keys, self.values = self.key_buf[:, :, :column], self.value_buf[:, :, :column]
+
+    def save_rows(self, rows: Tensor) -> list[Tensor]:
+        """Rows `rows`' filled columns (copies): a prompt's keys and values, kept to start its later rows."""
+        return [self.key_buf[rows, :, :self.filled].clone(), self.value_buf[rows, :, :self.filled].clone()]
+
+    def place_rows(self, rows: Tensor, saved: list[Tensor], sources: Tensor, end: int) -> None:
+        """Rows `rows` take saved rows `sources` as their columns end - width .. end - 1 (a slot's new row)."""
+        keys, values = saved
+        start = end - keys.shape[2]
+        self.key_buf[rows, :, start:end] = keys[sources]
+        self.value_buf[rows, :, start:end] = values[sources]
+
 
 class SlidingBufferLayer(DynamicLayer):
     """A sliding-window layer's keys/values: buffer slot j holds absolute column `start + j`, `held` slots
@@ -176,6 +194,10 @@ class StateLayer(LinearAttentionLayer):
     def restore_rows(self, rows: Tensor, saved: list[Tensor]) -> None:
         for (held, i), before in zip(self.states(), saved, strict=True):
             held[i][rows] = before
+
+    def place_rows(self, rows: Tensor, saved: list[Tensor], sources: Tensor, end: int) -> None:
+        """Rows `rows` take the states of saved rows `sources` (a slot's new row starts from its prompt's)."""
+        self.restore_rows(rows, [state[sources] for state in saved])
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ every row, finished or not, so the tokens do not depend on when rows are dropped
 
 from __future__ import annotations
 
-import functools
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -44,6 +44,7 @@ from covey.rollout.fast_episodes import EpisodeDecoder, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 from covey.rollout.static_decode import StaticDecoder
+from covey.rollout.slots import SlotDecoder, SlotStats
 from covey.rollout.static_step import supports_static_decode
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
@@ -92,9 +93,10 @@ class FastEngine:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True,
                  static_cache: bool = False, cuda_graphs: bool = False, compile_decode: bool = False,
-                 persistent: bool = True):
+                 persistent: bool = True, slots: int = 0):
         """`static_cache`: decode on buffers allocated once (`cuda_graphs`: each step a graph replay,
-        `compile_decode`: through torch.compile); `persistent`: keep them between calls."""
+        `compile_decode`: through torch.compile); `persistent`: keep them between calls; `slots` > 0: rows
+        decode in that many slots, refilled as rows finish (covey/rollout/slots.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -105,6 +107,8 @@ class FastEngine:
         self.eos = eos_ids(model, tokenizer)
         self.static = StaticDecoder(cuda_graphs, compile_decode, persistent) if static_cache else None
         self.cache_bytes = 0  # of the last call's cache, after its prefill and expansion to every row
+        self.slots = slots
+        self.slot_stats = SlotStats()  # of the last call through slots
 
     @property
     def keeps_weights(self) -> bool:
@@ -170,26 +174,47 @@ class FastEngine:
             return logits.argmax(dim=-1)
         return sample_inverse_cdf(self.next_token_probs(logits), uniforms)
 
+    def uses_slots(self) -> bool:
+        """Rows decode through slots: asked for, on a model the column loop decodes exactly, without a static cache."""
+        return bool(self.slots) and self.static is None and loop_refusal(self.model) is None
+
     @torch.inference_mode()
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
+        """`budgets`: each row's own token budget (rows in prompt-major order), at most the call's
+        max_new_tokens; None: every row the call's."""
         tok = self.tokenizer
         enc = encode_prompts(tok, prompts)
         index = torch.arange(len(prompts)).repeat_interleave(group_size)
+        max_new = max_new_tokens or self.max_new_tokens
+        limits = torch.full((len(index),), max_new) if budgets is None else torch.as_tensor(budgets).clamp(1, max_new)
         was_training = self.model.training
         self.model.eval()
         try:
             with sampling_attention(self.model):
-                decode = self._decode
-                if self.static is not None and supports_static_decode(self.model):
-                    decode = functools.partial(self.static.decode, self)
-                out = decode(enc["input_ids"], enc["attention_mask"], index, max_new_tokens or self.max_new_tokens,
-                             greedy, Uniforms(len(index), group_size, seeds))
+                uniforms = Uniforms(len(index), group_size, seeds)
+                if self.uses_slots():
+                    slots = SlotDecoder(self, self.slots, greedy)
+                    out = slots.run(enc["input_ids"], enc["attention_mask"], index, limits, uniforms)
+                    self.slot_stats = slots.stats
+                elif self.static is not None and supports_static_decode(self.model):
+                    if budgets is not None:
+                        raise ValueError("budgets per row are not taken by the static decode path")
+                    out = self.static.decode(self, enc["input_ids"], enc["attention_mask"], index, max_new, greedy,
+                                             uniforms)
+                else:
+                    out = self._decode(enc["input_ids"], enc["attention_mask"], index, max_new, greedy, uniforms,
+                                       limits)
                 tokens, logps = out if isinstance(out, tuple) else (out, None)  # the static path: no log-probs yet
                 tokens = tokens.cpu()
         finally:
             self.model.train(was_training)
         mask, truncated = response_mask_from_ids(tokens, self.eos)
+        if budgets is not None:  # a row cut at its own budget ends there, whatever pads it
+            within = torch.arange(tokens.shape[1])[None, :] < limits[:, None]
+            truncated = ~(mask.bool() & within & torch.isin(tokens, torch.tensor(self.eos))).any(1)
+            mask = mask * within
         longest = max(int(mask.sum(1).max()), 1) if len(mask) else tokens.shape[1]
         tokens, mask = tokens[:, :longest], mask[:, :longest]  # a static decode runs to its next check
         tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, tok.pad_token_id))
@@ -219,7 +244,7 @@ class FastEngine:
         return cache, logits
 
     def _decode(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, max_new: int, greedy: bool,
-                uniforms: Uniforms) -> tuple[Tensor, Tensor]:
+                uniforms: Uniforms, budgets: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(N, steps) new tokens, pad after a row's EOS, and each token's log-prob under the sampler's
         logits / temperature (the trainer's quantity, at the sampler's precision); stops when every row
         has finished."""
@@ -241,6 +266,8 @@ class FastEngine:
             tokens[rows, t] = step
             logps[rows, t] = torch.log_softmax(logits / self.temperature, -1).gather(1, step[:, None]).squeeze(1)
             alive[rows] &= ~torch.isin(step, eos)
+            if budgets is not None:
+                alive[rows] &= t + 1 < budgets.to(device)[rows]
             if t == max_new - 1 or not bool(alive.any()):
                 return tokens[:, :t + 1].cpu(), logps[:, :t + 1].cpu()
             done = ~alive[rows]

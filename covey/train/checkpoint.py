@@ -282,16 +282,15 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     return diffs
 
 
-def check_resume_request(cfg: Config) -> None:
-    """resume=auto needs a fixed run folder: the default name holds the start time."""
-    if cfg.train.resume == "auto" and not cfg.train.run_name:
+def check_resume_request(resume: str, run_name: str) -> None:
+    """train.resume=auto needs a fixed run folder (train.run_name): the default name holds the start time."""
+    if resume == "auto" and not run_name:
         raise CheckpointError("train.resume=auto needs train.run_name (the run folder to continue)")
 
 
-def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
-    """'' -> None; 'auto' -> newest complete checkpoint of this run (or None);
+def resolve_resume(spec: str, run_dir: Path) -> Path | None:
+    """train.resume `spec`: '' -> None; 'auto' -> newest complete checkpoint of this run (or None);
     a checkpoint folder -> it; a run folder -> its newest checkpoint."""
-    spec = cfg.train.resume
     if not spec:
         found = list_checkpoints(run_dir)
         if found:

@@ -38,7 +38,7 @@ from covey.runtime.dist import all_finite
 from covey.runtime.memory import MicroBatchSizes, halving_on_oom
 from covey.runtime.precision import model_device
 from covey.train.plan import UpdateOptions
-from covey.train.update import MetricAverager, StepGradient, UpdateState, optimizer_steps
+from covey.train.update import MetricAverager, Optimized, StepGradient, UpdateState, optimizer_steps
 
 
 def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
@@ -100,9 +100,9 @@ def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, opts: 
     ref_seq = algos.sequence_logprob(ref_token_logp, pairs.response_mask)
     out["time/logprobs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out.update(optimizer_steps(policy, optimizer, scheduler, num_pairs,
+    out.update(optimizer_steps(Optimized(policy, optimizer, scheduler, state), num_pairs,
                                partial(dpo_gradient, policy, pairs, ref_seq, ref_token_logp, opts=opts),
-                               opts, state, generator, sizes))
+                               opts, generator, sizes))
     out.update(sizes.metrics())
     out["optim/skipped_steps"] = state.skipped_steps
     out["time/update"] = time.perf_counter() - t0

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from covey.config import Config, as_dict
 from covey.rewards.combine import TrainerState
 from covey.rewards.scoring import score
 from covey.runtime.metrics import write_whole
@@ -185,10 +184,10 @@ def write_cached_eval(path: str | Path, key: str, result: dict, settings: dict) 
     write_whole(path, json.dumps(entries, indent=1, sort_keys=True, default=str) + "\n")
 
 
-def eval_settings(cfg: Config) -> dict:
-    """What the untrained policy's held-out figures depend on: every section but algo, optim and
-    train, and of train the seed (it draws the held-out set), the device and pass@k."""
-    sections = as_dict(cfg)
+def eval_settings(sections: dict) -> dict:
+    """What the untrained policy's held-out figures depend on, out of the config as the run records it
+    (`sections`, covey.config.as_dict): every section but algo, optim and train, and of train the seed
+    (it draws the held-out set), the device and pass@k."""
     settings = {name: sections[name] for name in ("model", "task", "rollout", "reward", "rm", "eval")}
     settings["train"] = {k: sections["train"][k] for k in ("seed", "device", "eval_pass_k")}
     return settings

@@ -4,8 +4,8 @@ One loop serves every algorithm: the plan (covey.train.plan, made once from the 
 says which estimator and policy loss of `covey.algos` run, whether a reference model and
 a critic exist, and where the KL goes (loss term or per-token reward penalty).
 
-    train = open_run -> steps -> finish; a caller (covey compare, the benchmarks) drives the same three:
-        session = open_run(cfg)          plan -> setup -> evaluate the untrained policy (or resume)
+    covey.train = open_run -> steps -> finish; a caller (covey compare, the benchmarks) drives the same three:
+        session = open_run(cfg)          data -> plan -> setup -> evaluate the untrained policy (or resume)
         for metrics in steps(session):   one step each, logged and checkpointed; `break` stops early
             ...
         result = finish(session)         checkpoint -> evaluate -> save the final model
@@ -34,15 +34,16 @@ from tqdm import tqdm
 
 from covey import algos
 from covey.batch import Rollout
-from covey.config import Config
+from covey.config import Config, as_dict, validate_world
 from covey.models.offload import release_weights
 from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values, training_pass
-from covey.rewards.build import build_rewarder, check_reward_sources, check_user_rewards
+from covey.rewards.build import build_rewarder, user_terms
 from covey.rewards.combine import TrainerState
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
-from covey.runtime.dist import (broadcast_object, close_distributed, describe_device, reduce_eval, reduce_metrics,
-                                uneven_share)
+from covey.runtime.cpu import apply_cpu_settings
+from covey.runtime.dist import (World, broadcast_object, close_distributed, describe_device, reduce_eval,
+                                reduce_metrics, uneven_share)
 from covey.runtime.memory import halving_on_oom, record_gpu_peak, take_gpu_peak_mb
 from covey.runtime.signals import StopFlag, TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_run_data
@@ -53,10 +54,10 @@ from covey.train.evaluate import Judge, eval_settings, evaluate, read_cached_eva
 from covey.train.global_batch import (decorrelate_ranks, global_advantages, global_batch_view, global_episode_metrics,
                                       save_on_main, whole_tensors)
 from covey.train.gradvar import measure_grad_variance
-from covey.train.plan import make_plan, print_plan
+from covey.train.plan import Plan, make_plan, print_plan
 from covey.train.rollout_phase import collect_rollout, release_sampling_copy
 from covey.train.signal_watch import signal_metrics
-from covey.train.inputs import check_model_inputs, prepare_agent
+from covey.train.inputs import CallerInputs, check_inputs
 from covey.train.setup import (Feed, Run, Session, TrainResult, attach_reward_models, build_run, choose_verifier,
                                open_feed, open_world, prepare_run_dir, print_header, print_precision,
                                seed_everything, size_update)
@@ -65,62 +66,52 @@ from covey.train.token_weights import correct_sampler_mismatch, observe_entropy,
 from covey.train.update import record_skip, update_critic, update_policy
 
 
-def train(cfg: Config, reward_funcs=None, agent: dict | None = None) -> TrainResult:
-    """Train a policy; `covey train` and the Python API `covey.train(...)` both run this.
+def open_run(config: Config, *, reward_funcs=None, reward_weights=None, tools=None, environment_factory=None,
+             evaluate_before: bool = True) -> Session:
+    """Everything before the first step: the data settled, the plan made from the config, the inputs checked,
+    models built, the untrained policy evaluated (or a checkpoint restored); the keywords are covey.train's.
+    `evaluate_before=False` skips that evaluation (a caller that measures held-out accuracy itself); step 0's
+    line then holds no eval/ figures."""
+    if not isinstance(config, Config):
+        raise TypeError(f"covey.train and covey.open_run take the Config of covey.load_config(...), not "
+                        f"{type(config).__name__}")
+    given = CallerInputs(user_terms(reward_funcs, reward_weights), tools, environment_factory)
+    scorers = bool(given.reward_funcs or config.rollout.environment or environment_factory)
+    # the data first: bad data fails before a model loads, and what it decides (eval.metric, reward.correctness)
+    # is in the config the plan is made from and the run records
+    config, data = load_run_data(config, scorers)
+    plan = make_plan(config, with_tools=bool(tools or environment_factory))  # every option checked once, here
+    check_resume_request(plan.run.resume, plan.run.run_name)
+    world = open_world(plan)
+    validate_world(config, world.size)
+    apply_cpu_settings(config)
+    return start_run(plan, data, given, world, as_dict(config), evaluate_before)
 
-    reward_funcs: Python callables and/or "module:function[:weight]" strings, scored on top of
-    the configured rewards (reward.functions) with weight 1 unless given; each is called with
-    keyword arguments, TRL's convention, and reported as reward/<function name>.
-    """
-    session = open_run(cfg, reward_funcs, agent=agent)
-    try:
-        for _ in steps(session):
-            pass
-        return finish(session)
-    finally:
-        session.close()
 
-
-def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
-             agent: dict | None = None) -> Session:
-    """Everything before the first step: plan, data and model found, models built, the untrained policy
-    evaluated (or a checkpoint restored). `evaluate_before=False` skips that evaluation (a caller that
-    measures held-out accuracy itself); step 0's line then holds no eval/ figures. `agent`: the Python API's
-    {"tools": [...], "environment_factory": cls} for tool-calling episodes (docs/agents.md)."""
-    plan = make_plan(cfg, with_tools=any((agent or {}).values()))  # every option checked once, here
-    check_resume_request(cfg)
-    world = open_world(cfg)
-    scorers = bool(reward_funcs) or bool(cfg.rollout.environment or (agent or {}).get("environment_factory"))
-    cfg, data = load_run_data(cfg, scorers)  # bad data fails before a model loads; cfg as recorded
-    # so do tools and environments (covey/rollout/environments.py: schemas, one instance, reset on a row)
-    tools = prepare_agent(cfg, agent, data.train) if plan.episodes is not None else None
-    environments = tools.environments if tools is not None else None
-    run_dir = prepare_run_dir(cfg, plan.label)
-    # and a broken reward function (build.py), called once with a completion shaped as training will pass it
-    user_rewards = check_user_rewards(cfg, reward_funcs, data, run_dir, episodes=plan.episodes is not None,
-                                      environments=list(environments.probes.values()) if environments else None)
-    check_reward_sources(cfg, user_rewards, environment_reward=bool(environments and environments.owns_reward()))
-    resume_from = resolve_resume(cfg, run_dir)  # so does a resume that cannot work
-    # and a model that is not there, of a family covey cannot serve, or whose tokenizer cannot take the prompts
-    family = check_model_inputs(cfg, data, tools)
+def start_run(plan: Plan, data, given: CallerInputs, world: World, record: dict, evaluate_before: bool) -> Session:
+    """The run from its plan: inputs checked before any model loads, the run folder, the models, the feed, the
+    session (`record`: the config as config.yaml holds it)."""
+    run_dir = prepare_run_dir(plan.run, plan.label)
+    resume_from = resolve_resume(plan.run.resume, run_dir)  # a resume that cannot work fails before loading too
+    inputs = check_inputs(plan, data, run_dir, given)  # tools, environments, reward functions, model and prompts
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run has a folder
     print(f"covey: device {describe_device(world.device)}")
-    print(f"covey: model {family.describe()}; training pass {training_pass(family)}")
-    print_header(run_dir, cfg.task.name, data)
-    verifier = choose_verifier(cfg, data)
+    print(f"covey: model {inputs.family.describe()}; training pass {training_pass(inputs.family)}")
+    print_header(run_dir, plan.run.task_name, data)
+    verifier = choose_verifier(plan, data)
     print_plan(plan)
-    seed_everything(cfg.train.seed)
-    learned = load_learned_rewards(cfg.reward, world.device)
-    rewarder = build_rewarder(cfg, learned, verifier=verifier, user=user_rewards, run_dir=run_dir,
-                              environment=environments is not None)
-    run = build_run(cfg, run_dir, len(data.train), world, plan)
-    attach_reward_models(run, learned, cfg)
-    print_precision(run, cfg)
-    feed = open_feed(run, data, rewarder, cfg, tools)
-    feed.judge = Judge("reward" if cfg.eval.metric == "reward" else verifier, rewarder, cfg.eval.reward_threshold)
-    session = Session(run=run, feed=feed, before={},
-                      eval_cache=(cfg.train.eval_before_cache, eval_settings(cfg)) if cfg.train.eval_before_cache
-                      else None)
+    seed_everything(plan.schedule.seed)
+    r = plan.rewards
+    learned = load_learned_rewards(r.model_path, r.prm_path, r.step_separator, world.device)
+    rewarder = build_rewarder(r, learned, verifier=verifier, user=inputs.user_rewards, run_dir=run_dir,
+                              environment=inputs.agent is not None and inputs.agent.environments is not None)
+    run = build_run(plan, run_dir, len(data.train), world, record)
+    attach_reward_models(run, learned)
+    print_precision(run)
+    feed = open_feed(run, data, rewarder, inputs.agent)
+    feed.judge = Judge("reward" if plan.run.eval_metric == "reward" else verifier, rewarder, plan.run.reward_threshold)
+    cache = plan.run.eval_before_cache
+    session = Session(run=run, feed=feed, before={}, eval_cache=(cache, eval_settings(record)) if cache else None)
     session.stop = session.signals.enter_context(graceful_stop())
     try:
         session.before = start_or_resume(session, resume_from, evaluate_before)
@@ -128,7 +119,7 @@ def open_run(cfg: Config, reward_funcs=None, *, evaluate_before: bool = True,
         session.close()
         raise
     session.last_saved = run.step if resume_from is not None else None
-    decorrelate_ranks(world, cfg.train.seed, run.step)
+    decorrelate_ranks(world, plan.schedule.seed, run.step)
     return session
 
 

@@ -18,8 +18,9 @@ from typing import Callable
 import torch
 
 from covey import algos
-from covey.config import ConfigError, OptimConfig
+from covey.config import ConfigError
 from covey.train.plan import KLOptions
+from covey.train.plan_setup import OptimizerOptions
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ LOWMEM_EXTRA = {"torchao": "lowmem", "bitsandbytes": "lowmem-cuda"}
 """The pip extra that installs each optional optimizer package (pyproject.toml): torchao alone is CPU-safe."""
 
 
-def check_optimizer(optim: OptimConfig, device: str) -> None:
+def check_optimizer(optim: OptimizerOptions, device: str) -> None:
     """Before any model loads: optim.name's package is installed and optim.name / optim.offload can run on
     `device` (the resolved train.device), else one line naming the key; then a line saying which optimizer
     runs where it is not the default."""
@@ -83,13 +84,12 @@ def check_optimizer(optim: OptimConfig, device: str) -> None:
               + (", its state in CPU memory (optim.offload)" if optim.offload else "") + compiles)
 
 
-def make_optimizer(params, lr: float, optim: OptimConfig) -> torch.optim.Optimizer:
+def make_optimizer(params, lr: float, optim: OptimizerOptions) -> torch.optim.Optimizer:
     """optim.name at `lr` with optim.betas and optim.weight_decay; with optim.offload, its state and its
     step on the CPU. torch's AdamW has its moments allocated now; the others allocate at their first step."""
-    b1, b2 = (float(x) for x in optim.betas.split(","))
     params = [p for p in params if p.requires_grad]
     cls, extra = OPTIMIZERS[optim.name].load()
-    kwargs = dict(lr=lr, betas=(b1, b2), weight_decay=optim.weight_decay, **extra)
+    kwargs = dict(lr=lr, betas=optim.betas, weight_decay=optim.weight_decay, **extra)
     if optim.offload:
         return offloaded_optimizer_class()(params, optimizer_class=cls, **kwargs)
     if cls is not torch.optim.AdamW:

@@ -15,8 +15,12 @@ from dataclasses import dataclass, field, is_dataclass, replace
 from covey import algos
 from covey.config import Config, ConfigError, validate
 from covey.config.schema_algo import AdaptiveEntropyOptions, TisOptions
+from covey.models.load import ModelOptions
+from covey.rewards.build import RewardOptions
 from covey.rollout.episodes import EpisodeOptions
+from covey.rollout.factory import EngineOptions
 from covey.train.plan_checks import LOSS_KEYS, check_against_registries
+from covey.train.plan_setup import OptimizerOptions, RunOptions, ToolOptions, setup_sections
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,19 @@ class Plan:
     """Multi-turn episodes with tools (rollout.tools); None: single-turn answers."""
     tokens: TokenOptions = TokenOptions()
     """Importance-sampling mode, high-entropy tokens, covariance control, adaptive entropy."""
+    # The set-up's sections (covey/train/plan_setup.py), read by open_run and everything it builds.
+    model: ModelOptions = field(kw_only=True)
+    """The policy and the models beside it (model.*)."""
+    engine: EngineOptions = field(kw_only=True)
+    """The sampling engine (rollout.engine, precision, decode, vllm_*)."""
+    optimizer: OptimizerOptions = field(kw_only=True)
+    """The optimizers (optim.*)."""
+    rewards: RewardOptions = field(kw_only=True)
+    """What scores the samples (reward.*)."""
+    run: RunOptions = field(kw_only=True)
+    """The process, the run folder, resume and the held-out judge (train.*, task.*, eval.*)."""
+    tools: ToolOptions = field(kw_only=True)
+    """The tools and the environment of episodes (rollout.tools, rollout.environment)."""
 
 
 def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
@@ -220,6 +237,7 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     learns_advantages = a.learner == "advantage"
     tokens = token_options(cfg)
     plan = Plan(
+        **setup_sections(cfg),  # model, engine, optimizer, rewards, run, tools (covey/train/plan_setup.py)
         label="dpo" if a.learner == "dpo" else a.estimator, learner=a.learner, estimator=a.estimator,
         traits=traits, sizes=sizes,
         needs_reference=(a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref" or a.learner == "dpo",

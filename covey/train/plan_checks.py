@@ -79,8 +79,7 @@ def check_policy_loss(cfg: Config) -> None:
     if entry.sequence_advantage and not algos.ESTIMATORS[a.estimator].sequence_level:
         raise ConfigError(f"algo.policy_loss={a.policy_loss} reads one advantage per sequence: algo.estimator="
                           f"{a.estimator} gives per-token advantages (use grpo, rloo or remax)")
-    if entry.sequence_advantage:
-        check_token_devices(a)
+    check_token_devices(a)
 
 
 def changed_key(key: str, value, default) -> str:
@@ -91,22 +90,27 @@ def changed_key(key: str, value, default) -> str:
     return f"algo.{key}.{name}={getattr(value, name)}"
 
 
-def check_token_devices(a) -> None:
-    """The token devices act through per-token weights folded into the advantages, which is exact only for a
-    loss whose per-token term is the advantage times a function of the ratio. A loss that averages the
-    advantage over each sequence first (gmpo) would spread a dropped token's weight over its sequence: a
-    "selected" token set would scale every token's gradient instead of removing the others'. Refused."""
-    loss = f"algo.policy_loss={a.policy_loss} averages the advantage over each sequence"
+def token_devices(a) -> list[tuple[str, str]]:
+    """The token devices the config turns on (covey.algos.TOKEN_DEVICES), each with the key=value naming it."""
+    on = []
+    if a.tis.cap > 0:
+        on.append((algos.TIS_DEVICES[a.tis.mode], f"algo.tis.mode={a.tis.mode}"))
     if a.top_entropy_quantile < 1.0:
-        raise ConfigError(f"algo.top_entropy_quantile={a.top_entropy_quantile:g}: {loss}, so the tokens it drops "
-                          "would keep a share of their gradient instead of losing it; use it with ppo_clip, cispo, "
-                          "sapo or vespo")
-    if a.tis.cap > 0 and a.tis.mode.startswith("token"):
-        raise ConfigError(f"algo.tis.mode={a.tis.mode} weights each token: {loss}; set algo.tis.mode="
-                          "sequence_truncate or sequence_mask (one weight per sequence)")
-    if a.cov_control == "clip_cov":
-        raise ConfigError(f"algo.cov_control=clip_cov drops the gradient of chosen tokens: {loss}, so they would "
-                          "keep a share of it; use it with ppo_clip, cispo, sapo or vespo")
+        on.append(("top_entropy", f"algo.top_entropy_quantile={a.top_entropy_quantile:g}"))
+    if a.cov_control != "none":
+        on.append((a.cov_control, f"algo.cov_control={a.cov_control}"))
+    return on
+
+
+def check_token_devices(a) -> None:
+    """Each token device hands the policy loss a weight of its kind (a weight per token or per sequence, a
+    selection, a penalty); the loss's `token_weights` trait says what that weight means for it
+    (covey.algos.WEIGHT_USES). A pair whose weight means nothing for the loss is refused in one line naming
+    both keys, with the reason."""
+    for device, key in token_devices(a):
+        use = algos.token_device_use(a.policy_loss, device)
+        if use.refused:
+            raise ConfigError(f"{key}: algo.policy_loss={a.policy_loss} {use.meaning}")
 
 
 def check_step_scores(cfg: Config, episodes: bool = False) -> None:

@@ -3,7 +3,7 @@
 The process world, the run folder, the models and their optimizers (`build_run`), the
 metrics logger, the formatted prompts and the sampling engines (`open_feed`). `Run` holds
 what a checkpoint restores, in typed fields; `Feed` what the steps read and never checkpoint.
-The Config is read here, at the top, and nowhere below: the run holds the Plan.
+Each function here reads the Plan's sections (covey/train/plan_setup.py), never the Config.
 """
 
 from __future__ import annotations
@@ -20,16 +20,15 @@ import torch
 import yaml
 
 
-from covey.config import Config, ConfigError, as_dict, validate_world
+from covey.config import ConfigError
 from covey.models.critic import ValueModel
 from covey.models.kernels import apply_liger_kernels, check_model_options, resolve_fused_kernels, use_fused_head
-from covey.models.load import enable_gradient_checkpointing, load_policy
+from covey.models.load import ModelOptions, enable_gradient_checkpointing, load_policy
 from covey.models.lora import add_adapters, frozen_reference
 from covey.models.offload import maybe_hold_reference_in_bf16, maybe_offload_reference
 from covey.rm.refresh import make_refreshers
 from covey.rollout.agents import EpisodeEngine
 from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
-from covey.runtime.cpu import apply_cpu_settings
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
 from covey.runtime.fsdp import shard_model
 from covey.runtime.memory import MicroBatchSizes, on_gpu, size_update_pass
@@ -38,11 +37,12 @@ from covey.runtime.signals import StopFlag
 from covey.runtime.precision import resolve_autocast
 from covey.tasks.data import PromptStream, format_prompts
 from covey.train.inputs import AgentInputs, make_agent
+from covey.train.plan_setup import RunOptions
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.train.global_batch import GatheredGeneration
 from covey.train.memory_fit import GpuFit, check_loaded_policy, fit_batches, trained_pairs
 from covey.train.optim import check_optimizer, make_kl_controller, make_optimizer, make_scheduler
-from covey.train.plan import Plan, make_plan
+from covey.train.plan import Plan
 from covey.train.signal_watch import SignalWatch
 from covey.train.router_aux import with_router_aux
 from covey.train.token_weights import make_entropy_controller
@@ -173,37 +173,37 @@ class StepClock:
 # --------------------------------------------------------------------------- process and run folder
 
 
-def open_world(cfg: Config) -> World:
-    """This process among the torchrun processes (one without torchrun); rank 0 alone prints."""
-    world = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
-    if cfg.rollout.engine == "vllm" and not world.device.startswith("cuda"):
+def open_world(plan: Plan) -> World:
+    """This process among the torchrun processes (one without torchrun); then, before any model loads, what the
+    device and the installed packages allow (open_run checks the config against the process count)."""
+    world = init_distributed(plan.run.device, timeout_s=plan.run.dist_timeout_s)
+    if plan.engine.engine == "vllm" and not world.device.startswith("cuda"):
         raise DeviceError("rollout.engine=vllm samples on a GPU: it needs train.device=cuda (or auto with a GPU)")
-    validate_world(cfg, world.size)
     quiet_unless_main(world)
-    apply_cpu_settings(cfg)
-    check_extras(cfg)
-    check_optimizer(cfg.optim, world.device)  # optim.name / optim.offload: package and device
-    check_model_options(cfg.model.fused_kernels, cfg.model.load_in_4bit, world.device)
+    check_extras(plan)
+    check_optimizer(plan.optimizer, world.device)  # optim.name / optim.offload: package and device
+    check_model_options(plan.model.fused_kernels, plan.model.load_in_4bit, world.device)
     return world
 
 
-def check_extras(cfg: Config) -> None:
+def check_extras(plan: Plan) -> None:
     """An optional package a setting needs is one line naming its pip extra, before any model loads."""
-    needs = (("train.logger=tensorboard", cfg.train.logger == "tensorboard", "tensorboard", "tensorboard"),
-             (f"model.lora_rank={cfg.model.lora_rank}", cfg.model.lora_rank > 0, "peft", "lora"),
-             ("task.name=hf", cfg.task.name == "hf", "datasets", "datasets"),
-             ("rollout.engine=vllm", cfg.rollout.engine == "vllm", "vllm", "vllm"))
+    m = plan.model
+    needs = (("train.logger=tensorboard", plan.run.logger == "tensorboard", "tensorboard", "tensorboard"),
+             (f"model.lora_rank={m.lora_rank}", m.lora_rank > 0, "peft", "lora"),
+             ("task.name=hf", plan.run.task_name == "hf", "datasets", "datasets"),
+             ("rollout.engine=vllm", plan.engine.engine == "vllm", "vllm", "vllm"))
     for setting, used, package, extra in needs:
         if used and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{setting} needs the optional package {package}: pip install 'covey[{extra}]'")
 
 
-def prepare_run_dir(cfg: Config, label: str) -> Path:
+def prepare_run_dir(run: RunOptions, label: str) -> Path:
     """runs/<train.run_name>, or runs/<label>-<start time> (rank 0's clock on every rank); not made yet: a run
     refused before its model loads leaves no empty folder (a reward function's traceback makes it, to keep the
     traceback)."""
-    name = cfg.train.run_name or broadcast_object(f"{label}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return Path(cfg.train.output_dir) / name
+    name = run.run_name or broadcast_object(f"{label}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Path(run.output_dir) / name
 
 
 def print_header(run_dir: Path, task: str, data) -> None:
@@ -217,17 +217,17 @@ def print_header(run_dir: Path, task: str, data) -> None:
         print(f"covey: {note}")
 
 
-def choose_verifier(cfg: Config, data) -> str:
+def choose_verifier(plan: Plan, data) -> str:
     """The verifier of the correctness reward and of held-out accuracy (eval.metric, `auto` resolved
     from the answers), printed with a warning when the math verifier cannot read some answers."""
-    metric = cfg.eval.metric
+    metric = plan.run.eval_metric
     answers = [ex.answer for ex in (*data.train, *data.eval) if ex.answer is not None]  # none: prompt-only data
     verifier = resolve_verifier(metric, answers)
-    what = (f"reward >= {cfg.eval.reward_threshold:g} (eval.metric=reward)" if metric == "reward"
+    what = (f"reward >= {plan.run.reward_threshold:g} (eval.metric=reward)" if metric == "reward"
             else f"accuracy by the {verifier} verifier" + (" (eval.metric=auto)" if metric == "auto" else ""))
     print(f"covey: held-out metric: {what}")
     bad = unreadable_answers(verifier, answers)
-    if bad and (cfg.reward.correctness or metric != "reward"):
+    if bad and (plan.rewards.correctness or metric != "reward"):
         print(f"covey: warning: {bad} of {len(answers)} reference answers are not numbers, which the math "
               "verifier scores 0 whatever the model writes: set eval.metric=normalized, exact or contains")
     return verifier
@@ -242,40 +242,40 @@ def seed_everything(seed: int) -> None:
 # --------------------------------------------------------------------------- models and optimizers
 
 
-def build_run(cfg: Config, run_dir: Path, train_size: int, world: World | None = None,
-              plan: Plan | None = None) -> Run:
-    """Models, optimizers and controllers, in the order they are needed (`plan`: made from cfg if None)."""
-    plan, dtype, world = plan or make_plan(cfg), getattr(torch, cfg.model.dtype), world or World()
-    plan = with_router_aux(plan, cfg.model.path, cfg.model.router_aux_coef)  # from the model's config, before it loads
-    policy, tokenizer = load_trained_policy(cfg, world)
-    check_loaded_policy(policy, plan, cfg, world.device, world.size)  # a run that cannot fit stops here
+def build_run(plan: Plan, run_dir: Path, train_size: int, world: World | None = None,
+              record: dict | None = None) -> Run:
+    """Models, optimizers and controllers, in the order they are needed; `record`: the config as config.yaml
+    holds it (covey.config.as_dict)."""
+    m, o, seed, world = plan.model, plan.optimizer, plan.schedule.seed, world or World()
+    plan = with_router_aux(plan, m.path, plan.update.router_aux_coef)  # from the model's config, before it loads
+    policy, tokenizer = load_trained_policy(m, world)
+    check_loaded_policy(policy, plan, world.device, world.size)  # a run that cannot fit stops here
     reference = frozen_reference(policy) if plan.needs_reference else None
-    critic = (ValueModel.from_policy_path(cfg.model.critic_path or cfg.model.path, dtype=dtype)
-              if plan.needs_critic else None)
-    if cfg.model.gradient_checkpointing:
+    critic = (ValueModel.from_policy_path(m.critic_path, dtype=getattr(torch, m.dtype)) if plan.needs_critic
+              else None)
+    if m.gradient_checkpointing:
         checkpoint_activations(policy, critic)
     # On the training device; under torchrun sharded with FSDP2 (optimizers are built on the shards).
-    policy, reference, critic = (shard_model(m, world.device) for m in (policy, reference, critic))
+    policy, reference, critic = (shard_model(model, world.device) for model in (policy, reference, critic))
     moves = plan.reference.moves  # a refreshed or EMA reference changes
-    maybe_offload_reference(reference, cfg.model, world.size, reference_moves=moves)  # read from disk for its pass only
-    maybe_hold_reference_in_bf16(reference, cfg.model, world.size, reference_moves=moves)  # weight casts made once
-    optimizer = make_optimizer(policy.parameters(), cfg.optim.lr, cfg.optim)
-    critic_opt = make_optimizer(critic.parameters(), cfg.optim.critic_lr, cfg.optim) if critic is not None else None
+    maybe_offload_reference(reference, m, world.size, reference_moves=moves)  # read from disk for its pass only
+    maybe_hold_reference_in_bf16(reference, m, world.size, reference_moves=moves)  # weight casts made once
+    optimizer = make_optimizer(policy.parameters(), o.lr, o)
+    critic_opt = make_optimizer(critic.parameters(), o.critic_lr, o) if critic is not None else None
     run = Run(plan=plan, run_dir=run_dir, policy=policy, tokenizer=tokenizer, reference=reference,
-              critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, cfg.optim.warmup_steps),
+              critic=critic, optimizer=optimizer, scheduler=make_scheduler(optimizer, o.warmup_steps),
               critic_optimizer=critic_opt, kl_controller=make_kl_controller(plan.kl),
               entropy_controller=make_entropy_controller(plan),
-              stream=PromptStream(train_size, cfg.train.seed), config_record=as_dict(cfg), world=world,
+              stream=PromptStream(train_size, seed), config_record=record or {}, world=world,
               micro_batches=MicroBatchSizes(plan.update.micro_batch_size,  # halved on out-of-memory
                                             prompts_per_call=plan.sampling.prompts_per_step))
-    run.shuffle_generator.manual_seed(cfg.train.seed + 1)
+    run.shuffle_generator.manual_seed(seed + 1)
     return run
 
 
-def load_trained_policy(cfg: Config, world: World) -> tuple:
+def load_trained_policy(m: ModelOptions, world: World) -> tuple:
     """(policy, tokenizer): the policy loaded (4-bit straight onto the GPU with model.load_in_4bit), Liger's
     kernels patched in where model.fused_kernels resolves to on (printed on a GPU), then the LoRA adapters."""
-    m = cfg.model
     policy, tokenizer = load_policy(m.path, dtype=getattr(torch, m.dtype), load_in_4bit=m.load_in_4bit,
                                     device=world.device if m.load_in_4bit else "cpu")
     fused, why = resolve_fused_kernels(m.fused_kernels, world.device)
@@ -297,51 +297,51 @@ def checkpoint_activations(*models) -> None:
             raise ConfigError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
 
 
-def attach_reward_models(run: Run, learned, cfg: Config) -> None:
+def attach_reward_models(run: Run, learned) -> None:
     """The learned RM / PRM; with iterative refresh their weights change, so they are checkpointed."""
+    r = run.plan.rewards
     run.learned_rewards = learned
-    run.reward_refreshers = make_refreshers(learned, cfg.rm, every=cfg.reward.iterative_every,
-                                            replay_fraction=cfg.reward.replay_fraction, seed=cfg.train.seed,
-                                            autocast=cfg.model.autocast)
+    run.reward_refreshers = make_refreshers(learned, r.rm, every=r.iterative_every, replay_fraction=r.replay_fraction,
+                                            seed=run.plan.schedule.seed, autocast=run.plan.model.autocast)
 
 
-def print_precision(run: Run, cfg: Config) -> None:
+def print_precision(run: Run) -> None:
     """What model.autocast=auto and rollout.precision=auto resolved to on this device."""
-    device = run.world.device
-    rollout = (sampling_precision(cfg.rollout, run.world.size, device, cfg.model.load_in_4bit)
-               if cfg.rollout.engine != "vllm"
+    device, m, plan = run.world.device, run.plan.model, run.plan
+    rollout = (sampling_precision(plan.engine, run.world.size, device, m.load_in_4bit) if plan.engine.engine != "vllm"
                else "vllm's")
-    if rollout == "float32" and cfg.model.dtype == "bfloat16":  # bf16 weights sample themselves (rollout/local.py)
+    if rollout == "float32" and m.dtype == "bfloat16":  # bf16 weights sample themselves (rollout/local.py)
         rollout = "bfloat16"
-    print(f"covey: precision: parameters {cfg.model.dtype}, forward passes autocast="
-          f"{resolve_autocast(cfg.model.autocast, device)}, rollouts {rollout}")
-    if cfg.train.gpu_memory_gib and not on_gpu(device):
-        print(f"covey: note: train.gpu_memory_gib={cfg.train.gpu_memory_gib:g} budgets a GPU's memory: on the CPU it "
+    print(f"covey: precision: parameters {m.dtype}, forward passes autocast="
+          f"{resolve_autocast(m.autocast, device)}, rollouts {rollout}")
+    if plan.gpu_memory_gib and not on_gpu(device):
+        print(f"covey: note: train.gpu_memory_gib={plan.gpu_memory_gib:g} budgets a GPU's memory: on the CPU it "
               "is not used (micro-batches stay at algo.micro_batch_size)")
 
 
 # --------------------------------------------------------------------------- logger, prompts, engines
 
 
-def open_feed(run: Run, data, rewarder, cfg: Config, agent: AgentInputs | None = None) -> Feed:
+def open_feed(run: Run, data, rewarder, agent: AgentInputs | None = None) -> Feed:
     """The metrics logger and config.yaml (rank 0 alone writes files), the prompts, the engines; with
     tools or an environment (`agent`, from `prepare_agent`), engines that sample whole episodes
     (covey/rollout/agents.py)."""
-    run.logger = (MetricsLogger(run.run_dir, tensorboard=cfg.train.logger == "tensorboard") if run.world.is_main
+    plan = run.plan
+    run.logger = (MetricsLogger(run.run_dir, tensorboard=plan.run.logger == "tensorboard") if run.world.is_main
                   else SilentLogger())
     if run.world.is_main:
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
     agents = None
     if run.plan.episodes is not None:  # one Agent for training, one for evaluation: their tool counts apart
-        agents = [make_agent(cfg, run.tokenizer, agent) for _ in range(2)]
-        prompts = agents[0].prompts(data.train, cfg.task.system_prompt)
-        eval_prompts = agents[1].prompts(data.eval, cfg.task.system_prompt)
+        agents = [make_agent(plan.tools, run.tokenizer, agent) for _ in range(2)]
+        prompts = agents[0].prompts(data.train, plan.run.system_prompt)
+        eval_prompts = agents[1].prompts(data.eval, plan.run.system_prompt)
     else:
-        prompts = format_prompts(run.tokenizer, data.train, cfg.task.system_prompt)
-        eval_prompts = format_prompts(run.tokenizer, data.eval, cfg.task.system_prompt)
+        prompts = format_prompts(run.tokenizer, data.train, plan.run.system_prompt)
+        eval_prompts = format_prompts(run.tokenizer, data.eval, plan.run.system_prompt)
     if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
-        fit_batches(run, cfg, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
-    engine, eval_engine = open_engines(run, cfg)
+        fit_batches(run, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
+    engine, eval_engine = open_engines(run)
     decode_path = getattr(engine, "decode_path", None)  # the fast engine's: which decode step, cache and episodes
     if callable(decode_path) and run.world.is_main:
         print(f"covey: sampling with the {decode_path()}")
@@ -352,13 +352,14 @@ def open_feed(run: Run, data, rewarder, cfg: Config, agent: AgentInputs | None =
                 eval_engine=eval_engine)
 
 
-def open_engines(run: Run, cfg: Config) -> tuple:
+def open_engines(run: Run) -> tuple:
     """The sampling engine and the held-out one (the same engine where it samples the policy's own weights)."""
-    engine = make_engine(cfg.rollout, cfg.model, run.policy, run.tokenizer, world_size=run.world.size,
-                         device=run.world.device, seed=cfg.train.seed)
-    if cfg.rollout.engine != "vllm":  # a local engine reads the policy module itself (whole parameters under FSDP)
+    options = run.plan.engine
+    engine = make_engine(options, run.plan.model, run.policy, run.tokenizer, world_size=run.world.size,
+                         device=run.world.device)
+    if options.engine != "vllm":  # a local engine reads the policy module itself (whole parameters under FSDP)
         engine = GatheredGeneration(engine, run.policy)
-    eval_engine = make_eval_engine(cfg.rollout, run.policy, run.tokenizer, engine)
+    eval_engine = make_eval_engine(options, run.policy, run.tokenizer, engine)
     return engine, engine if eval_engine is None else GatheredGeneration(eval_engine, run.policy)
 
 

@@ -7,9 +7,10 @@ rollout (pi_old: its log-probs and entropies from the log-prob pass), so the cho
 over the whole batch and never depends on the micro-batch size or the number of processes; on the
 rollout's first optimizer step (the only one with algo.epochs = algo.minibatches = 1) pi_old is the
 policy being trained, so these are the current policy's entropies and log-probs, as in the papers.
-Weights and selections that scale a token's policy term are folded into its advantage (for every loss
-whose per-token term is A times a function of the ratio, the same as scaling the term); Clip-Cov and
-KL-Cov act inside the objective on the tokens stored in `Rollout.cov_tokens`.
+None of them touches `Rollout.advantages`: the importance weights go to `Rollout.is_weights`, the
+high-entropy tokens to `Rollout.kept_tokens`, the covariance control's to `Rollout.cov_tokens`, and the
+policy loss reads each as its registry trait says (covey.algos.loss_registry.WEIGHT_USES; the plan refuses
+a pair that means nothing).
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ def on_global_batch(fn, **rows):
 
 
 def correct_sampler_mismatch(run, rollout: Rollout) -> dict:
-    """Importance sampling (algo.tis.cap, .mode, .min): the engine sampled with its own
-    kernels or weight copy, so each token's policy term is weighted by its mode's bounded pi_old/pi_sampler
-    (no gradient, >= 0), folded into the advantage."""
+    """Importance sampling (algo.tis.cap, .mode, .min): the engine sampled with its own kernels or weight copy,
+    so each token gets its mode's bounded pi_old/pi_sampler (no gradient, >= 0) in `rollout.is_weights`."""
     tis = run.plan.tokens.tis
     if not tis.cap:
         return {}
@@ -59,7 +59,7 @@ def correct_sampler_mismatch(run, rollout: Rollout) -> dict:
         raise RuntimeError("algo.tis.cap is set but the engine returned no sampling log-probs")
     weights, metrics = algos.importance_weights(rollout.old_logp, sampler_logp, rollout.response_mask,
                                                 tis.cap, tis.mode, tis.min)
-    rollout.advantages = rollout.advantages * weights
+    rollout.is_weights = weights
     return metrics
 
 
@@ -69,19 +69,25 @@ def selection_seed(seed: int, step: int) -> int:
 
 
 def select_tokens(run, rollout: Rollout) -> dict:
-    """High-entropy tokens (their advantage kept, the others' set to 0) and the covariance control's
-    tokens (`rollout.cov_tokens`), each over the whole rollout of every rank."""
+    """High-entropy tokens (`rollout.kept_tokens`) and the covariance control's tokens (`rollout.cov_tokens`),
+    each over the whole rollout of every rank. The covariance is that of the advantage each token's policy
+    term carries: A_t times its importance weight and its selection."""
     t, metrics = run.plan.tokens, {}
     mask = rollout.response_mask
     if t.top_entropy_quantile < 1.0:
         kept, found = on_global_batch(functools.partial(algos.high_entropy_mask, quantile=t.top_entropy_quantile),
                                       entropy=rollout.old_entropy, response_mask=mask)
-        rollout.advantages = rollout.advantages * kept.to(rollout.advantages.dtype)
+        rollout.kept_tokens = kept
         metrics.update(found)
     if t.cov.control != "none":
+        carried = rollout.advantages
+        if rollout.is_weights is not None:
+            carried = carried * rollout.is_weights
+        if rollout.kept_tokens is not None:
+            carried = carried * rollout.kept_tokens.to(carried.dtype)
         generator = torch.Generator().manual_seed(selection_seed(run.plan.schedule.seed, run.step))
         chosen, found = on_global_batch(functools.partial(algos.select_cov_tokens, opts=t.cov, generator=generator),
-                                        advantages=rollout.advantages, logp=rollout.old_logp, response_mask=mask)
+                                        advantages=carried, logp=rollout.old_logp, response_mask=mask)
         rollout.cov_tokens = chosen
         metrics.update(found)
     return metrics

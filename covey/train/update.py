@@ -104,17 +104,24 @@ def micro_policy_loss(policy, part: Rollout, norm, opts: UpdateOptions, kl_coef:
     logp, entropy, width = policy_logprobs(policy, part, opts.temperature, with_entropy=True,
                                            precision=opts.autocast, prompts=prompts)
     old = part.old_logp[:, :width] if part.old_logp is not None else logp.detach()
-    ref = part.ref_logp[:, :width] if part.ref_logp is not None else None
-    loss, metrics = algos.policy_objective(opts.policy_loss, logp, old, part.advantages[:, :width],
-                                           part.response_mask[:, :width], norm, opts.loss, ref_logp=ref,
-                                           kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
-                                           entropy=entropy, entropy_coef=opts.entropy_coef, cov=opts.cov,
-                                           cov_tokens=part.cov_tokens[:, :width] if part.cov_tokens is not None
-                                           else None)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[:, :width] if t is not None else None
+    inp = algos.PolicyInputs(logp, old, part.advantages[:, :width], part.response_mask[:, :width],
+                             ref_logp=cut(part.ref_logp), entropy=entropy, kept=cut(part.kept_tokens),
+                             is_weights=cut(part.is_weights), sample_logp=cut(part.sample_logp),
+                             cov_tokens=cut(part.cov_tokens))
+    loss, metrics = algos.policy_objective(inp, norm, objective_options(opts, kl_coef))
     if part.sample_logp is not None:  # pi_old (the weights that sampled) against the sampler's own log-probs
-        metrics.update(algos.sampler_mismatch(old, part.sample_logp[:, :width], part.response_mask[:, :width],
-                                              opts.mismatch_cap))
+        metrics.update(algos.sampler_mismatch(old, inp.sample_logp, inp.response_mask, opts.mismatch_cap))
     return loss, metrics
+
+
+def objective_options(opts: UpdateOptions, kl_coef: float) -> algos.ObjectiveOptions:
+    """The objective's options from the update's, with this step's KL coefficient (the controller's value)."""
+    return algos.ObjectiveOptions(policy_loss=opts.policy_loss, loss=opts.loss,
+                                  kl_coef=kl_coef if opts.kl_in_loss else 0.0, kl_kind=opts.kl_estimator,
+                                  entropy_coef=opts.entropy_coef, cov=opts.cov)
 
 
 def record_skip(state: UpdateState, max_skips: int, what: str, reason: str) -> None:
@@ -194,25 +201,38 @@ class StepGradient:
     """Metrics of the whole step (its loss ...), averaged over steps."""
 
 
-def optimizer_steps(model, optimizer, scheduler, n: int, gradient: Callable[[torch.Tensor, int], StepGradient],
-                    opts: UpdateOptions, state: UpdateState, generator: torch.Generator,
-                    sizes: MicroBatchSizes | None = None, what: str = "policy",
-                    grad_norm_key: str = "optim/grad_norm") -> dict:
+@dataclass
+class Optimized:
+    """What `optimizer_steps` steps: a model, its optimizer and schedule, and where a skipped step is counted."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object | None
+    """A learning-rate schedule stepped with the optimizer, or None."""
+    state: UpdateState
+    what: str = "policy"
+    """The UpdateState counter a skipped step goes to (policy | critic)."""
+    grad_norm_key: str = "optim/grad_norm"
+    """The metric the gradient norm is reported as."""
+
+
+def optimizer_steps(target: Optimized, n: int, gradient: Callable[[torch.Tensor, int], StepGradient],
+                    opts: UpdateOptions, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
     """The one optimizer loop of the policy, the critic and DPO: opts.epochs x opts.minibatches steps
     over n rows (minibatch_schedule). Each step: `gradient(rows, micro_batch_size)` accumulates the
     step's gradient; out of memory, it is undone and redone from zero at half the micro-batch
     (halving_on_oom on `sizes`, kept for the run); a non-finite loss or gradient skips the step
-    (counted in `state` as `what`); else the gradient is clipped and the optimizer steps.
-    Returns the metrics averaged over the steps (the gradient norm as `grad_norm_key`)."""
+    (counted in `target.state` as `target.what`); else the gradient is clipped and the optimizer steps.
+    Returns the metrics averaged over the steps (the gradient norm as `target.grad_norm_key`)."""
+    model = target.model
     avg, device = MetricAverager(), model_device(model)
     sizes = sizes or MicroBatchSizes(opts.micro_batch_size)
     for rows in minibatch_schedule(n, opts.epochs, opts.minibatches, generator):
         grad = halving_on_oom("update", sizes, partial(gradient, rows), device,
                               cleanup=lambda: model.zero_grad(set_to_none=True))
         avg.merge(grad.micro)
-        applied = optimizer_step(model.parameters(), optimizer, scheduler, opts.max_grad_norm, state,
-                                 opts.max_skipped_steps, what, grad.finite)
-        avg.add({grad_norm_key: applied["optim/grad_norm"], **grad.step}, 1.0)
+        applied = optimizer_step(model.parameters(), target.optimizer, target.scheduler, opts.max_grad_norm,
+                                 target.state, opts.max_skipped_steps, target.what, grad.finite)
+        avg.add({target.grad_norm_key: applied["optim/grad_norm"], **grad.step}, 1.0)
     return avg.result()
 
 
@@ -228,7 +248,7 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOp
         with shared_weight_casts(opts.autocast, device):
             finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg, size)
         return StepGradient(finite, avg, {"policy/loss": step_loss})
-    out = optimizer_steps(policy, optimizer, scheduler, len(rollout), gradient, opts, state, generator, sizes)
+    out = optimizer_steps(Optimized(policy, optimizer, scheduler, state), len(rollout), gradient, opts, generator, sizes)
     out["optim/skipped_steps"] = state.skipped_steps
     return out
 
@@ -268,5 +288,5 @@ def update_critic(critic, optimizer, rollout: Rollout, opts: UpdateOptions, stat
         v, r = (torch.cat(t) for t in zip(*fitted))
         explained = algos.explained_variance(v, r, torch.ones_like(v, dtype=torch.bool))
         return StepGradient(finite, avg, {"critic/loss": step_loss, "critic/explained_var": explained})
-    return optimizer_steps(critic, optimizer, None, len(rollout), gradient, opts, state, generator, sizes,
-                           what="critic", grad_norm_key="critic/grad_norm")
+    return optimizer_steps(Optimized(critic, optimizer, None, state, "critic", "critic/grad_norm"), len(rollout),
+                           gradient, opts, generator, sizes)

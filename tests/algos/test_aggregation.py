@@ -59,7 +59,7 @@ def micro_loss(b, idx, w, v, norm, opts):
     logp = selective_log_softmax(logits, tokens, chunk_size=3)
     old = selective_log_softmax(b["h"][idx] @ (b["w0"] * 1.3), tokens)   # ratios far from 1: clipping happens
     ref = selective_log_softmax(b["h"][idx] @ b["ref_w"], tokens)
-    loss, _ = policy_loss("ppo_clip", logp, old, b["adv"][idx], mask, norm, opts)
+    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, b["adv"][idx], mask), norm, opts)
     kl, _ = kl_loss(logp, ref, mask, norm, 0.1, "k3")
     ent = aggregate(entropy_from_logits(logits, chunk_size=2), mask, norm)
     values = b["h"][idx] @ v

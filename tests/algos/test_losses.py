@@ -34,7 +34,7 @@ def test_ppo_clip_every_branch():
     #   A=-1, r=4.0: max( 4.0,  1.2) =  4.0   not clipped, dl/dlogp = 4.0
     # token mean: (-1.2 - 0.5 + 0.8 + 1.5 + 4.0) / 5 = 0.92
     logp, old, adv, mask = ppo_case()
-    loss, m = policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions())
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), token_mean(mask), PolicyLossOptions())
     assert loss.item() == pytest.approx(0.92)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 4.0]], dtype=F64) / 5)
@@ -55,13 +55,13 @@ def test_dual_clip_caps_negative_advantage_loss():
     # c = 3: token 5 (A=-1, r=4): min(4.0, -c A = 3) = 3, gradient 0; token 4 (r=1.5): min(1.5, 3) = 1.5
     # token mean: (-1.2 - 0.5 + 0.8 + 1.5 + 3.0) / 5 = 0.72
     logp, old, adv, mask = ppo_case()
-    loss, m = policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions(dual_clip=3.0))
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), token_mean(mask), PolicyLossOptions(dual_clip=3.0))
     assert loss.item() == pytest.approx(0.72)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 0.0]], dtype=F64) / 5)
     assert m["policy/clipfrac_dual"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="dual_clip"):
-        policy_loss("ppo_clip", logp, old, adv, mask, token_mean(mask), PolicyLossOptions(dual_clip=1.0))
+        policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), token_mean(mask), PolicyLossOptions(dual_clip=1.0))
 
 
 def test_asymmetric_and_large_clip():
@@ -70,12 +70,10 @@ def test_asymmetric_and_large_clip():
     old = torch.zeros(1, 3, dtype=F64)
     logp = torch.tensor([[1.25, 1.3, 5.0]], dtype=F64).log()
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    loss, _ = policy_loss("ppo_clip", logp, old, torch.ones(1, 3, dtype=F64), mask, token_mean(mask),
-                          PolicyLossOptions(clip_eps_high=0.28))
+    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask), PolicyLossOptions(clip_eps_high=0.28))
     assert loss.item() == pytest.approx((-1.25 - 1.28) / 2)
     mask = torch.tensor([[0, 0, 1]], dtype=torch.bool)
-    loss, m = policy_loss("ppo_clip", logp, old, torch.ones(1, 3, dtype=F64), mask, token_mean(mask),
-                          PolicyLossOptions(clip_eps_low=10.0, clip_eps_high=10.0))
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask), PolicyLossOptions(clip_eps_low=10.0, clip_eps_high=10.0))
     assert loss.item() == pytest.approx(-5.0) and m["policy/clipfrac"] == 0.0
 
 
@@ -88,7 +86,7 @@ def test_gspo_sequence_ratio():
     mask = torch.ones(1, 2, dtype=torch.bool)
     norm = Normalizer.from_totals("seq_mean_token_mean", 2, 1, 2)
     opts = PolicyLossOptions(clip_eps_low=0.05, clip_eps_high=0.05, ratio_level="sequence")
-    loss, m = policy_loss("ppo_clip", logp, old, torch.ones(1, 2, dtype=F64), mask, norm, opts)
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 2, dtype=F64), mask), norm, opts)
     s = math.exp(-0.1)
     assert loss.item() == pytest.approx(-s)
     loss.backward()
@@ -96,7 +94,7 @@ def test_gspo_sequence_ratio():
     assert m["policy/ratio_mean"] == pytest.approx(s)
     # A = -1: max(s, clip(s) = 0.95) = 0.95, clipped -> no gradient
     logp.grad = None
-    loss, m = policy_loss("ppo_clip", logp, old, -torch.ones(1, 2, dtype=F64), mask, norm, opts)
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, -torch.ones(1, 2, dtype=F64), mask), norm, opts)
     assert loss.item() == pytest.approx(0.95) and m["policy/clipfrac_lower"] == 1.0
     loss.backward()
     assert torch.allclose(logp.grad, torch.zeros(1, 2, dtype=F64))
@@ -110,7 +108,7 @@ def test_gspo_gradient_equals_sequence_objective():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=F64)[:, None].expand(3, 4)
     norm = Normalizer.from_totals("seq_mean_token_mean", 8, 3, 4)
-    loss, _ = policy_loss("ppo_clip", logp, old, adv, mask, norm, PolicyLossOptions(ratio_level="sequence"))
+    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), norm, PolicyLossOptions(ratio_level="sequence"))
     grad, = torch.autograd.grad(loss, logp)
     seq = (logp * mask).sum(-1) / mask.sum(-1)
     ref = (-adv[:, 0] * seq.exp()).mean()
@@ -124,20 +122,18 @@ def test_ratio_against_reference_is_an_option():
     ref = torch.full((1, 1), -1.5, dtype=F64)
     mask = torch.ones(1, 1, dtype=torch.bool)
     one = torch.ones(1, 1, dtype=F64)
-    loss_old, _ = policy_loss("ppo_clip", logp, logp.clone(), one, mask, token_mean(mask), PolicyLossOptions(),
-                              ref_logp=ref)
-    loss_ref, _ = policy_loss("ppo_clip", logp, logp.clone(), one, mask, token_mean(mask),
-                              PolicyLossOptions(ratio_against="ref"), ref_logp=ref)
+    loss_old, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask), PolicyLossOptions())
+    loss_ref, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask), PolicyLossOptions(ratio_against="ref"))
     assert loss_old.item() == pytest.approx(-1.0) and loss_ref.item() == pytest.approx(-1.2)
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss("ppo_clip", logp, logp, one, mask, token_mean(mask), PolicyLossOptions(ratio_against="ref"))
+        policy_loss("ppo_clip", PolicyInputs(logp, logp, one, mask), token_mean(mask), PolicyLossOptions(ratio_against="ref"))
 
 
 def test_plain_policy_gradient():
     # l = -A logp: logp [-1, -2], A [1, -0.5] -> [1, -1]; token mean 0; dl/dlogp = -A / 2 = [-0.5, 0.25]
     logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = policy_loss("pg", logp, None, torch.tensor([[1.0, -0.5]], dtype=F64), mask, token_mean(mask))
+    loss, m = policy_loss("pg", PolicyInputs(logp, None, torch.tensor([[1.0, -0.5]], dtype=F64), mask), token_mean(mask))
     assert loss.item() == pytest.approx(0.0)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5, 0.25]], dtype=F64))
@@ -151,16 +147,15 @@ def test_pg_and_ppo_agree_on_policy():
     adv = torch.randn(2, 5, generator=g, dtype=F64)
     mask = torch.rand(2, 5, generator=g) < 0.7
     norm = token_mean(mask)
-    g_ppo, = torch.autograd.grad(policy_loss("ppo_clip", logp, logp.detach(), adv, mask, norm)[0], logp)
-    g_pg, = torch.autograd.grad(policy_loss("pg", logp, logp.detach(), adv, mask, norm)[0], logp)
+    g_ppo, = torch.autograd.grad(policy_loss("ppo_clip", PolicyInputs(logp, logp.detach(), adv, mask), norm)[0], logp)
+    g_pg, = torch.autograd.grad(policy_loss("pg", PolicyInputs(logp, logp.detach(), adv, mask), norm)[0], logp)
     assert torch.allclose(g_ppo, g_pg)
 
 
 def test_policy_loss_registry():
     assert {"ppo_clip", "pg", "cispo"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError, match="valid: ppo_clip, pg, cispo, "):
-        policy_loss("grpo", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
-                    token_mean(torch.ones(1, 1)))
+        policy_loss("grpo", PolicyInputs(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)), token_mean(torch.ones(1, 1)))
 
 
 def one_value(pred, old=10.0, ret=15.0, clip=1.0):
@@ -270,13 +265,13 @@ def test_cispo_by_hand():
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 2)
     opts = PolicyLossOptions(clip_eps_low=0.2, clip_eps_high=0.28)
-    loss, metrics = policy_loss("cispo", logp, old, adv, mask, token_mean(mask), opts)
+    loss, metrics = policy_loss("cispo", PolicyInputs(logp, old, adv, mask), token_mean(mask), opts)
     assert float(loss) == pytest.approx(-0.16)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([-0.64, 0.4])
     assert metrics["policy/clipfrac"] == 1.0 and metrics["policy/clipfrac_upper"] == 0.5
     ppo = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
-    policy_loss("ppo_clip", ppo, old, adv, mask, token_mean(mask), opts)[0].backward()
+    policy_loss("ppo_clip", PolicyInputs(ppo, old, adv, mask), token_mean(mask), opts)[0].backward()
     assert ppo.grad.tolist() == [[0.0, 0.0]]
 
 
@@ -285,8 +280,8 @@ def test_cispo_on_policy_is_the_policy_gradient():
     adv = torch.tensor([[0.5, -2.0, 1.5]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     norm = token_mean(mask)
-    cispo = policy_loss("cispo", logp, None, adv, mask, norm)[0]
+    cispo = policy_loss("cispo", PolicyInputs(logp, None, adv, mask), norm)[0]
     grad_cispo, = torch.autograd.grad(cispo, logp)
-    pg = policy_loss("pg", logp, None, adv, mask, norm)[0]
+    pg = policy_loss("pg", PolicyInputs(logp, None, adv, mask), norm)[0]
     grad_pg, = torch.autograd.grad(pg, logp)
     assert torch.allclose(grad_cispo, grad_pg) and float(cispo) == pytest.approx(float(pg))

@@ -114,7 +114,7 @@ def all_losses(d, mode, opts):
     norm = make_normalizer(mode, d["mask"], max_len=5)
     total, metrics = 0.0, {}
     for name in ("ppo_clip", "pg"):
-        loss, m = policy_loss(name, d["logp"], d["old"], d["adv"], d["mask"], norm, opts, ref_logp=d["ref"])
+        loss, m = policy_loss(name, PolicyInputs(d["logp"], d["old"], d["adv"], d["mask"], ref_logp=d["ref"]), norm, opts)
         total, metrics = total + loss, {**metrics, **m}
     for kind in ("k1", "k3", "k3_st", "abs"):
         loss, m = kl_loss(d["logp"], d["ref"], d["mask"], norm, 0.1, kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -13,9 +14,14 @@ from tests.helpers import tiny_overrides
 
 
 def test_the_train_function_documents_itself():
-    # help(covey.train) opens with the call a user makes, not with the package's layout
-    assert covey.train.__doc__.startswith("covey.train(config, reward_funcs=None, reward_weights=None, tools=None, "
-                                          "environment_factory=None)")
+    # help(covey.train) opens with the call a user makes (its signature: TRL's keywords), not with the package's
+    # layout; covey.open_run takes the same keywords
+    keywords = ["reward_funcs", "reward_weights", "tools", "environment_factory"]
+    for function in (covey.train, covey.open_run):
+        params = inspect.signature(function).parameters
+        assert list(params)[:5] == ["config", *keywords]
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY and params[k].default is None for k in keywords)
+    assert callable(covey.train) and covey.train.__doc__.startswith("Train a policy as `config`")
 
 
 def test_a_function_weight_pair_points_to_reward_weights(tmp_path):

@@ -6,11 +6,12 @@ import torch
 pytest.importorskip("peft")
 
 from covey.train.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
-from covey.config import ConfigError, load_config  # noqa: E402
+from covey.config import ConfigError, as_dict, load_config  # noqa: E402
 from covey.passes.logprobs import batched_logprobs  # noqa: E402
 from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
 from covey.models.load import ModelError, load_policy, param_memory_mb  # noqa: E402
 from covey.train.loop import open_run, steps  # noqa: E402
+from covey.train.plan import make_plan  # noqa: E402
 from covey.train.setup import build_run  # noqa: E402
 from tests.helpers import tiny_overrides  # noqa: E402
 
@@ -81,7 +82,7 @@ def test_reference_logprobs_equal_the_base_model(tiny_model_dir):
 
 def test_checkpoint_restores_adapters(tiny_model_dir, tmp_path):
     cfg = lora_config(tiny_model_dir, tmp_path)
-    run = build_run(cfg, tmp_path / "t", 16)
+    run = build_run(make_plan(cfg), tmp_path / "t", 16, record=as_dict(cfg))
     run.logger = None
     with torch.no_grad():
         for name, p in run.policy.named_parameters():

@@ -1,5 +1,6 @@
 """covey.models.offload: a frozen reference read from its model files for its passes only, same outputs."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from covey.models.load import load_policy, load_reference
 from covey.passes.logprobs import batched_logprobs
 from covey.models.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
                            offload_reference, read_safetensors, release_weights)
+from covey.train.plan_setup import model_options
 from tests.helpers import grouped_rollout
 
 
@@ -45,15 +47,14 @@ def test_refused_when_the_weights_are_not_the_files(tiny_model_dir):
 
 def test_only_a_reference_that_never_changes_in_one_process(tiny_model_dir):
     policy, _ = load_policy(tiny_model_dir)
-    model = ModelConfig(path=tiny_model_dir)
+    model = model_options(ModelConfig(path=tiny_model_dir))
     assert not maybe_offload_reference(load_reference(policy), model, 2, reference_moves=False)
     # a refreshed or EMA reference (algo.ref_refresh_every, algo.ref_ema) moves away from the files
     assert not maybe_offload_reference(load_reference(policy), model, 1, reference_moves=True)
-    assert not maybe_offload_reference(load_reference(policy), ModelConfig(path=tiny_model_dir, lora_rank=8), 1,
+    assert not maybe_offload_reference(load_reference(policy), dataclasses.replace(model, lora_rank=8), 1,
                                        reference_moves=False)  # a LoRA reference is a view of the policy
-    model.offload_reference = False
-    assert not maybe_offload_reference(load_reference(policy), model, 1, reference_moves=False)
-    model.offload_reference = True
+    assert not maybe_offload_reference(load_reference(policy), dataclasses.replace(model, offload_reference=False),
+                                       1, reference_moves=False)
     assert maybe_offload_reference(load_reference(policy), model, 1, reference_moves=False)
     assert not maybe_offload_reference(None, model, 1, reference_moves=False)
 
@@ -134,7 +135,7 @@ def test_bf16_linear_weights_give_the_same_bits_under_autocast(tiny_model_dir):
 def test_offloaded_bf16_reference_reads_its_files_rounded(tiny_model_dir):
     policy, tok = load_policy(tiny_model_dir)
     kept, offloaded = load_reference(policy), load_reference(policy)
-    model = ModelConfig(path=tiny_model_dir, autocast="bfloat16")
+    model = model_options(ModelConfig(path=tiny_model_dir, autocast="bfloat16"))
     assert maybe_offload_reference(offloaded, model, 1, reference_moves=False)
     assert maybe_hold_reference_in_bf16(offloaded, model, 1, reference_moves=False)
     rollout = grouped_rollout(tok)
@@ -149,7 +150,7 @@ def test_bf16_reference_only_for_an_unchanging_one_under_bf16_autocast(tiny_mode
     policy, _ = load_policy(tiny_model_dir)
 
     def lowered(world_size=1, moves=False, **changes) -> bool:
-        model = ModelConfig(**{"path": tiny_model_dir, "autocast": "bfloat16", **changes})
+        model = model_options(ModelConfig(**{"path": tiny_model_dir, "autocast": "bfloat16", **changes}))
         reference = load_reference(policy)
         done = maybe_hold_reference_in_bf16(reference, model, world_size, reference_moves=moves)
         dtypes = {p.dtype for p in reference.parameters()}
@@ -160,7 +161,7 @@ def test_bf16_reference_only_for_an_unchanging_one_under_bf16_autocast(tiny_mode
     assert not lowered(autocast="none")
     assert not lowered(moves=True)  # refreshed, or mixed from the policy each step (EMA): must stay exact
     assert not lowered(world_size=2)
-    assert not maybe_hold_reference_in_bf16(None, ModelConfig(), 1, reference_moves=False)
+    assert not maybe_hold_reference_in_bf16(None, model_options(ModelConfig()), 1, reference_moves=False)
 
 
 def test_read_safetensors_converts_as_it_reads(tmp_path):

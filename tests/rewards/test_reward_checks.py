@@ -18,15 +18,22 @@ from types import SimpleNamespace
 import pytest
 
 import covey
-import covey.train.loop  # imported before timing a run: the check is timed, not torch's import
 from covey.cli.main import main
 from covey.config import load_config
-from covey.rewards.build import build_rewarder, check_user_rewards, user_terms
+from covey.rewards.build import RewardOptions, build_rewarder, check_user_rewards, user_terms
+from covey.train import inputs, setup
+from covey.train import loop  # noqa: F401 - imported before timing a run: the check is timed, not torch's import
+from covey.train.plan import make_plan
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.tasks.base import Example
 from tests.helpers import tiny_overrides
 
 math_verify = pytest.importorskip("math_verify")
+
+
+def rewards(*keys: str) -> RewardOptions:
+    """The plan's reward section of the default config with `keys`."""
+    return make_plan(load_config(None, list(keys))).rewards
 
 
 def in_main_thread(completions, **kwargs):
@@ -135,22 +142,22 @@ def scalar(completions, **kwargs):
 
 def test_a_parameter_that_is_no_column_is_one_line():
     with pytest.raises(ValueError) as err:
-        check_user_rewards(load_config(None, []), [needs_solution], data_with(topic="sums"))
+        check_user_rewards(rewards(), [needs_solution], data_with(topic="sums"))
     assert str(err.value) == (
         "reward function 'needs_solution' takes 'solution', which is not a column of the training data nor a keyword "
         "covey passes (answer, completion_ids, completion_lengths, completions, prompts, topic, trainer_state): "
         "rename it, give it a default, or read it from **kwargs")
-    terms = check_user_rewards(load_config(None, []), [needs_solution], data_with(solution="5"))
+    terms = check_user_rewards(rewards(), [needs_solution], data_with(solution="5"))
     assert terms[0].name == "needs_solution"
 
 
 def test_a_positional_only_parameter_is_one_line():
     with pytest.raises(ValueError, match=r"^reward function 'positional_only' takes 'completions' by position only"):
-        check_user_rewards(load_config(None, []), [positional_only], data_with())
+        check_user_rewards(rewards(), [positional_only], data_with())
 
 
 def test_a_function_without_kwargs_gets_only_what_it_names():
-    terms = check_user_rewards(load_config(None, []), named_columns_only, data_with(topic="sums"))  # one callable
+    terms = check_user_rewards(rewards(), named_columns_only, data_with(topic="sums"))  # one callable
     assert terms[0].keywords == {"completions", "topic"}
     assert Rewarder(terms)(["p"] * 2, ["a", "b"], {"answer": ["1", "1"], "topic": ["sums", "x"]}).total.tolist() == [
         1.0, 0.0]
@@ -162,7 +169,7 @@ def test_a_function_without_kwargs_gets_only_what_it_names():
 ])
 def test_the_call_before_training_names_the_function_and_the_error(fn, fault):
     with pytest.raises(RewardError) as err:
-        check_user_rewards(load_config(None, []), [fn], data_with())
+        check_user_rewards(rewards(), [fn], data_with())
     assert str(err.value) == (f"reward function '{fn.__name__}' {fault}, called before training on the first "
                               "training prompt ('What is 2 + 3?') with the completion 'The answer is 5.'")
 
@@ -187,7 +194,7 @@ def test_a_function_named_like_a_builtin_term_is_user_colon_name():
     def format(completions, **kwargs):  # noqa: A001 - the clash under test
         return [0.0] * len(completions)
 
-    rewarder = build_rewarder(load_config(None, ["reward.format=0.5"]), extra=[format])
+    rewarder = build_rewarder(rewards("reward.format=0.5"), extra=[format])
     assert [t.name for t in rewarder.terms] == ["correctness", "format", "user:format"]
 
 
@@ -197,8 +204,8 @@ def broken_reward(completions, **kwargs):
 
 def test_a_broken_function_fails_in_seconds_before_any_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
     loaded = []
-    monkeypatch.setattr(covey.train.inputs, "resolve_model_path", lambda *a, **k: loaded.append("found"))
-    monkeypatch.setattr(covey.train.setup, "load_policy", lambda *a, **k: loaded.append("loaded"))
+    monkeypatch.setattr(inputs, "resolve_model_path", lambda *a, **k: loaded.append("found"))
+    monkeypatch.setattr(setup, "load_policy", lambda *a, **k: loaded.append("loaded"))
     t0 = time.perf_counter()
     code = main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **{
         "reward.functions": "tests.rewards.test_reward_checks:broken_reward"})])
@@ -211,7 +218,7 @@ def test_a_broken_function_fails_in_seconds_before_any_model_loads(tiny_model_di
 
 
 def test_one_callable_is_a_list_of_one_and_is_checked_first(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(covey.train.setup, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(setup, "load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path))
     with pytest.raises(ValueError, match=r"^reward function 'needs_solution' takes 'solution', which is not a column"):
         covey.train(cfg, reward_funcs=needs_solution)

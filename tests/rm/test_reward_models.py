@@ -434,10 +434,11 @@ def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
 
 def test_rewarder_composes_language_rm_and_monitors_the_verifier(tiny_rm):
     from covey.rewards.build import build_rewarder
+    from covey.train.plan import make_plan
     folder, _ = tiny_rm
     cfg = load_config(None, ["reward.correctness=0", f"reward.model_path={folder}", "reward.language=0.5",
                              "reward.language_target=zh"])
-    rewarder = build_rewarder(cfg)
+    rewarder = build_rewarder(make_plan(cfg).rewards)
     assert [(t.name, t.weight) for t in rewarder.terms] == [("correctness", 0.0), ("language", 0.5), ("rm", 1.0)]
     scores = rewarder(["What is 3 * 4?"] * 2, ["答案是 12", "The answer is 12."], {"answer": ["12", "12"]})
     assert scores.parts["correctness"].tolist() == [1.0, 1.0] and scores.parts["language"].tolist() == [1.0, 0.0]

@@ -75,5 +75,5 @@ def test_reward_tool_use_is_a_term_of_the_run_at_its_weight():
     from covey.rewards.build import build_rewarder
 
     cfg = load_config(None, ["rollout.tools=calculator", "reward.tool_use=0.25"])
-    terms = {t.name: t.weight for t in build_rewarder(cfg).terms}
+    terms = {t.name: t.weight for t in build_rewarder(make_plan(cfg).rewards).terms}
     assert terms["tool_use"] == 0.25 and terms["correctness"] == 1.0

@@ -16,6 +16,7 @@ import torch
 
 from covey.config import load_config
 from covey.models.load import load_policy
+from covey.rollout.factory import start_vllm
 from covey.rollout.vllm import (SampledRollout, VLLMEngine, WeightSyncTimeout, lora_rank_for_vllm,
                                 outputs_to_rollout, run_with_timeout, weight_buckets)
 from covey.train.loop import correct_sampler_mismatch
@@ -193,7 +194,8 @@ def test_vllm_sampling_logprobs_match_the_trainer_and_follow_a_sync(vllm_model_d
     cfg = load_config(None, tiny_overrides(vllm_model_dir, tmp_path, **{"rollout.engine": "vllm",
                                                                           "rollout.vllm_gpu_memory_utilization": 0.2}))
     policy, tokenizer = load_policy(vllm_model_dir, device="cuda")
-    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, policy, tokenizer, seed=cfg.train.seed)
+    plan = make_plan(cfg)
+    engine = start_vllm(plan.engine, plan.model, policy, tokenizer)
     prompts = ["<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"] * 2
     rollout = engine.generate(prompts, 4, seeds=[1, 2])
     trainer = batched_logprobs(policy, rollout, 1.0, 8)

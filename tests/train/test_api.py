@@ -13,6 +13,7 @@ import pytest
 import covey
 from covey.config import load_config
 from covey.rewards.build import build_rewarder
+from covey.train.plan import make_plan
 from tests.helpers import tiny_overrides
 
 # The README's Python example (section "Python"), read from the README itself.
@@ -67,7 +68,7 @@ def quarter_lengths(completions, completion_lengths, **kwargs):
 
 def test_reward_funcs_take_callables_and_weighted_strings_by_keyword():
     cfg = load_config(None, ["reward.functions=tests/train/test_api.py:quarter_lengths:0.25"])
-    rewarder = build_rewarder(cfg, extra=[lengths_reward, "tests.helpers:varied_reward:2"])
+    rewarder = build_rewarder(make_plan(cfg).rewards, extra=[lengths_reward, "tests.helpers:varied_reward:2"])
     assert [(t.name, t.weight) for t in rewarder.terms] == [  # named by the function, as TRL names them
         ("correctness", 1.0), ("quarter_lengths", 0.25), ("lengths_reward", 1.0), ("varied_reward", 2.0)]
     completions = ["The answer is 12.", "no idea"]
@@ -88,18 +89,20 @@ def test_reward_funcs_take_callables_and_weighted_strings_by_keyword():
 ])
 def test_unusable_reward_funcs_fail_in_one_line(funcs, message):
     with pytest.raises(ValueError) as err:
-        build_rewarder(load_config(None, []), extra=funcs)
+        build_rewarder(make_plan(load_config(None, [])).rewards, extra=funcs)
     assert str(err.value) == message
 
 
-def test_covey_is_light_and_covey_train_is_a_callable_package():
-    code = ("import sys, covey; assert 'torch' not in sys.modules, 'import covey imported torch'; "
-            "import covey.train.loop, covey.train.api, types; "
-            "assert callable(covey.train) and isinstance(covey.train.loop, "
-            "types.ModuleType); print(covey.train.api.train is not None)")
+def test_covey_is_light_and_covey_train_is_one_function():
+    """`import covey` loads no torch; covey.train stays the function once the package's modules are imported
+    (`from covey.train import loop`), and the step API is loop's."""
+    code = ("import sys, types, covey; assert 'torch' not in sys.modules, 'import covey imported torch'; "
+            "from covey.train import loop; import covey.train.setup; "
+            "assert isinstance(covey.train, types.FunctionType) and covey.open_run is loop.open_run; "
+            "print(covey.train.__module__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
-    with pytest.raises(TypeError, match="covey.train takes the Config of covey.load_config"):
+    assert done.returncode == 0 and done.stdout.strip() == "covey", done.stderr[-2000:]
+    with pytest.raises(TypeError, match="covey.train and covey.open_run take the Config of covey.load_config"):
         covey.train("grpo")
 
 

@@ -14,6 +14,7 @@ from covey.train.checkpoint import CheckpointError, config_differences, list_che
 from covey.cli.main import main
 from covey.config import as_dict, load_config
 from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
+from covey.train.plan import make_plan
 from covey.train.setup import build_run
 from tests.helpers import tiny_overrides
 
@@ -106,7 +107,7 @@ def test_disk_full_mid_write_keeps_previous_checkpoint(failure, reason, tiny_mod
 @pytest.fixture
 def tiny_run(tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path))
-    run = build_run(cfg, tmp_path / "t", 16)
+    run = build_run(make_plan(cfg), tmp_path / "t", 16, record=as_dict(cfg))
     (tmp_path / "t").mkdir()
     return run
 

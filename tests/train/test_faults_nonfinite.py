@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import covey.algos
-import covey.train.update
+from covey.train import update
 from covey.train.checkpoint import list_checkpoints
 from covey.cli.main import main
 from covey.runtime.metrics import read_metrics
@@ -35,7 +35,7 @@ def poison_policy_loss(monkeypatch, from_call: int, until_call: int = 10**9, kin
     Each step runs 2 micro-batches (8 sequences, micro_batch_size 4); a poisoned first
     micro-batch ends its step's loop, so step k >= 2 starts at call 2k - 1 when step 2 is poisoned.
     """
-    real = covey.train.update.micro_policy_loss
+    real = update.micro_policy_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -45,7 +45,7 @@ def poison_policy_loss(monkeypatch, from_call: int, until_call: int = 10**9, kin
             loss = loss * float("nan") if kind == "nan" else InfGrad.apply(loss)
         return loss, metrics
 
-    monkeypatch.setattr(covey.train.update, "micro_policy_loss", poisoned)
+    monkeypatch.setattr(update, "micro_policy_loss", poisoned)
 
 
 def train(model_dir, out, **extra) -> int:

@@ -9,7 +9,7 @@ from covey.models.load import checkpoints_activations, enable_gradient_checkpoin
 from covey.models.critic import ValueModel
 from covey.models.lora import add_adapters, frozen_reference
 from covey.passes.logprobs import packs
-from covey.train.api import train
+from covey import train
 from tests.helpers import tiny_overrides
 
 KEYS = ("reward/mean", "optim/grad_norm", "policy/loss", "critic/loss", "critic/grad_norm", "kl/ref")

@@ -18,7 +18,7 @@ KEYS = ["model.autocast=none", "rollout.precision=float32", "rollout.max_new_tok
 def tiny_run(tiny_model_dir, *extra):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *KEYS, *extra])
     policy, _ = load_policy(tiny_model_dir)
-    return policy, make_plan(cfg), cfg
+    return policy, make_plan(cfg)
 
 
 def test_the_tiny_grpo_run_priced_by_hand(tiny_model_dir):
@@ -33,8 +33,8 @@ def test_the_tiny_grpo_run_priced_by_hand(tiny_model_dir):
     The sampler's row in fp32: 2 x 2 layers x 2 heads x 16 x 4 = 512 + 12 = 524 a position, x 9 = 4716, + 8 x
     512 = 8812; a group of 8 samples: 70496.
     Least: 427328 + 427264 + 854528 + 427328 + 96768 + 70496 = 2303712 bytes."""
-    policy, plan, cfg = tiny_run(tiny_model_dir)
-    shape = memory_fit.run_shape(policy, plan, cfg, "cuda", 9)
+    policy, plan = tiny_run(tiny_model_dir)
+    shape = memory_fit.run_shape(policy, plan, "cuda", 9)
     assert (shape.weights, shape.trained, shape.trained_bytes, shape.reference) == (427328, 106816, 427264, 427328)
     assert (shape.sampling_copy, shape.activations, shape.kv_cache) == (0, 96768, 70496)
     assert sum(memory_fit.b.least_parts(shape).values()) == 2_303_712
@@ -44,9 +44,9 @@ def test_lora_drops_the_reference_and_trains_the_adapters(tiny_model_dir):
     """r = 4 on every linear: a layer's inputs + outputs are q 128, k 96, v 96, o 128, gate, up, down 3 x 192 =
     1024, x 4 x 2 layers = 8192 adapters (32768 bytes); the reference is the base with adapters off."""
     from covey.models.lora import add_adapters
-    policy, plan, cfg = tiny_run(tiny_model_dir, "model.lora_rank=4")
+    policy, plan = tiny_run(tiny_model_dir, "model.lora_rank=4")
     policy = add_adapters(policy, 4, 16, "all-linear")
-    shape = memory_fit.run_shape(policy, plan, cfg, "cuda", 9)
+    shape = memory_fit.run_shape(policy, plan, "cuda", 9)
     assert (shape.trained, shape.trained_bytes, shape.reference) == (8192, 32768, 0)
     assert shape.weights == 427328 + 32768
     assert memory_fit.b.lora_parameters(policy.config, 4) == 8192
@@ -61,18 +61,18 @@ def card(monkeypatch):
 
 
 def test_a_run_that_cannot_fit_stops_in_one_line_with_what_would_fit(tiny_model_dir, card):
-    policy, plan, cfg = tiny_run(tiny_model_dir)
+    policy, plan = tiny_run(tiny_model_dir)
     card["bytes"] = 2_303_712  # the least, to the byte (above): it fits
-    memory_fit.check_loaded_policy(policy, plan, cfg, "cuda", 1)
+    memory_fit.check_loaded_policy(policy, plan, "cuda", 1)
     card["bytes"] -= 1
     with pytest.raises(DoesNotFit) as err:
-        memory_fit.check_loaded_policy(policy, plan, cfg, "cuda", 1)
+        memory_fit.check_loaded_policy(policy, plan, "cuda", 1)
     line = str(err.value)
     assert "\n" not in line and line.startswith("GPU memory: the run needs at least 0.0 GiB (weights 0.0, gradients")
     for setting in ("model.lora_rank=16", "model.gradient_checkpointing=true", "rollout.max_new_tokens=4"):
         assert setting in line
-    memory_fit.check_loaded_policy(policy, plan, cfg, "cpu", 1)  # no budget on a CPU
-    memory_fit.check_loaded_policy(policy, plan, cfg, "cuda", 2)  # nor under torchrun
+    memory_fit.check_loaded_policy(policy, plan, "cpu", 1)  # no budget on a CPU
+    memory_fit.check_loaded_policy(policy, plan, "cuda", 2)  # nor under torchrun
 
 
 def test_the_retired_key_names_what_replaced_it(tmp_path, capsys):

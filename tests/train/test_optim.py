@@ -19,7 +19,14 @@ from covey.config.checks import CHOICES
 from covey.models.tiny import tiny_llama
 from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
 from covey.train.optim import OPTIMIZERS, check_optimizer, make_optimizer, state_bytes, state_tensors
+from covey.train.plan_setup import OptimizerOptions, optimizer_options
 from tests.helpers import tiny_overrides
+
+
+def optim_options(**keys) -> OptimizerOptions:
+    """The plan's optimizer section of optim.* with `keys` (the rest at their defaults)."""
+    return optimizer_options(OptimConfig(**keys))
+
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (pip install 'covey[lowmem]')")
@@ -47,9 +54,9 @@ def test_bad_combinations_fail_in_one_line_naming_the_key(overrides, message):
 
 
 @pytest.mark.parametrize("optim, message", [
-    (OptimConfig(name="paged_adamw_8bit"), "optim.name=paged_adamw_8bit pages its state between GPU and CPU "
+    (optim_options(name="paged_adamw_8bit"), "optim.name=paged_adamw_8bit pages its state between GPU and CPU "
                                            "memory: it needs CUDA (train.device is cpu)"),
-    (OptimConfig(offload=True), "optim.offload=true moves the optimizer state off a GPU: it needs CUDA "
+    (optim_options(offload=True), "optim.offload=true moves the optimizer state off a GPU: it needs CUDA "
                                 "(train.device is cpu)"),
 ])
 def test_gpu_only_options_are_refused_on_a_cpu(optim, message):
@@ -58,9 +65,9 @@ def test_gpu_only_options_are_refused_on_a_cpu(optim, message):
 
 
 @pytest.mark.parametrize("optim, device, key, package, extra", [
-    (OptimConfig(name="adamw_8bit"), "cpu", "optim.name=adamw_8bit", "torchao", "lowmem"),
-    (OptimConfig(name="paged_adamw_8bit"), "cuda", "optim.name=paged_adamw_8bit", "bitsandbytes", "lowmem-cuda"),
-    (OptimConfig(offload=True), "cuda", "optim.offload=true", "torchao", "lowmem"),
+    (optim_options(name="adamw_8bit"), "cpu", "optim.name=adamw_8bit", "torchao", "lowmem"),
+    (optim_options(name="paged_adamw_8bit"), "cuda", "optim.name=paged_adamw_8bit", "bitsandbytes", "lowmem-cuda"),
+    (optim_options(offload=True), "cuda", "optim.offload=true", "torchao", "lowmem"),
 ])
 def test_a_missing_package_is_one_line_naming_the_key_and_the_extra(monkeypatch, optim, device, key, package, extra):
     # torchao is a CPU-safe wheel (lowmem); bitsandbytes' CUDA builds come only with lowmem-cuda
@@ -92,7 +99,7 @@ def test_the_cli_refuses_a_gpu_only_optimizer_before_the_model_loads(tiny_model_
 
 def test_adamw_is_unchanged_fused_torch_adamw_with_its_moments_allocated():
     model = torch.nn.Linear(4, 3)
-    opt = make_optimizer(model.parameters(), 1e-3, OptimConfig(betas="0.9,0.95", weight_decay=0.1))
+    opt = make_optimizer(model.parameters(), 1e-3, optim_options(betas="0.9,0.95", weight_decay=0.1))
     assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["fused"]
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and opt.param_groups[0]["weight_decay"] == 0.1
     # 15 parameters x 2 fp32 moments x 4 bytes + 2 step counters x 4 bytes = 128
@@ -134,7 +141,7 @@ def test_stochastic_rounding_is_unbiased():
     shape, lr = (512, 64), 2.0 ** -9
     n = shape[0] * shape[1]
     weights = torch.nn.Parameter(torch.ones(shape, dtype=torch.bfloat16))
-    opt = make_optimizer([weights], lr, OptimConfig(name="adamw_bf16"))
+    opt = make_optimizer([weights], lr, optim_options(name="adamw_bf16"))
     weights.grad = torch.full(shape, -1.0, dtype=torch.bfloat16)
     opt.step()
     values = weights.detach().float()
@@ -158,7 +165,7 @@ def test_low_bit_moments_hold_a_constant_gradient_exactly(name, code_bytes):
     torch.manual_seed(0)
     w0 = torch.randn(64, 64)
     w = torch.nn.Parameter(w0.clone())
-    opt = make_optimizer([w], 0.01, OptimConfig(name=name))
+    opt = make_optimizer([w], 0.01, optim_options(name=name))
     for _ in range(3):
         w.grad = torch.full_like(w, 0.5)
         opt.step()
@@ -178,7 +185,7 @@ def test_a_checkpoint_refuses_a_non_finite_quantized_moment():
     from covey.train.checkpoint import CheckpointError, assert_finite_state
 
     policy = torch.nn.Linear(64, 64, bias=False)
-    opt = make_optimizer(policy.parameters(), 1e-3, OptimConfig(name="adamw_8bit"))
+    opt = make_optimizer(policy.parameters(), 1e-3, optim_options(name="adamw_8bit"))
     policy.weight.grad = torch.ones(64, 64)
     opt.step()
     run = SimpleNamespace(policy=policy, optimizer=opt, critic=None, reference=None, step=7)
@@ -195,7 +202,7 @@ def loss_curve(name: str, dtype: torch.dtype, steps: int = 20, lr: float = 3e-3)
     """The tiny Llama fitting one fixed batch of random tokens (next-token cross-entropy) for `steps` steps."""
     torch.manual_seed(0)
     model = tiny_llama(512).to(dtype)
-    opt = make_optimizer(model.parameters(), lr, OptimConfig(name=name))
+    opt = make_optimizer(model.parameters(), lr, optim_options(name=name))
     ids = torch.randint(3, 512, (8, 24), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
@@ -257,11 +264,11 @@ def test_a_saved_and_restored_state_continues_exactly(name, dtype):
         opt.zero_grad(set_to_none=True)
 
     straight = model()
-    opt = make_optimizer(straight.parameters(), 1e-2, OptimConfig(name=name))
+    opt = make_optimizer(straight.parameters(), 1e-2, optim_options(name=name))
     for i in range(4):
         step(straight, opt, i)
     first = model()
-    opt = make_optimizer(first.parameters(), 1e-2, OptimConfig(name=name))
+    opt = make_optimizer(first.parameters(), 1e-2, optim_options(name=name))
     for i in range(2):
         step(first, opt, i)
     buffer = io.BytesIO()
@@ -270,7 +277,7 @@ def test_a_saved_and_restored_state_continues_exactly(name, dtype):
     saved = torch.load(buffer, weights_only=False, map_location="cpu")
     resumed = model()
     resumed.load_state_dict(saved["model"])
-    opt = make_optimizer(resumed.parameters(), 1e-2, OptimConfig(name=name))
+    opt = make_optimizer(resumed.parameters(), 1e-2, optim_options(name=name))
     opt.load_state_dict(saved["optimizer"])
     torch.set_rng_state(saved["rng"])
     for i in range(2, 4):

@@ -15,7 +15,14 @@ from covey.config import OptimConfig
 from covey.models.tiny import tiny_llama
 from covey.runtime.metrics import read_metrics
 from covey.train.optim import make_optimizer
+from covey.train.plan_setup import OptimizerOptions, optimizer_options
 from tests.helpers import tiny_overrides
+
+
+def optim_options(**keys) -> OptimizerOptions:
+    """The plan's optimizer section of optim.* with `keys` (the rest at their defaults)."""
+    return optimizer_options(OptimConfig(**keys))
+
 
 pytestmark = pytest.mark.gpu
 needs = {package: pytest.mark.skipif(importlib.util.find_spec(package) is None,
@@ -23,7 +30,7 @@ needs = {package: pytest.mark.skipif(importlib.util.find_spec(package) is None,
          for package in ("torchao", "bitsandbytes")}
 
 
-def loss_curve(optim: OptimConfig, dtype=torch.float32, steps: int = 20, lr: float = 3e-3,
+def loss_curve(optim: OptimizerOptions, dtype=torch.float32, steps: int = 20, lr: float = 3e-3,
                max_norm: float = 0.0) -> list[float]:
     """The tiny Llama fitting one fixed batch of random tokens on cuda (as tests/train/test_optim.py on the CPU);
     max_norm > 0 clips the gradient as covey's update does before each step."""
@@ -45,14 +52,14 @@ def loss_curve(optim: OptimConfig, dtype=torch.float32, steps: int = 20, lr: flo
 
 @pytest.fixture(scope="module")
 def adamw_curve():
-    return loss_curve(OptimConfig())
+    return loss_curve(optim_options())
 
 
 @pytest.mark.parametrize("optim, dtype, share", [
-    pytest.param(OptimConfig(name="paged_adamw_8bit"), torch.float32, 0.99, marks=needs["bitsandbytes"]),
-    pytest.param(OptimConfig(name="adamw_8bit"), torch.float32, 0.99, marks=needs["torchao"]),
-    pytest.param(OptimConfig(name="adamw_bf16"), torch.bfloat16, 0.99, marks=needs["torchao"]),
-    pytest.param(OptimConfig(name="adamw_8bit", offload=True), torch.float32, 0.99, marks=needs["torchao"]),
+    pytest.param(optim_options(name="paged_adamw_8bit"), torch.float32, 0.99, marks=needs["bitsandbytes"]),
+    pytest.param(optim_options(name="adamw_8bit"), torch.float32, 0.99, marks=needs["torchao"]),
+    pytest.param(optim_options(name="adamw_bf16"), torch.bfloat16, 0.99, marks=needs["torchao"]),
+    pytest.param(optim_options(name="adamw_8bit", offload=True), torch.float32, 0.99, marks=needs["torchao"]),
 ], ids=["paged_adamw_8bit", "adamw_8bit", "adamw_bf16", "adamw_8bit-offload"])
 def test_low_memory_optimizers_learn_like_fp32_adamw_on_cuda(adamw_curve, optim, dtype, share):
     """The tolerances of the CPU test (tests/train/test_optim.py): at least 99% of fp32 AdamW's loss decrease,
@@ -72,8 +79,8 @@ def test_offloaded_adamw_steps_on_the_clipped_gradients():
     to a norm of 0.01 (far below the tiny model's, so every step is clipped): the same curve up to float
     rounding. Without the copy of the clipped gradients the offloaded steps would see the unclipped ones,
     whose Adam steps differ (at step 1 Adam's update is lr * sign(g) either way, so from step 2 on)."""
-    on_gpu = loss_curve(OptimConfig(), max_norm=0.01)
-    offloaded = loss_curve(OptimConfig(offload=True), max_norm=0.01)
+    on_gpu = loss_curve(optim_options(), max_norm=0.01)
+    offloaded = loss_curve(optim_options(offload=True), max_norm=0.01)
     torch.testing.assert_close(offloaded, on_gpu, rtol=1e-4, atol=1e-4)
     assert on_gpu[0] - on_gpu[-1] > 0.5, "the clipped run learns: the test can fail"
 
@@ -85,14 +92,14 @@ def test_offloaded_state_saves_and_restores_exactly():
     def run(split: bool):
         torch.manual_seed(0)
         model = tiny_llama(512).cuda()
-        opt = make_optimizer(model.parameters(), 1e-3, OptimConfig(name="adamw_8bit", offload=True))
+        opt = make_optimizer(model.parameters(), 1e-3, optim_options(name="adamw_8bit", offload=True))
         ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
         for i in range(4):
             if split and i == 2:
                 buffer = io.BytesIO()
                 torch.save(opt.state_dict(), buffer)
                 buffer.seek(0)
-                opt = make_optimizer(model.parameters(), 1e-3, OptimConfig(name="adamw_8bit", offload=True))
+                opt = make_optimizer(model.parameters(), 1e-3, optim_options(name="adamw_8bit", offload=True))
                 opt.load_state_dict(torch.load(buffer, weights_only=False, map_location="cpu"))
             model(ids, labels=ids).loss.backward()
             opt.step()
@@ -108,14 +115,14 @@ def test_paged_adamw_8bit_state_saves_and_restores_exactly():
     def run(split: bool):
         torch.manual_seed(0)
         model = tiny_llama(512).cuda()
-        opt = make_optimizer(model.parameters(), 1e-3, OptimConfig(name="paged_adamw_8bit"))
+        opt = make_optimizer(model.parameters(), 1e-3, optim_options(name="paged_adamw_8bit"))
         ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(1)).cuda()
         for i in range(4):
             if split and i == 2:
                 buffer = io.BytesIO()
                 torch.save(opt.state_dict(), buffer)
                 buffer.seek(0)
-                opt = make_optimizer(model.parameters(), 1e-3, OptimConfig(name="paged_adamw_8bit"))
+                opt = make_optimizer(model.parameters(), 1e-3, optim_options(name="paged_adamw_8bit"))
                 opt.load_state_dict(torch.load(buffer, weights_only=False, map_location="cpu"))
             model(ids, labels=ids).loss.backward()
             opt.step()

@@ -5,6 +5,7 @@ from pathlib import Path
 from covey.config import load_config
 from covey.tasks.base import Example
 from covey.tasks.data import TaskData
+from covey.train.plan import make_plan
 from covey.train.setup import choose_verifier, print_header
 
 
@@ -14,14 +15,14 @@ def data(answers_train, answers_eval, overlap=0):
 
 
 def test_auto_reads_numbers_with_math_and_text_with_normalized(capsys):
-    assert choose_verifier(load_config(None, []), data(["12", "7"], ["3"])) == "math"
+    assert choose_verifier(make_plan(load_config(None, [])), data(["12", "7"], ["3"])) == "math"
     assert capsys.readouterr().out == "covey: held-out metric: accuracy by the math verifier (eval.metric=auto)\n"
-    assert choose_verifier(load_config(None, []), data(["Paris", "7"], ["Rome"])) == "normalized"
+    assert choose_verifier(make_plan(load_config(None, [])), data(["Paris", "7"], ["Rome"])) == "normalized"
     assert "warning" not in capsys.readouterr().out
 
 
 def test_math_on_text_answers_warns_with_the_count(capsys):
-    assert choose_verifier(load_config(None, ["eval.metric=math"]), data(["Paris", "7"], ["Rome"])) == "math"
+    assert choose_verifier(make_plan(load_config(None, ["eval.metric=math"])), data(["Paris", "7"], ["Rome"])) == "math"
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["covey: held-out metric: accuracy by the math verifier",
                      "covey: warning: 2 of 3 reference answers are not numbers, which the math verifier scores 0 "
@@ -30,7 +31,7 @@ def test_math_on_text_answers_warns_with_the_count(capsys):
 
 def test_reward_metric_names_its_threshold(capsys):
     cfg = load_config(None, ["eval.metric=reward", "eval.reward_threshold=0.5"])
-    assert choose_verifier(cfg, data(["12"], ["3"])) == "math"  # the correctness reward's verifier
+    assert choose_verifier(make_plan(cfg), data(["12"], ["3"])) == "math"  # the correctness reward's verifier
     assert capsys.readouterr().out == "covey: held-out metric: reward >= 0.5 (eval.metric=reward)\n"
 
 
