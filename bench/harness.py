@@ -1,15 +1,10 @@
-"""The benchmark harness: trainer runs as child processes under one time budget, interleaved rounds, step
-medians and rates, the machine's peaks, a FLOP counter, and the report files every driver writes.
-
-A child is `python -m bench.<side> <role> --result FILE ...` run from the repository root, one at a time
-(its peak memory is its own), its output in `<name>.log`. Every trainer run records its steps in one
-format: {"step", "step_s", "generate_s", "score_s", "logprobs_s", "update_s", "tokens", "flops",
-"gpu_peak_mib"}; step 1 warms up (allocation, graph capture) and every median is over steps 2..N.
+"""The harness: trainer runs as child processes under a time budget, interleaved rounds, medians and rates, the
+machine's peaks, a FLOP counter, report files. A child is `python -m bench.<side>_side ROLE RESULT SPEC_JSON`; a
+trainer run's steps are {"step", "step_s", "<phase>_s", "tokens", "flops", "gpu_peak_mib"}, medians over 2..N.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -36,6 +31,11 @@ def write_json(path, result) -> None:
     Path(path).write_text(json.dumps(result, indent=1, default=str))
 
 
+def child_main(roles: dict) -> None:
+    role, result, spec = sys.argv[1:4]
+    write_json(result, roles[role](json.loads(spec), Path(result)))
+
+
 def out_prefix(out: str, name: str) -> Path:
     """The results prefix `out` (a temporary folder's `name` if not given), with its `<prefix>-logs/` folder."""
     prefix = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
@@ -44,20 +44,25 @@ def out_prefix(out: str, name: str) -> Path:
 
 
 def publish(prefix: Path, text: str, data: dict) -> None:
-    """The report printed, and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
+    """The report printed and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
     print(text)
     prefix.with_suffix(".md").write_text(text + "\n")
     write_json(prefix.with_suffix(".json"), {**data, "argv": sys.argv})
     say(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}")
 
 
+def table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(str(x) for x in row) + " |" for row in rows)])
+
+
 class Children:
-    """Runs children one after the other under one time budget, echoing their `bench:` lines."""
+    """Runs children one after the other (each one's peak memory its own) under one time budget, each one's output
+    in `<log_dir>/<name>.log`, its `bench:` lines echoed."""
 
     def __init__(self, log_dir: Path, budget_s: float = float("inf")):
         self.log_dir, self.start = Path(log_dir), time.monotonic()
-        self.deadline = self.start + budget_s
-        self.failed = 0  # runs that failed, stopped early or were skipped
+        self.deadline, self.failed = self.start + budget_s, 0  # runs that failed, stopped early or were skipped
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -69,17 +74,16 @@ class Children:
         self.say(f"{name}: skipped, {why}")
         self.failed += 1
 
-    def run(self, module: str, role: str, name: str, args: list[str], reserve_s: float = 0.0,
+    def run(self, side: str, role: str, name: str, spec: dict, reserve_s: float = 0.0,
             malloc: bool | None = None) -> dict | None:
-        """The child's JSON result ("partial": True if it failed after writing one), or None (it failed, or too
-        little time was left: `reserve_s` of the budget is kept for later runs). `malloc`: covey's glibc malloc
-        variables (covey/runtime/cpu.py) added, removed or, None, as they are."""
+        """The child's result ("partial" if it failed after writing one), or None (it failed, or less than 20 s
+        were left after `reserve_s`). `malloc`: covey's glibc malloc variables added, removed or (None) kept."""
         from covey.runtime.cpu import MALLOC_ENV
         if (timeout := self.left() - reserve_s) < 20:
             return self.skip(name, f"{self.left():.0f} s of the budget left")
         result, log_path = self.log_dir / f"{name}.json", self.log_dir / f"{name}.log"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", f"bench.{module}", role, "--result", str(result), *args]
+        cmd = [sys.executable, "-m", f"bench.{side}_side", role, str(result), json.dumps(spec)]
         env = {k: v for k, v in os.environ.items() if malloc is None or k not in MALLOC_ENV}
         self.say(f"{name}: {' '.join(cmd[1:])}")
         with open(log_path, "w") as log:
@@ -100,43 +104,17 @@ class Children:
                  f"{log_path.read_text()[-3000:]}")
         return {**json.loads(result.read_text()), "partial": True} if result.is_file() else None
 
-    def must(self, module: str, role: str, name: str, args: list[str], malloc: bool | None = None) -> dict:
+    def must(self, side: str, role: str, name: str, spec: dict, malloc: bool | None = None) -> dict:
         """run(), stopping the driver when the child fails."""
-        result = self.run(module, role, name, args, malloc=malloc)
+        result = self.run(side, role, name, spec, malloc=malloc)
         if result is None or result.get("partial"):
             raise SystemExit(f"bench: {name} failed, log {self.log_dir / (name + '.log')}")
         return result
 
 
-CHILD_OPTIONS = {  # the options of a trainer child (bench/covey_side.py, bench/trl_side.py): default, help
-    "workload": ("cpu", "a key of bench/workloads.py WORKLOADS"), "steps": (0, "optimizer steps"),
-    "model": ("", "model folder (default: the workload's model)"), "setup": ("", "a setup of SETUPS"),
-    "cap-gib": (0.0, "the CUDA allocator's cap (0: none)"), "threads": (0, "torch threads (0: torch's default)"),
-    "name": ("", "the run's name in the result"), "minutes": (12.0, "learn: training minutes of the Schedule"),
-    "eval-every": (10, "learn: evaluation points every K steps"),
-    "max-minutes": (0.0, "learn: stop past this training time (0: no cap)"),
-    "save-dir": ("", "learn: where the evaluation points are saved"), "size": ("", "build: a key of SHAPES"),
-    "tokenizer": ("", "build: tokenizer folder (default: SmolLM2's)"),
-    "decode-modes": ("", "decode: rollout.decode modes, comma-separated"),
-}
-
-
-def child_args(description: str, roles: dict, argv=None):
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("role", choices=tuple(roles))
-    p.add_argument("--result", required=True)
-    for name, (default, text) in CHILD_OPTIONS.items():
-        p.add_argument(f"--{name}", type=type(default), default=default, help=text)
-    p.add_argument("--flops", action="store_true", help="count the training passes' FLOPs")
-    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
-    p.add_argument("--folders", nargs="*", default=[], help="eval: LABEL=FOLDER ...")
-    p.add_argument("overrides", nargs="*", help="covey key=value settings")
-    return p.parse_intermixed_args(argv)
-
-
 def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:
-    """run_one(name, tag) for every name, `rounds` times in turn (a, b, a, b, ...): a machine whose speed
-    drifts slows every run alike. name -> its rounds' results."""
+    """run_one(name, tag) for every name, `rounds` times in turn (a, b, a, b, ...), so that a machine whose
+    speed drifts slows every run alike: name -> its rounds' results."""
     by_name: dict[str, list] = {name: [] for name in names}
     for i in range(rounds):
         for name in names:
@@ -154,14 +132,14 @@ def peak_rss_mib() -> float:
 
 
 def summarize(result: dict) -> dict:
-    """A CPU run's row: median / min step time and phases over steps 2..N, tokens/s, training FLOP rate."""
+    """A CPU run's row: medians over steps 2..N, the fastest step, tokens/s, the update's FLOP rate."""
     steps = result["steps"][1:] or result["steps"]
     total = {key: sum(s[key] for s in steps) for key in ("step_s", "generate_s", "update_s", "tokens", "flops")}
     return {"name": result["name"], **medians(result["steps"]), "min_s": min(s["step_s"] for s in steps),
             "steps_timed": len(steps), "tokens_per_s": total["tokens"] / total["step_s"],
             "gen_tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
             "train_gflops": total["flops"] / max(total["update_s"], 1e-9) / 1e9,
-            "peak_rss_mib": result["peak_rss_mib"], "precision": result.get("precision", "float32")}
+            "peak_rss_mib": result["peak_rss_mib"], "precision": result["precision"]}
 
 
 def pooled(rounds: list[dict]) -> dict:
@@ -174,13 +152,8 @@ def pooled(rounds: list[dict]) -> dict:
 
 
 def machine() -> str:
-    """CPU model, core count and torch build: the numbers of a run only hold for this machine."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as info:
-            model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with open("/proc/cpuinfo") as info:
+        model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown CPU")
     return f"machine: {model}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
@@ -203,18 +176,16 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_s: float = 0.25) -> float:
-    """Best GFLOP/s of an n x n x n matmul on the CPU (the machine's practical peak for this precision). n
-    doubles from 256 up to n_max while one product takes under `budget_s`: where a precision is emulated
-    (bf16 on AVX2-only parts runs at ~1 GFLOP/s) the small sizes already show it."""
+    """Best GFLOP/s of an n x n x n matmul on the CPU, n doubling from 256 to n_max while one product takes under
+    `budget_s` (where a precision is emulated, bf16 on AVX2-only parts at ~1 GFLOP/s, small sizes show it)."""
     n = 256
     while True:
         a = torch.randn(n, n, dtype=dtype)
         t0 = time.perf_counter()
         a @ a
         if n >= n_max or time.perf_counter() - t0 > budget_s:
-            break
+            return 2 * n**3 / best_seconds(lambda: a @ a, repeats) / 1e9
         n *= 2
-    return 2 * n**3 / best_seconds(lambda: a @ a, repeats) / 1e9
 
 
 def peaks(threads: int, n_max: int = 2048) -> dict:
@@ -232,8 +203,7 @@ def measure_device() -> dict:
     buffers.clear()
     rates = {}
     for m, n, k in ((8192, 8192, 8192), (16384, 8192, 8192), (8192, 16384, 4096)) if gpu else ((256, 256, 256),):
-        a, b = torch.randn(m, k, dtype=torch.bfloat16, device=device), torch.randn(k, n, dtype=torch.bfloat16,
-                                                                                    device=device)
+        a, b = (torch.randn(*shape, dtype=torch.bfloat16, device=device) for shape in ((m, k), (k, n)))
         rates[(m, n, k)] = 2 * m * n * k / best_seconds(lambda: a @ b, 10) / 1e12
     shape = max(rates, key=rates.get)
     return {"name": torch.cuda.get_device_name() if gpu else "cpu", "copy_bytes_per_s": 2 * nbytes / copy_s,
@@ -245,15 +215,13 @@ def cap_memory(cap_gib: float) -> float:
     if not torch.cuda.is_available() or cap_gib <= 0:
         return 0.0
     total = torch.cuda.get_device_properties(0).total_memory
-    fraction = min(1.0, cap_gib * 2**30 / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    torch.cuda.set_per_process_memory_fraction(fraction := min(1.0, cap_gib * 2**30 / total), 0)
     return fraction * total / 2**30
 
 
 class LinearFlops:
-    """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for backward
-    (input and weight gradients), through forward hooks on the model's linear layers. Attention scores
-    (~4% at these lengths) are not counted, so the rate is a lower bound."""
+    """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for the backward
+    (input and weight gradients), through forward hooks; attention scores (~4% here) are not counted."""
 
     def __init__(self, model: torch.nn.Module):
         self.forward = 0

@@ -1,11 +1,8 @@
-"""Bytes per trained parameter of each optim.name, measured: the weights and gradients as torch holds them,
-the optimizer state as its state_dict's tensors (torchao's quantized moments by their codes and scales),
-after two steps on zero gradients (torchao allocates its state at the first step, which also compiles the
-update); the seconds of both steps.
+"""Bytes per trained parameter of each optim.name (weights, gradients, the optimizer state's tensors) after two
+steps on zero gradients (torchao allocates and compiles at the first), and both steps' seconds.
 
-    python -m bench.optim_memory                    # SmolLM2-135M (model.path=default), every CPU-capable name
+    python -m bench.optim_memory                                       # SmolLM2-135M, every CPU-capable name
     python -m bench.optim_memory --names adamw_8bit --dtype bfloat16   # bf16 weights
-    python -m bench.optim_memory --model tiny --names adamw,adamw_bf16
 """
 
 from __future__ import annotations

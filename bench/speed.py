@@ -1,13 +1,10 @@
-"""covey vs TRL's GRPOTrainer on the CPU workload, in one run: step time, phases, tokens/s, memory, FLOP rate.
+"""covey vs TRL's GRPOTrainer on the CPU workload: step time, phases, tokens/s, memory, FLOP rate.
 
     nice -n 10 python -m bench.speed --steps 6 --runs covey,trl,trl-gc
     python -m bench.speed --smoke --runs covey      # the tiny model, seconds: the pipeline only
 
-TRL comes from the `bench` extra (pip install -e '.[bench]'). Every run is a child process (its peak RSS is
-its own), one after the other, on the same model, prompts, G, lengths, beta, lr and precision
-(bench/workloads.py, `cpu`). The machine's matmul peak is measured before and after, for fp32 and bf16; the
-training phase's FLOP rate is reported against the peak of its precision. Results: a table on stdout, and
-JSON + Markdown at --out.
+Each run a child (its peak RSS its own); the matmul peaks of fp32 and bf16 before and after, the update's FLOP
+rate against its precision's.
 """
 
 from __future__ import annotations
@@ -15,22 +12,39 @@ from __future__ import annotations
 import argparse
 import os
 
-from bench.harness import Children, interleaved, machine, out_prefix, peaks, pooled, publish, summarize
-from bench.report import cpu_table
+from bench.harness import Children, interleaved, machine, out_prefix, peaks, pooled, publish, summarize, table
 
-RUNS = {  # name -> (trainer, its setup or covey key=value settings, glibc malloc reuse as `covey` sets it)
-    "covey": ("covey", [], True),  # covey's defaults: fast engine, fp32 weights, bf16 sampling and autocast
-                                   # where bf16 is native
+RUNS = {  # name -> (trainer, covey key=value settings or TRL setup, covey's glibc malloc variables)
+    "covey": ("covey", [], True),  # covey's defaults: bf16 sampling and autocast where bf16 is native
     "covey-fp32": ("covey", ["rollout.precision=float32", "model.autocast=none"], True),  # fp32 throughout
     "covey-fp32-train": ("covey", ["model.autocast=none"], True),  # fp32 passes, bf16 sampling where native
-    "covey-plain-malloc": ("covey", [], False),  # without covey/runtime/cpu.py's malloc variables
-    "covey-mb16": ("covey", ["algo.micro_batch_size=16"], True),  # fewer, larger passes:
-    "covey-mb32": ("covey", ["algo.micro_batch_size=32"], True),  # speed against memory
+    "covey-plain-malloc": ("covey", [], False),
+    "covey-mb16": ("covey", ["algo.micro_batch_size=16"], True),  # fewer, larger passes: speed against memory
+    "covey-mb32": ("covey", ["algo.micro_batch_size=32"], True),
     "trl": ("trl", "mapped", False),  # TRL as it ships: the step's samples in one forward
-    "trl-malloc": ("trl", "mapped", True),  # TRL given covey's malloc variables too
+    "trl-malloc": ("trl", "mapped", True),
     "trl-gc": ("trl", "gc", False),  # with gradient checkpointing
     "trl-bf16": ("trl", "bf16", False),  # with bf16 autocast
 }
+
+
+def cpu_table(rows: list[dict], peak: dict) -> str:
+    """One line per run (harness.summarize rows); ratios against `trl` (TRL as it ships) and TRL's best."""
+    trl = [r for r in rows if r["name"].startswith("trl")]
+    base = next((r for r in trl if r["name"] == "trl"), trl[0] if trl else None)
+    refs = ((base, "step_s"), (min(trl, key=lambda r: r["step_s"], default=None), "step_s"), (base, "peak_rss_mib"),
+            (min(trl, key=lambda r: r["peak_rss_mib"], default=None), "peak_rss_mib"))
+
+    def line(r: dict) -> list[str]:
+        share = 100 * r["train_gflops"] / peak["bfloat16" if r["precision"].startswith("bfloat16") else "float32"]
+        return [r["name"], r["precision"], *(f"{r[k]:.{d}f}" for k, d in (
+            ("step_s", 1), ("min_s", 1), ("generate_s", 1), ("score_s", 2), ("logprobs_s", 1), ("update_s", 1))),
+            f"{r['tokens_per_s']:.0f} ({r['gen_tokens_per_s']:.0f})", f"{r['train_gflops']:.0f} ({share:.0f}%)",
+            f"{r['peak_rss_mib'] / 1024:.2f}", *(f"{r[k] / ref[k]:.2f}" if ref else "-" for ref, k in refs)]
+
+    return table(["run", "precision", "median s/step", "min s", "generate", "score", "ref logp", "update",
+                  "tokens/s (in generate)", "train GFLOP/s (% of peak)", "peak RSS GiB", "step / trl",
+                  "step / fastest TRL", "RSS / trl", "RSS / leanest TRL"], [line(r) for r in rows])
 
 
 def parse_args(argv=None):
@@ -38,13 +52,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run; step 1 is not timed")
     p.add_argument("--runs", default="covey,trl", help=f"comma-separated, from: {', '.join(RUNS)}")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every run")
-    p.add_argument("--out", default="", help="results prefix (default: a temporary folder)")
     p.add_argument("--rounds", type=int, default=1, help="run the list this many times, interleaved (covey, trl, "
-                   "covey, trl, ...), and pool each run's timed steps: a machine whose speed drifts slows every "
-                   "run alike")
+                   "covey, trl, ...), pooling each run's timed steps: a machine whose speed drifts slows all alike")
     p.add_argument("--smoke", action="store_true", help="the tiny model and workload (seconds)")
     p.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct; --smoke: the tiny "
                                                "model, built in the output folder)")
+    p.add_argument("--out", default="", help="results prefix (default: a temporary folder)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     if set(names) - set(RUNS) or args.steps < 2 or args.rounds < 1:
@@ -52,26 +65,23 @@ def parse_args(argv=None):
     return args, names
 
 
-def run_one(children: Children, args, model: str, name: str, tag: str) -> dict:
-    trainer, setup, malloc = RUNS[name]
-    flags = ["--steps", str(args.steps), "--threads", str(args.threads), "--workload",
-             "cpu-smoke" if args.smoke else "cpu", "--name", name, "--flops", *(["--model", model] if model else [])]
-    flags += setup if trainer == "covey" else ["--setup", setup]
-    return children.must(f"{trainer}_side", "steps", f"{name}{tag}", flags, malloc=malloc)
-
-
 def main(argv: list[str] | None = None):
     """Runs the benchmark; returns the path of the JSON results."""
     args, names = parse_args(argv)
-    out = out_prefix(args.out, "bench")
-    model = args.model
+    out, model = out_prefix(args.out, "bench"), args.model
     if args.smoke and not model:
         from covey.models.tiny import build_tiny_model
         model = str(build_tiny_model(out.parent / "tiny-model"))
-    n_max = 512 if args.smoke else 2048
+    n_max, children = 512 if args.smoke else 2048, Children(out.parent / f"{out.name}-logs")
     before = peaks(args.threads, n_max)
-    children = Children(out.parent / f"{out.name}-logs")
-    by_name = interleaved(names, args.rounds, lambda name, tag: run_one(children, args, model, name, tag))
+
+    def run_one(name: str, tag: str) -> dict:
+        trainer, setup, malloc = RUNS[name]
+        spec = {"workload": "cpu-smoke" if args.smoke else "cpu", "steps": args.steps, "threads": args.threads,
+                "model": model, "name": name, "flops": True, "keys" if trainer == "covey" else "setup": setup}
+        return children.must(trainer, "steps", f"{name}{tag}", spec, malloc=malloc)
+
+    by_name = interleaved(names, args.rounds, run_one)
     after = peaks(args.threads, n_max)
     results = [pooled(rounds) for rounds in by_name.values()]
     rows = [summarize(r) for r in results]
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None):
             + cpu_table(rows, {k: max(before[k], after[k]) for k in before}))
     if args.rounds > 1:  # how far the machine drifted between rounds
         text += "\n\nmedian s/step of each round: " + "; ".join(
-            f"{name} " + " / ".join(f"{summarize(r)['step_s']:.1f}" for r in rounds) for name, rounds in by_name.items())
+            f"{n} " + " / ".join(f"{summarize(r)['step_s']:.1f}" for r in rounds) for n, rounds in by_name.items())
     publish(out, text, {"peak_before": before, "peak_after": after, "summary": rows, "runs": results,
                         "rounds": by_name})
     return out.with_suffix(".json")

@@ -1,32 +1,13 @@
-"""The TRL side of every benchmark: TRL's GRPOTrainer on the settings of covey's workload config, one role
-per child process (TRL comes from the `bench` extra):
+"""The TRL side of every benchmark (the `bench` extra), a role per child: `steps` and `learn`, as covey_side's.
 
-    python -m bench.trl_side steps|learn --result FILE [options] [key=value ...]
-
-`trl_grpo_kwargs(cfg)` reads a covey `Config` (the `grpo` preset plus overrides) and returns the
-`trl.GRPOConfig` keyword arguments that train with the same update: every covey setting that changes the
-update is either mapped or refused with a one-line error naming its key (REQUIRED). Why the mapped ones
-compute the same thing (TRL 1.16, trl/trainer/grpo_trainer.py):
-
-- B prompts x G samples: `num_generations=G`; the B*G samples are split into micro-batches of
-  `per_device_train_batch_size` whose gradients accumulate, and `steps_per_generation` defaults to the
-  accumulation steps, so one generation batch makes one optimizer step (`num_iterations=1`) and TRL skips
-  its old-log-prob pass, as covey does (the ratio is exp(logp - logp.detach()) on both sides).
-- `algo.loss_agg` -> `loss_type`: covey's `seq_mean_token_mean` is TRL's `grpo` (each micro-batch's mean
-  of sequence token means over the accumulation steps: equal micro-batches make it covey's global mean),
-  `token_mean` is `dapo`, `constant` is `dr_grpo`; `seq_mean_token_sum` has no counterpart.
-- KL: k3 in the loss with r = pi_ref / pi_theta is TRL's only in-loss KL; its default
-  `use_bias_correction_kl=True` multiplies it by the importance ratio, which changes the gradient even
-  on-policy, so it is switched off.
-- std normalisation, clip eps low/high, lr and warm-up, AdamW betas and weight decay, max_grad_norm,
-  sampling, max new tokens, seed, gradient checkpointing (TRL's default is on: set from covey's) and bf16
-  autocast exactly where covey's `model.autocast` resolves to bfloat16.
-
-What does not map (stated, not patched): TRL divides by the group std with Bessel's correction plus 1e-4,
-covey by the population std plus 1e-6 (`algo.ddof=1 algo.adv_eps=1e-4` makes them identical); covey
-samples from a bf16 copy where bf16 is native, TRL with the training weights; each library orders the
-prompts with its own generator. Timing: generation, scoring and the no-grad log-prob passes wrap TRL's
-own methods in a subclass; `update` is the rest of the step.
+`trl_grpo_kwargs` maps covey's Config to GRPOConfig arguments with the same update (TRL 1.16) and refuses by name
+what has no counterpart (REQUIRED): G generations, micro-batches accumulated to one optimizer step per generation
+batch (`num_iterations=1`: no old-log-prob pass on either side); covey's `seq_mean_token_mean` is TRL's `grpo`
+loss (equal micro-batches make its accumulated mean covey's global one), `token_mean` is `dapo`, `constant` is
+`dr_grpo`; k3 in the loss, r = pi_ref / pi_theta, without TRL's `use_bias_correction_kl` (it changes the gradient
+on-policy). Not mapped, stated: TRL's group std has Bessel's correction and +1e-4 (`algo.ddof=1 algo.adv_eps=1e-4`
+gives covey the same); covey samples from a bf16 copy where bf16 is native; each orders prompts its own way.
+Timing: generation, scoring and the no-grad log-prob passes wrap TRL's methods; `update` is the rest of a step.
 """
 
 from __future__ import annotations
@@ -41,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from transformers import TrainerCallback
 
-from bench.harness import LinearFlops, cap_memory, child_args, peak_rss_mib, say, write_json
+from bench.harness import PHASES, LinearFlops, cap_memory, child_main, peak_rss_mib, say
 from bench.workloads import SETUPS, STEP_CAP, WORKLOADS, Schedule, Tracker, varied_reward, workload_keys
 from covey.config import load_config
 from covey.runtime.dist import resolve_device
@@ -79,26 +60,19 @@ def check_mappable(cfg) -> None:
         raise ValueError(f"reward.correctness={cfg.reward.correctness}: the TRL side scores correctness with weight 1")
 
 
-def micro_batches(cfg, micro_batch: int = 0) -> tuple[int, int]:
-    """(per_device_train_batch_size, gradient_accumulation_steps) whose product is one step's B*G samples;
-    micro_batch 0 takes covey's algo.micro_batch_size."""
-    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    micro = micro_batch or min(cfg.algo.micro_batch_size, n)
-    if n % micro:
-        raise ValueError(f"TRL micro-batch {micro} does not divide the {n} samples of a step (B*G)")
-    return micro, n // micro
-
-
 def trl_grpo_kwargs(cfg, micro_batch: int = 0, autocast_bf16: bool = False) -> dict:
-    """GRPOConfig keyword arguments for covey config `cfg` (run-only settings such as output_dir,
-    max_steps and logging are the caller's). `autocast_bf16`: covey's resolved model.autocast."""
+    """GRPOConfig keyword arguments for covey config `cfg` (output_dir, max_steps and logging are the caller's):
+    micro-batches of `micro_batch` (0: covey's algo.micro_batch_size) accumulated to one step's B*G samples,
+    bf16 autocast where covey's model.autocast resolves to it (`autocast_bf16`)."""
     check_mappable(cfg)
     a, r, o = cfg.algo, cfg.rollout, cfg.optim
-    micro, accumulation = micro_batches(cfg, micro_batch)
+    n = r.prompts_per_step * r.group_size
+    if n % (micro := micro_batch or min(a.micro_batch_size, n)):
+        raise ValueError(f"TRL micro-batch {micro} does not divide the {n} samples of a step (B*G)")
     beta1, beta2 = (float(x) for x in o.betas.split(","))
     return {
         "num_generations": r.group_size, "per_device_train_batch_size": micro,
-        "gradient_accumulation_steps": accumulation, "num_iterations": 1,
+        "gradient_accumulation_steps": n // micro, "num_iterations": 1,
         "max_completion_length": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
         "loss_type": LOSS_TYPES[a.loss_agg], "beta": a.beta if a.kl_in == "loss" else 0.0,
         "use_bias_correction_kl": False, "epsilon": a.clip_eps_low, "epsilon_high": a.clip_eps_high,
@@ -128,13 +102,13 @@ def trainer_objects(setup: dict) -> dict:
 # --------------------------------------------------------------------------- the timed trainer
 
 
-class Meter:
-    """The steps of a TRL run in the harness's format: the trainer's timed methods add their phases and
-    tokens, a callback opens and closes each optimizer step; `update` is the rest of the step."""
+class StepMeter(TrainerCallback):
+    """A TRL run's steps: its timed methods add phases and tokens, the callback's events open and close each step;
+    with a tracker, it saves the evaluation points and stops the run (a changed TrainerControl returned)."""
 
-    def __init__(self):
-        self.records, self.phases, self.tokens, self.t0 = [], defaultdict(float), 0, 0.0
-        self.flops: LinearFlops | None = None
+    def __init__(self, tracker: Tracker | None = None):
+        self.tracker, self.records, self.flops = tracker, [], None
+        self.phases, self.tokens, self.t0 = defaultdict(float), 0, 0.0
 
     def count_flops(self, model) -> None:
         self.flops = LinearFlops(model)
@@ -148,35 +122,19 @@ class Meter:
     def add_tokens(self, n: int) -> None:
         self.tokens += n
 
-    def begin(self) -> None:
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.begin()
         self.phases, self.tokens, self.t0 = defaultdict(float), 0, time.perf_counter()
         if self.flops is not None:
             self.flops.take()
 
-    def end(self, step: int) -> dict:
-        seconds, p = time.perf_counter() - self.t0, self.phases
-        record = {"step": step, "step_s": seconds, "generate_s": p["generate"], "score_s": p["score"],
-                  "logprobs_s": p["logprobs"], "update_s": seconds - sum(p.values()), "tokens": self.tokens,
-                  "flops": self.flops.take() if self.flops is not None else 0.0, "gpu_peak_mib": None}
-        self.records.append(record)
-        say(f"trl step {step}: {seconds:.2f} s {dict(p)}")
-        return record
-
-
-class StepCallback(TrainerCallback):
-    """Opens and closes each step on the meter; with a tracker, saves its evaluation points and stops the run
-    when its Schedule says (a changed TrainerControl returned, as transformers' callbacks do)."""
-
-    def __init__(self, meter: Meter, tracker: Tracker | None = None):
-        self.meter, self.tracker = meter, tracker
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.tracker is not None:
-            self.tracker.begin()
-        self.meter.begin()
-
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        record = self.meter.end(state.global_step)
+        seconds, p = time.perf_counter() - self.t0, self.phases
+        self.records.append({"step": state.global_step, "step_s": seconds, **{f"{k}_s": p[k] for k in PHASES[:3]},
+                             "update_s": seconds - sum(p.values()), "tokens": self.tokens, "gpu_peak_mib": None,
+                             "flops": self.flops.take() if self.flops is not None else 0.0})
+        say(f"trl step {state.global_step}: {seconds:.2f} s {dict(p)}")
         if self.tracker is None:
             return None
 
@@ -184,23 +142,20 @@ class StepCallback(TrainerCallback):
             model.save_pretrained(folder, safe_serialization=True)
             processing_class.save_pretrained(folder)
 
-        self.tracker.end(state.global_step, record["step_s"], save)
+        self.tracker.end(state.global_step, seconds, save)
         return dataclasses.replace(control, should_training_stop=self.tracker.done)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.tracker is not None and logs and "reward" in logs:
-            self.tracker.note_reward(logs["reward"])
 
-
-def timed_trainer(cfg, model: str, reward, config, callback: StepCallback, **trainer_kwargs):
-    """TRL's GRPOTrainer on the config's train problems (covey's examples as conversational prompts, their
-    answers in the `answer` column covey's correctness reward reads), its phases timed into the callback's meter."""
+def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batch: int = 0, bf16: bool = False,
+          flops: bool = False) -> dict:
+    """GRPOTrainer on the config's settings (then the setup's) and train problems (conversational prompts, answers
+    where covey's correctness reward reads them), on covey's train.device, HF `generate`; what was run."""
     from datasets import Dataset
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, __version__
 
+    from covey.models.load import resolve_model_path
     from covey.tasks.base import build_messages
     from covey.tasks.data import load_task_data
-    meter = callback.meter
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
@@ -219,89 +174,62 @@ def timed_trainer(cfg, model: str, reward, config, callback: StepCallback, **tra
             with meter.phase("logprobs"):
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    system = cfg.task.system_prompt or None
+    device, system = resolve_device(cfg.train.device), cfg.task.system_prompt or None
+    settings = {**trl_grpo_kwargs(cfg, micro_batch, bf16), **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
     data = Dataset.from_list([{"prompt": build_messages(ex, system), "answer": ex.answer}
                               for ex in load_task_data(cfg.task, cfg.train.seed).train])
-    return TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, callbacks=[callback],
-                            **trainer_kwargs)
-
-
-# --------------------------------------------------------------------------- the roles
-
-
-def role_steps(args) -> dict:
-    """A workload's steps: covey's settings mapped, then the setup's (bench/workloads.py SETUPS); on a CPU
-    workload TRL as it ships takes the step's samples in one forward; on a GPU, bf16 autocast where covey's
-    resolves to bf16, HF `generate` (no vLLM), the benchmark's reward."""
-    from trl import GRPOConfig, __version__
-
-    from covey.models.load import resolve_model_path
-    from covey.rewards.rules import correctness_reward
-    w, gpu, setup = WORKLOADS[args.workload], torch.cuda.is_available(), SETUPS["trl"][args.setup or "mapped"]
-    allowed = cap_memory(args.cap_gib)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
-        # covey's config without its reward keys: the GPU benchmark's reward function is handed to both trainers
-        cfg = load_config("grpo", [k for k in workload_keys(args.workload, args.steps, out_dir, args.model,
-                                                            args.threads) if not k.startswith("reward.")])
-        bf16 = w["gpu"] and resolve_autocast(cfg.model.autocast, "cuda" if gpu else "cpu") == "bfloat16"
-        micro = w["prompts"] * w["group_size"] if w["trl_whole_step"] else 0
-        settings = {**trl_grpo_kwargs(cfg, micro, bf16), **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
-        config = GRPOConfig(output_dir=out_dir, max_steps=args.steps, use_cpu=not gpu, use_vllm=False, **settings,
-                            **QUIET)
-        callback = StepCallback(Meter())
-        trainer = timed_trainer(cfg, resolve_model_path(cfg.model.path), varied_reward if w["gpu"] else
-                                correctness_reward, config, callback, **trainer_objects(setup))
-        if args.flops:
-            callback.meter.count_flops(trainer.model)
-        described = {"trl": __version__, "model_dtype": str(next(trainer.model.parameters()).dtype),
-                     **{k: str(getattr(config, k)) for k in ("bf16", "gradient_checkpointing", "loss_type", "optim",
-                                                             "per_device_train_batch_size", "use_liger_kernel",
-                                                             "gradient_accumulation_steps", "steps_per_generation")},
-                     "trainer_kwargs": sorted(trainer_objects(setup))}
-        say(f"TRL setup: {described}")
-        if gpu:  # the peak of the steps (its models loaded, its optimizer state from step 1)
+        config = GRPOConfig(output_dir=out_dir, max_steps=max_steps, use_cpu=device == "cpu", use_vllm=False,
+                            **settings, **QUIET)
+        trainer = TimedGRPOTrainer(model=resolve_model_path(cfg.model.path), reward_funcs=reward, args=config,
+                                   train_dataset=data, callbacks=[meter], **trainer_objects(setup))
+        if flops:
+            meter.count_flops(trainer.model)
+        ran = {"trl": __version__, "device": device, "model_dtype": str(next(trainer.model.parameters()).dtype),
+               "trainer_kwargs": sorted(trainer_objects(setup)), **settings}
+        say(f"TRL settings: {ran}")
+        if device != "cpu":  # the peak of the steps (its models loaded, its optimizer state from step 1)
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
-    return {"name": args.name or "trl", "steps": callback.meter.records, "peak_rss_mib": peak_rss_mib(),
-            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if gpu else None, "allowed_gib": allowed,
-            "precision": "bfloat16 (autocast)" if config.bf16 else "float32", "setup": described}
+    return ran
 
 
-def role_learn(args) -> dict:
-    """A learning run on covey's config until the Schedule stops it, scored by covey's correctness reward,
-    TRL on the device covey's train.device names."""
-    from trl import GRPOConfig
+def role_steps(spec: dict, result_path) -> dict:
+    """A workload's steps: on a CPU TRL as it ships (the step's samples in one forward), on a GPU bf16 autocast
+    where covey's resolves to it and the benchmark's reward."""
+    from covey.rewards.rules import correctness_reward
+    w, allowed, meter = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), StepMeter()
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:  # the GPU reward goes to both trainers
+        cfg = load_config("grpo", [k for k in workload_keys(spec["workload"], spec["steps"], out_dir, spec.get(
+            "model", ""), spec.get("threads", 0)) if not k.startswith("reward.")])
+    bf16 = w["gpu"] and resolve_autocast(cfg.model.autocast, resolve_device(cfg.train.device)) == "bfloat16"
+    ran = train(cfg, varied_reward if w["gpu"] else correctness_reward, meter, spec["steps"],
+                SETUPS["trl"][spec.get("setup", "mapped")], w["prompts"] * w["group_size"] if w["trl_whole_step"]
+                else 0, bf16, spec.get("flops", False))
+    return {"name": spec.get("name", "trl"), "steps": meter.records, "peak_rss_mib": peak_rss_mib(), "settings": ran,
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if ran["device"] != "cpu" else None,
+            "allowed_gib": allowed, "precision": "bfloat16 (autocast)" if ran["bf16"] else "float32"}
 
-    from covey.models.load import resolve_model_path
+
+def role_learn(spec: dict, result_path) -> dict:
+    """A learning run until the Schedule stops it, scored by covey's correctness reward."""
     from covey.rewards.rules import correctness_reward
     from covey.tasks.data import load_task_data
     from covey.tasks.verifiers import resolve_verifier
-    cfg = load_config("grpo", args.overrides)
+    cfg = load_config("grpo", spec["keys"])
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
-    device = resolve_device(cfg.train.device)
     if resolve_verifier(cfg.eval.metric, [ex.answer for ex in load_task_data(cfg.task, cfg.train.seed).eval]) != "math":
         raise SystemExit("bench: eval.metric does not resolve to 'math', the verifier of TRL's correctness reward")
-    settings = trl_grpo_kwargs(cfg, autocast_bf16=resolve_autocast(cfg.model.autocast, device) == "bfloat16")
-    tracker = Tracker(Schedule(args.steps, args.minutes, args.eval_every, args.max_minutes),
-                      cfg.rollout.prompts_per_step * cfg.rollout.group_size, args.save_dir)
-    with tempfile.TemporaryDirectory(prefix="learn-trl-") as tmp:
-        config = GRPOConfig(output_dir=tmp, max_steps=STEP_CAP, use_cpu=device == "cpu", use_vllm=False, **settings,
-                            **QUIET)
-        timed_trainer(cfg, resolve_model_path(cfg.model.path), correctness_reward, config,
-                      StepCallback(Meter(), tracker)).train()
-    return tracker.result(precision="bfloat16" if settings["bf16"] else "none", trl_settings=settings, device=device)
-
-
-ROLES = {"steps": role_steps, "learn": role_learn}
-
-
-def main(argv=None) -> None:
-    args = child_args("the TRL side of bench/'s drivers", ROLES, argv)
-    write_json(args.result, ROLES[args.role](args))
+    device = resolve_device(cfg.train.device)
+    tracker = Tracker(Schedule(*spec["schedule"]), cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                      spec["save_dir"])
+    ran = train(cfg, correctness_reward, StepMeter(tracker), STEP_CAP, {},
+                bf16=resolve_autocast(cfg.model.autocast, device) == "bfloat16")
+    return tracker.result(precision="bfloat16" if ran["bf16"] else "none", trl_settings=ran, device=device)
 
 
 if __name__ == "__main__":
-    main()
+    child_main({"steps": role_steps, "learn": role_learn})

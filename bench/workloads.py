@@ -1,12 +1,9 @@
-"""What the benchmarks run: the workloads, the memory setups, the random Qwen2 models, the reward both
-trainers score with where correctness would not vary, and the learning runs' stop rule and evaluation points.
+"""What the benchmarks run: the workloads (each a covey `grpo` config, which the TRL side maps: one source for
+both trainers), the memory setups, the random Qwen2 models, and the learning runs' stop rule and evaluation points.
 
-Every workload is a covey `grpo` config (the preset plus the keys built here); the TRL side reads its
-settings from that config (bench/trl_side.py), so both trainers run from one source. `cpu`: SmolLM2-135M-
-Instruct, 4 prompts x 8 samples, 64 new tokens, beta 0.04, lr 1e-5, temperature 1, fp32 weights, one
-optimizer step per rollout, covey's micro-batches of 8. `gpu`: random models of Qwen2.5's dimensions with
-SmolLM2's tokenizer, 8 x 8 samples x 256 tokens at full length, lr 1e-6, the deterministic `varied_reward`;
-`capacity`: 512 tokens, 3 steps. `*-smoke`: tiny shapes and few tokens, seconds on a CPU (tests/bench/).
+`cpu`: SmolLM2-135M-Instruct, 4 prompts x 8 samples x 64 new tokens, beta 0.04, lr 1e-5, temperature 1, fp32
+weights, one optimizer step per rollout, micro-batches of 8. `gpu`: random models of Qwen2.5's shapes, 8 x 8
+samples x 256 tokens at full length, lr 1e-6, `varied_reward`; `capacity`: 512 tokens. `*-smoke`: seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import say
+
 CPU = dict(prompts=4, group_size=8, new_tokens=64, beta=0.04, lr=1e-5, temperature=1.0, micro_batch=8, seed=0,
            train_size=600, gpu=False, trl_whole_step=True)
 GPU = dict(CPU, new_tokens=256, lr=1e-6, prompts=8, gpu=True, trl_whole_step=False, steps=4)
@@ -26,8 +25,7 @@ WORKLOADS = {"cpu": CPU, "cpu-smoke": {**CPU, **SMOKE, "new_tokens": 8},
              "gpu": GPU, "gpu-smoke": {**GPU, **SMOKE, "new_tokens": 12, "steps": 3},
              "capacity": {**GPU, "new_tokens": 512, "steps": 3},
              "capacity-smoke": {**GPU, **SMOKE, "new_tokens": 8, "steps": 2}}
-# Qwen2.5-0.5B, -1.5B, -3B, -7B and -14B (their config.json): hidden, MLP, layers, query heads, key-value
-# heads; and a tiny shape for the smoke workloads
+# Qwen2.5-0.5B ... -14B (their config.json: hidden, MLP, layers, query heads, key-value heads), a tiny smoke shape
 SHAPES = {size: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads"), dims))
           for size, dims in {"0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2),
@@ -54,16 +52,15 @@ STEP_CAP = 1_000_000  # train.steps / max_steps of a learning run: its Schedule 
 
 
 def varied_reward(prompts, completions, **_):
-    """The GPU benchmark's reward (both trainers): a deterministic score that differs between samples.
-    TRL hands conversational completions as [{"role": "assistant", "content": text}]."""
+    """The GPU benchmark's reward for both trainers: deterministic and different between samples (TRL hands
+    conversational completions as [{"role": "assistant", "content": text}])."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [(sum(map(ord, t)) % 7) / 6 for t in texts]
 
 
 def workload_keys(workload: str, steps: int, out_dir: str, model: str = "", threads: int = 0) -> list[str]:
-    """The covey settings of a workload: one optimizer step per rollout, no evaluation during the run, a
-    throw-away run folder; a GPU workload on this machine's device, scored by `varied_reward` alone (handed
-    to open_run)."""
+    """A workload's covey settings: one optimizer step per rollout, no evaluation, a throw-away run folder; a GPU
+    workload on this machine's device, scored by `varied_reward` alone (handed to open_run)."""
     w = WORKLOADS[workload]
     keys = [f"train.steps={steps}", "train.max_minutes=0", f"rollout.prompts_per_step={w['prompts']}",
             f"rollout.group_size={w['group_size']}", f"rollout.max_new_tokens={w['new_tokens']}",
@@ -73,68 +70,60 @@ def workload_keys(workload: str, steps: int, out_dir: str, model: str = "", thre
             "train.progress=false", "train.samples_every=0", *([f"model.path={model}"] if model else [])]
     if w["gpu"]:
         return [*keys, f"train.device={'cuda' if torch.cuda.is_available() else 'cpu'}", "reward.correctness=0"]
-    return [*keys, f"task.train_size={w['train_size']}", f"model.threads={threads}"]
+    return [*keys, "train.device=cpu", f"task.train_size={w['train_size']}", f"model.threads={threads}"]
 
 
 def build_model(size: str, model_dir: str, tokenizer_dir: str, workload: str) -> dict:
-    """A random Qwen2 of the size's dimensions made in bf16 (on the GPU if there is one) with SmolLM2's
-    tokenizer (or `tokenizer_dir`'s), saved; its shape and the task's mean prompt length. Responses run to
-    their full length on both trainers without touching either: the folder's end-of-sequence token is one
-    added past the model's vocabulary, which the model cannot sample."""
+    """A random Qwen2 of the size's shape in bf16 with SmolLM2's tokenizer (or `tokenizer_dir`'s), saved; its
+    shape and the task's mean prompt length. Every response runs to its full length on both trainers: the
+    folder's end-of-sequence token is one added past the model's vocabulary, which the model cannot sample."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from covey.config import load_config
     from covey.models.default import prepare_default_model
     from covey.tasks.data import format_prompts, load_task_data
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or prepare_default_model())
-    vocab = len(tok)
-    config = Qwen2Config(**SHAPES[size], vocab_size=vocab, tie_word_embeddings=True, rope_theta=1e6,
+    config = Qwen2Config(**SHAPES[size], vocab_size=len(tok), tie_word_embeddings=True, rope_theta=1e6,
                          rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
-                         eos_token_id=vocab, pad_token_id=tok.pad_token_id)
+                         eos_token_id=len(tok), pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         Qwen2ForCausalLM(config).save_pretrained(model_dir)
-    tok.add_special_tokens({"eos_token": "<|bench_end_of_response|>"})  # id `vocab`
+    tok.add_special_tokens({"eos_token": "<|bench_end_of_response|>"})  # id len(tok) before it
     tok.save_pretrained(model_dir)
     data = load_task_data(load_config("grpo", []).task, WORKLOADS[workload]["seed"])
     lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in format_prompts(tok, data.train[:200])]
-    return {**model_shape(config, vocab), "prompt_tokens_mean": statistics.mean(lengths)}
+    return {**model_shape(config, config.vocab_size), "prompt_tokens_mean": statistics.mean(lengths)}
 
 
 def model_shape(config, vocab: int) -> dict:
     d, h, kv, layers = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, \
         config.num_hidden_layers
     head_dim = d // h
-    per_layer = d * h * head_dim + 2 * d * kv * head_dim + h * head_dim * d + 3 * d * config.intermediate_size
-    matmul_params = layers * per_layer + vocab * d  # the output projection included
-    params = matmul_params + layers * (2 * d + (h + 2 * kv) * head_dim) + d  # norms, biases
-    describe = (f"Qwen2 hidden {d}, {layers} layers, {h} query / {kv} key-value heads of {head_dim}, MLP "
-                f"{config.intermediate_size}, vocabulary {vocab} (tied): {params / 1e6:.0f}M parameters, "
-                f"{matmul_params / 1e6:.0f}M in matrix products")
-    return {"hidden": d, "layers": layers, "heads": h, "kv_heads": kv, "head_dim": head_dim,
-            "intermediate": config.intermediate_size, "vocab": vocab, "params": params,
-            "matmul_params": matmul_params, "describe": describe}
+    matmul = layers * (2 * d * h * head_dim + 2 * d * kv * head_dim + 3 * d * config.intermediate_size) + vocab * d
+    params = matmul + layers * (2 * d + (h + 2 * kv) * head_dim) + d  # and the norms and biases
+    return {"layers": layers, "heads": h, "kv_heads": kv, "head_dim": head_dim, "params": params,
+            "matmul_params": matmul, "describe": f"Qwen2 hidden {d}, {layers} layers, {h} query / {kv} key-value "
+            f"heads of {head_dim}, MLP {config.intermediate_size}, vocabulary {vocab} (tied): {params / 1e6:.0f}M "
+            f"parameters, {matmul / 1e6:.0f}M in matrix products (the output projection included)"}
 
 
 def update_flops(shape: dict, w: dict, prompt_tokens: float) -> float:
     """Model FLOPs of one update: 6 x matmul parameters x tokens, plus attention (QK^T and PV, forward and
-    backward: 3 x 4 x heads x head_dim per query-key pair), counting each distinct prompt once (the
-    work the update needs; recomputation gets no credit)."""
+    backward: 3 x 4 x heads x head_dim per query-key pair), each distinct prompt once (recomputation uncredited)."""
     n, length, p = w["prompts"] * w["group_size"], w["new_tokens"], prompt_tokens
-    tokens = n * length + w["prompts"] * p
     pairs = n * (length * p + length * (length + 1) / 2) + w["prompts"] * p * (p + 1) / 2
-    per_pair = 3 * 4 * shape["heads"] * shape["head_dim"] * shape["layers"]
-    return 6 * shape["matmul_params"] * tokens + per_pair * pairs
+    return (6 * shape["matmul_params"] * (n * length + w["prompts"] * p)
+            + 3 * 4 * shape["heads"] * shape["head_dim"] * shape["layers"] * pairs)
 
 
 def floor_bytes(shape: dict, w: dict, prompt_tokens: float) -> float:
-    """Bytes a decode step of the bf16 sampling copy must read, averaged over the steps: every weight once
-    (the tied embedding as the output projection; the embedding rows read are negligible) and the keys and
-    values in use by the workload's rows."""
+    """Bytes a decode step of the bf16 sampling copy reads, averaged over the steps: every weight once (the tied
+    embedding as the output projection) and the keys and values in use by the workload's rows."""
     per_position = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
-    rows = w["prompts"] * w["group_size"]
-    return 2 * shape["params"] + rows * (prompt_tokens + (w["new_tokens"] + 1) / 2) * per_position
+    return 2 * shape["params"] + w["prompts"] * w["group_size"] * (prompt_tokens + (w["new_tokens"] + 1) / 2) * \
+        per_position
 
 
 # --------------------------------------------------------------------------- the learning runs
@@ -142,11 +131,9 @@ def floor_bytes(shape: dict, w: dict, prompt_tokens: float) -> float:
 
 @dataclass(frozen=True)
 class Schedule:
-    """When a learning run stops and which of its steps are evaluated; `seconds` is training time after
-    the step. A run ends at the first step that is at least `steps` AND at least `minutes` of training
-    time, or at the first step past `max_minutes` (0: no cap) whatever the other two say. Evaluation
-    points: every `eval_every` steps, step `steps`, the first step past `minutes`, the last step (step 0,
-    the untrained model, is evaluated by the driver)."""
+    """When a learning run stops and which steps are evaluated (`seconds`: training time after the step). A run
+    ends at the first step at least `steps` AND `minutes` of training time, or past `max_minutes` (0: no cap).
+    Evaluated: every `eval_every` steps, step `steps`, the first step past `minutes`, the last step."""
     steps: int
     minutes: float
     eval_every: int
@@ -157,7 +144,7 @@ class Schedule:
         return capped or (step >= self.steps and seconds >= 60 * self.minutes)
 
     def tags(self, step: int, seconds: float, before: float) -> list[str]:
-        """Why step `step` is evaluated (empty: it is not); `before` is the training time after the previous step."""
+        """Why step `step` is evaluated (empty: it is not); `before`: the training time after the step before."""
         limit = 60 * self.minutes
         marks = {"every": bool(self.eval_every) and step % self.eval_every == 0, "steps": step == self.steps,
                  "minutes": 0 < limit and before < limit <= seconds, "final": self.done(step, seconds)}
@@ -165,29 +152,23 @@ class Schedule:
 
 
 class Tracker:
-    """Training time, per-step records and saved evaluation points of one learning run (either trainer).
-    Training time is the wall clock from the first step's start to the end of the current one, less the
-    time spent saving evaluation folders (loading and set-up are not counted, on either side)."""
+    """Training time, per-step records and saved evaluation points of one learning run (either trainer); training
+    time is the wall clock from the first step's start, less the saving of evaluation folders."""
 
     def __init__(self, schedule: Schedule, samples_per_step: int, save_dir: Path):
         self.schedule, self.samples_per_step, self.save_dir = schedule, samples_per_step, Path(save_dir)
-        self.steps: list[dict] = []
-        self.points: list[dict] = []
-        self.start: float | None = None
-        self.saving = 0.0
-        self.done = False
+        self.steps, self.points, self.start, self.saving, self.done = [], [], None, 0.0, False
+        self.save_dir.mkdir(parents=True, exist_ok=True)
 
     def begin(self) -> None:
         if self.start is None:
             self.start = time.perf_counter()
 
-    def end(self, step: int, step_s: float, save, reward: float | None = None, gpu_peak_mib: float | None = None):
+    def end(self, step: int, step_s: float, save, gpu_peak_mib: float | None = None) -> None:
         """After optimizer step `step` (its own duration `step_s`): record, and save(folder) when due."""
         seconds = time.perf_counter() - self.start - self.saving
-        before = self.steps[-1]["seconds"] if self.steps else 0.0
-        self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "reward": reward,
-                           "gpu_peak_mib": gpu_peak_mib})
-        tags = self.schedule.tags(step, seconds, before)
+        tags = self.schedule.tags(step, seconds, self.steps[-1]["seconds"] if self.steps else 0.0)
+        self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "gpu_peak_mib": gpu_peak_mib})
         if tags:
             t0, folder = time.perf_counter(), self.save_dir / f"step-{step:06d}"
             save(folder)
@@ -195,19 +176,12 @@ class Tracker:
             self.points.append({"step": step, "samples": step * self.samples_per_step, "minutes": seconds / 60,
                                 "tags": tags, "folder": str(folder)})
         self.done = self.schedule.done(step, seconds)
-        print(f"bench: step {step}: {seconds:.1f} s of training", flush=True)
-
-    def note_reward(self, reward: float) -> None:
-        if self.steps:
-            self.steps[-1]["reward"] = reward
+        say(f"step {step}: {seconds:.1f} s of training")
 
     def result(self, **extra) -> dict:
-        """The run's record; on a GPU its peak memory (MiB): the largest per-step peak the trainer reported,
-        else the process's peak."""
-        out = {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(), **extra}
+        """The run's record, with the largest per-step GPU peak (MiB) the trainer reported, else the process's."""
         peaks = [s["gpu_peak_mib"] for s in self.steps if s["gpu_peak_mib"] is not None]
-        if peaks:
-            out["gpu_peak_mib"] = max(peaks)
-        elif torch.cuda.is_available() and torch.cuda.is_initialized():
-            out["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        return out
+        if not peaks and torch.cuda.is_available() and torch.cuda.is_initialized():
+            peaks = [torch.cuda.max_memory_allocated() / 2**20]
+        return {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(),
+                "gpu_peak_mib": max(peaks, default=None), **extra}

@@ -329,11 +329,13 @@ def test_at_most_a_handful_of_functions_take_the_config():
             continue
         tree = ast.parse(path.read_text())
         names = config_names(tree)
-        found[name] = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and takes_config(node, names)}
-    stale = [f"{module}.{fn}" for module, fns in CONFIG_PENDING.items() for fn in sorted(fns - found.get(module, set()))]
+        found[name] = {node.name for node in ast.walk(tree)
+                       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and takes_config(node, names)}
+    stale = [f"{module}.{fn}" for module, fns in CONFIG_PENDING.items()
+             for fn in sorted(fns - found.get(module, set()))]
     assert not stale, "no longer take the Config: remove them from CONFIG_PENDING: " + ", ".join(stale)
-    counted = sorted(f"{module}.{fn}" for module, fns in found.items() for fn in fns - CONFIG_PENDING.get(module, set()))
+    counted = sorted(f"{module}.{fn}" for module, fns in found.items()
+                     for fn in fns - CONFIG_PENDING.get(module, set()))
     assert len(counted) <= CONFIG_LIMIT, f"{len(counted)} functions take the Config:\n" + "\n".join(counted)
 
 

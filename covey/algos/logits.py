@@ -17,7 +17,7 @@ from torch import Tensor
 # (max, exp, sums; in the backward exp, scale, scatter) then run from the L2/L3 caches instead
 # of memory. On a 2-core Zen 4 the forward + backward over 1900 positions of SmolLM2's
 # vocabulary took 189 ms with blocks of 256 and 130 ms with 32 (595 / 195 ms without covey's
-# malloc settings); the results are bit-identical (tests/test_algos_logits.py).
+# malloc settings); the results are bit-identical (tests/algos/test_logits.py).
 DEFAULT_CHUNK = 32
 
 

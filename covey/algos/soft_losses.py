@@ -100,13 +100,14 @@ def gmpo_loss(inp: PolicyInputs, norm: Normalizer, opts: PolicyLossOptions) -> t
     positive = (seq_adv > 0)[:, None]
     cut = d.clamp(-opts.gmpo.log_clip_low, opts.gmpo.log_clip_high)
     clipped = masked_fill_zero(torch.where(positive, torch.minimum(d, cut), torch.maximum(d, cut)), kept)
-    geo = torch.exp(clipped.sum(-1) / kept.sum(-1).clamp(min=1).to(logp.dtype))
+    n_kept = kept.sum(-1).clamp(min=1).to(logp.dtype)
+    geo = torch.exp(clipped.sum(-1) / n_kept)
     scale = sequence_weights(inp.is_weights, mask, n_tok)
     per_token = (-scale * seq_adv * geo)[:, None].expand_as(d)
     loss = aggregate(per_token, mask, norm)
     upper = kept & positive & (d.detach() > opts.gmpo.log_clip_high)
     lower = kept & (seq_adv < 0)[:, None] & (d.detach() < -opts.gmpo.log_clip_low)
-    weight = (scale * geo.detach())[:, None] * (kept & ~(upper | lower)).to(d.dtype)
+    weight = (scale * geo.detach() * n_tok / n_kept)[:, None] * (kept & ~(upper | lower)).to(d.dtype)
     adv = seq_adv[:, None].expand_as(d)
     metrics = {**clip_metrics(upper, lower, mask), "policy/grad_weight_mean": _mean(weight, mask),
                **common_metrics(logp, old_logp, adv, torch.exp(d), mask)}

@@ -13,9 +13,9 @@ Language Models", arXiv:2505.22617; verl's policy losses `clip_cov`, `kl_cov`): 
     cov_t = (A_t - mean A) * (log pi(y_t) - mean log pi)        means over the batch's valid tokens
 
 Clip-Cov picks at random max(floor(r * T), 1) tokens among those with lb < cov_t < ub (T: valid tokens)
-and drops their policy term (they leave the kept tokens, read as the loss's `token_weights` trait says); KL-Cov picks the
-max(floor(k * T), 1) tokens of largest cov_t and adds coef * |log pi_theta(y_t) - log pi_old(y_t)| to
-their loss. verl's defaults: r = 2e-4, lb = 1, ub = 5, k = 2e-4, coef = 0.1.
+and drops their policy term (they leave the kept tokens, read as the loss's `token_weights` trait says);
+KL-Cov picks the max(floor(k * T), 1) tokens of largest cov_t and adds coef * |log pi_theta(y_t) -
+log pi_old(y_t)| to their loss. verl's defaults: r = 2e-4, lb = 1, ub = 5, k = 2e-4, coef = 0.1.
 
 Every selection is a function of whole-batch tensors: the trainer calls it once per rollout on every
 rank's tokens (covey.train.token_weights), so it never depends on the micro-batch size or the process

@@ -64,7 +64,7 @@ AT_LEAST = {
     "algo.vespo.lambda_pos": (0.0, False), "algo.vespo.lambda_neg": (0.0, False),
     "algo.adaptive_kl.horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.gae.value_clip": (0.0, True),
     "algo.gae.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
-    "algo.dynamic_sampling.max_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
+    "algo.dynamic_sampling.max_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True), "rollout.slots": (0, True),
     "reward.timeout_s": (0.0, True), "rollout.max_turns": (1, True), "rollout.max_turn_tokens": (0, True),
     "rollout.max_episode_tokens": (0, True), "rollout.tool_timeout_s": (0.0, False),
     "reward.overlong_buffer": (0, True), "model.threads": (0, True),
@@ -295,6 +295,11 @@ def validate_scale(cfg: Config) -> None:
     if r.engine != "fast" and r.decode not in ("auto", "plain"):
         raise ConfigError(f"rollout.decode={r.decode} sets the fast engine's decoding: "
                           f"rollout.engine={r.engine} does not use it")
+    if r.slots and r.engine != "fast":
+        raise ConfigError(f"rollout.slots={r.slots} sets the fast engine's slots: rollout.engine={r.engine} does not "
+                          "use them")
+    if r.slots and r.decode in ("static", "graphs", "compile"):
+        raise ConfigError(f"rollout.slots={r.slots}: the slots decode with plain steps, not rollout.decode={r.decode}")
     if not 0 < r.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must lie in (0, 1), "
                           f"got {r.vllm_gpu_memory_utilization}")

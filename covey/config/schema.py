@@ -120,6 +120,8 @@ class RolloutConfig:
     """Rollout sampling precision (hf/fast): auto (bfloat16 where bf16 is native: AMX/AVX512-BF16 CPU, CUDA) | float32 | bfloat16 (a copy of the policy)."""
     decode: str = "auto"
     """fast engine's decoding: auto (graphs on CUDA, plain elsewhere) | plain | static (a KV cache allocated once) | graphs (static, each step a CUDA graph replay) | compile (graphs of torch.compile's kernels)."""
+    slots: int = 0
+    """fast engine: decode a step's rows through this many slots, each taken by the next waiting row as soon as its row ends (covey/rollout/slots.py; the same tokens as without); 0 = every row at once, rows only leaving the batch."""
     seeding: str = "global"
     """Sampling seeds: global (one RNG stream) | per_prompt (run seed + draw index: any process count, same samples)."""
     vllm_gpu_memory_utilization: float = 0.3

@@ -60,7 +60,8 @@ def check_estimator_needs(cfg: Config) -> None:
 
 def check_policy_loss(cfg: Config) -> None:
     """From the policy loss's traits: a loss option set for a loss that does not read it, an aggregation
-    other than the one the loss is defined with, per-token advantages for a loss that reads one per sequence."""
+    other than the one the loss is defined with, per-token advantages for a loss that reads one per sequence,
+    a token device whose weight means nothing for the loss (check_token_devices)."""
     a, default = cfg.algo, AlgoConfig()
     if a.learner != "advantage":
         return

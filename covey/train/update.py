@@ -248,7 +248,8 @@ def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOp
         with shared_weight_casts(opts.autocast, device):
             finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg, size)
         return StepGradient(finite, avg, {"policy/loss": step_loss})
-    out = optimizer_steps(Optimized(policy, optimizer, scheduler, state), len(rollout), gradient, opts, generator, sizes)
+    target = Optimized(policy, optimizer, scheduler, state)
+    out = optimizer_steps(target, len(rollout), gradient, opts, generator, sizes)
     out["optim/skipped_steps"] = state.skipped_steps
     return out
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from covey.algos import (
-    AGGREGATIONS, Normalizer, PolicyLossOptions, aggregate, entropy_from_logits, kl_loss, make_normalizer,
+    AGGREGATIONS, Normalizer, PolicyInputs, PolicyLossOptions, aggregate, entropy_from_logits, kl_loss, make_normalizer,
     policy_loss, selective_log_softmax, step_totals, value_loss,
 )
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from covey.algos import (
-    POLICY_LOSSES, Normalizer, PolicyLossOptions, entropy_loss, explained_variance, kl_loss, policy_loss, value_loss,
+    POLICY_LOSSES, Normalizer, PolicyInputs, PolicyLossOptions, entropy_loss, explained_variance, kl_loss, policy_loss,
+    value_loss,
 )
 
 F64 = torch.float64
@@ -55,7 +56,8 @@ def test_dual_clip_caps_negative_advantage_loss():
     # c = 3: token 5 (A=-1, r=4): min(4.0, -c A = 3) = 3, gradient 0; token 4 (r=1.5): min(1.5, 3) = 1.5
     # token mean: (-1.2 - 0.5 + 0.8 + 1.5 + 3.0) / 5 = 0.72
     logp, old, adv, mask = ppo_case()
-    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), token_mean(mask), PolicyLossOptions(dual_clip=3.0))
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), token_mean(mask),
+                          PolicyLossOptions(dual_clip=3.0))
     assert loss.item() == pytest.approx(0.72)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, -0.5, 0.0, 1.5, 0.0]], dtype=F64) / 5)
@@ -70,10 +72,12 @@ def test_asymmetric_and_large_clip():
     old = torch.zeros(1, 3, dtype=F64)
     logp = torch.tensor([[1.25, 1.3, 5.0]], dtype=F64).log()
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask), PolicyLossOptions(clip_eps_high=0.28))
+    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask),
+                          PolicyLossOptions(clip_eps_high=0.28))
     assert loss.item() == pytest.approx((-1.25 - 1.28) / 2)
     mask = torch.tensor([[0, 0, 1]], dtype=torch.bool)
-    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask), PolicyLossOptions(clip_eps_low=10.0, clip_eps_high=10.0))
+    loss, m = policy_loss("ppo_clip", PolicyInputs(logp, old, torch.ones(1, 3, dtype=F64), mask), token_mean(mask),
+                          PolicyLossOptions(clip_eps_low=10.0, clip_eps_high=10.0))
     assert loss.item() == pytest.approx(-5.0) and m["policy/clipfrac"] == 0.0
 
 
@@ -108,7 +112,8 @@ def test_gspo_gradient_equals_sequence_objective():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=F64)[:, None].expand(3, 4)
     norm = Normalizer.from_totals("seq_mean_token_mean", 8, 3, 4)
-    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), norm, PolicyLossOptions(ratio_level="sequence"))
+    loss, _ = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, mask), norm,
+                          PolicyLossOptions(ratio_level="sequence"))
     grad, = torch.autograd.grad(loss, logp)
     seq = (logp * mask).sum(-1) / mask.sum(-1)
     ref = (-adv[:, 0] * seq.exp()).mean()
@@ -122,18 +127,22 @@ def test_ratio_against_reference_is_an_option():
     ref = torch.full((1, 1), -1.5, dtype=F64)
     mask = torch.ones(1, 1, dtype=torch.bool)
     one = torch.ones(1, 1, dtype=F64)
-    loss_old, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask), PolicyLossOptions())
-    loss_ref, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask), PolicyLossOptions(ratio_against="ref"))
+    loss_old, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask),
+                              PolicyLossOptions())
+    loss_ref, _ = policy_loss("ppo_clip", PolicyInputs(logp, logp.clone(), one, mask, ref_logp=ref), token_mean(mask),
+                              PolicyLossOptions(ratio_against="ref"))
     assert loss_old.item() == pytest.approx(-1.0) and loss_ref.item() == pytest.approx(-1.2)
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss("ppo_clip", PolicyInputs(logp, logp, one, mask), token_mean(mask), PolicyLossOptions(ratio_against="ref"))
+        policy_loss("ppo_clip", PolicyInputs(logp, logp, one, mask), token_mean(mask),
+                    PolicyLossOptions(ratio_against="ref"))
 
 
 def test_plain_policy_gradient():
     # l = -A logp: logp [-1, -2], A [1, -0.5] -> [1, -1]; token mean 0; dl/dlogp = -A / 2 = [-0.5, 0.25]
     logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = policy_loss("pg", PolicyInputs(logp, None, torch.tensor([[1.0, -0.5]], dtype=F64), mask), token_mean(mask))
+    loss, m = policy_loss("pg", PolicyInputs(logp, None, torch.tensor([[1.0, -0.5]], dtype=F64), mask),
+                          token_mean(mask))
     assert loss.item() == pytest.approx(0.0)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5, 0.25]], dtype=F64))
@@ -155,7 +164,8 @@ def test_pg_and_ppo_agree_on_policy():
 def test_policy_loss_registry():
     assert {"ppo_clip", "pg", "cispo"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError, match="valid: ppo_clip, pg, cispo, "):
-        policy_loss("grpo", PolicyInputs(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)), token_mean(torch.ones(1, 1)))
+        policy_loss("grpo", PolicyInputs(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)),
+                    token_mean(torch.ones(1, 1)))
 
 
 def one_value(pred, old=10.0, ret=15.0, clip=1.0):

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from covey.algos import Normalizer, PolicyLossOptions, entropy_loss, kl_loss, policy_loss, policy_objective
+from covey.algos import (
+    Normalizer, ObjectiveOptions, PolicyInputs, PolicyLossOptions, entropy_loss, kl_loss, policy_loss, policy_objective,
+)
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -31,8 +33,9 @@ def test_objective_worked_by_hand_with_garbage_in_the_padding(pad):
     # entropy: mean H = 1.5; x -0.1 = -0.15
     # loss = 0.5 + 0.125 - 0.15 = 0.475
     logp, old, ref, adv, entropy = inputs(pad)
-    loss, m = policy_objective("ppo_clip", logp, old, adv, MASK, TOKEN_MEAN, PolicyLossOptions(), ref_logp=ref,
-                               kl_coef=0.5, kl_kind="k3", entropy=entropy, entropy_coef=0.1)
+    loss, m = policy_objective(PolicyInputs(logp, old, adv, MASK, ref_logp=ref, entropy=entropy), TOKEN_MEAN,
+                               ObjectiveOptions("ppo_clip", PolicyLossOptions(), kl_coef=0.5, kl_kind="k3",
+                                                entropy_coef=0.1))
     assert loss.item() == pytest.approx(0.475)
     assert m["kl/ref"] == pytest.approx(0.25) and m["policy/entropy"] == pytest.approx(1.5)
     assert m["adv/mean"] == pytest.approx(-0.5) and m["policy/ratio_mean"] == pytest.approx(1.0)
@@ -49,9 +52,9 @@ def test_objective_worked_by_hand_with_garbage_in_the_padding(pad):
 def test_objective_is_the_sum_of_the_tested_terms():
     # on clean inputs the objective is policy_loss + kl_loss + entropy_loss, term by term
     logp, old, ref, adv, entropy = inputs(pad=0.0)
-    loss, m = policy_objective("ppo_clip", logp, old, adv, MASK, TOKEN_MEAN, ref_logp=ref, kl_coef=0.5,
-                               entropy=entropy, entropy_coef=0.1)
-    p, pm = policy_loss("ppo_clip", logp, old, adv, MASK, TOKEN_MEAN)
+    loss, m = policy_objective(PolicyInputs(logp, old, adv, MASK, ref_logp=ref, entropy=entropy), TOKEN_MEAN,
+                               ObjectiveOptions("ppo_clip", kl_coef=0.5, entropy_coef=0.1))
+    p, pm = policy_loss("ppo_clip", PolicyInputs(logp, old, adv, MASK), TOKEN_MEAN)
     k, km = kl_loss(logp, ref, MASK, TOKEN_MEAN, 0.5, "k3")
     e, em = entropy_loss(entropy, MASK, TOKEN_MEAN, 0.1)
     assert loss.item() == pytest.approx((p + k + e).item(), abs=1e-15)
@@ -62,7 +65,7 @@ def test_zero_coefficients_report_and_add_nothing():
     # kl_coef 0: kl/ref still reported (0.25), no KL in the loss; entropy_coef 0: policy/entropy
     # still reported (1.5), no bonus; the loss is the policy term alone, 0.5
     logp, old, ref, adv, entropy = inputs()
-    loss, m = policy_objective("ppo_clip", logp, old, adv, MASK, TOKEN_MEAN, ref_logp=ref, entropy=entropy)
+    loss, m = policy_objective(PolicyInputs(logp, old, adv, MASK, ref_logp=ref, entropy=entropy), TOKEN_MEAN)
     assert loss.item() == pytest.approx(0.5)
     assert m["kl/ref"] == pytest.approx(0.25) and m["policy/entropy"] == pytest.approx(1.5)
     loss.backward()
@@ -71,6 +74,7 @@ def test_zero_coefficients_report_and_add_nothing():
     # without a reference or an entropy, neither metric exists; pg needs no old log-probs:
     # l = -A logp = -(1 * ln 0.5) - (-2 * ln 0.25) = ln 2 - 4 ln 2 = -3 ln 2, token mean -1.5 ln 2
     logp, _, _, adv, _ = inputs()
-    loss, m = policy_objective("pg", logp, None, adv, MASK, TOKEN_MEAN, kl_coef=0.5, entropy_coef=0.1)
+    loss, m = policy_objective(PolicyInputs(logp, None, adv, MASK), TOKEN_MEAN,
+                               ObjectiveOptions("pg", kl_coef=0.5, entropy_coef=0.1))
     assert loss.item() == pytest.approx(-1.5 * math.log(2))
     assert "kl/ref" not in m and "policy/entropy" not in m and "policy/approx_kl" not in m

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from covey.algos import (
-    AGGREGATIONS, ESTIMATORS, AdvantageInput, AdvantageOptions, PolicyLossOptions, compute_advantages, kl_loss,
-    entropy_loss, make_normalizer, policy_loss, value_loss,
+    AGGREGATIONS, ESTIMATORS, AdvantageInput, AdvantageOptions, PolicyInputs, PolicyLossOptions, compute_advantages,
+    entropy_loss, kl_loss, make_normalizer, policy_loss, value_loss,
 )
 
 F64 = torch.float64
@@ -114,7 +114,8 @@ def all_losses(d, mode, opts):
     norm = make_normalizer(mode, d["mask"], max_len=5)
     total, metrics = 0.0, {}
     for name in ("ppo_clip", "pg"):
-        loss, m = policy_loss(name, PolicyInputs(d["logp"], d["old"], d["adv"], d["mask"], ref_logp=d["ref"]), norm, opts)
+        loss, m = policy_loss(name, PolicyInputs(d["logp"], d["old"], d["adv"], d["mask"], ref_logp=d["ref"]), norm,
+                              opts)
         total, metrics = total + loss, {**metrics, **m}
     for kind in ("k1", "k3", "k3_st", "abs"):
         loss, m = kl_loss(d["logp"], d["ref"], d["mask"], norm, 0.1, kind)

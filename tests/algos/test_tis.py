@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from covey import algos
-from covey.algos import Normalizer, PolicyLossOptions, ppo_clip_loss, truncated_is_weights
+from covey.algos import Normalizer, PolicyInputs, PolicyLossOptions, ppo_clip_loss, truncated_is_weights
 
 # Two sequences, L = 3; the second has one valid token. Probabilities of the sampled tokens:
 #   trainer pi:  [[0.6, 0.2, 0.9], [0.3, -, -]]
@@ -49,15 +49,16 @@ def test_masked_garbage_no_gradient_and_bad_cap():
         truncated_is_weights(PI.log(), MU.log(), MASK, cap=0.5)
 
 
-def test_weight_on_the_advantage_equals_weight_on_each_loss_term():
-    """The loop folds w into the advantage: for ppo_clip, max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)), w >= 0."""
+def test_the_weights_scale_each_loss_term():
+    """ppo_clip reads the weights as a `scale_term` loss (w_t A_t): max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)),
+    w >= 0, so the loss is each token's term times its weight, value and gradient."""
     torch.manual_seed(0)
     old = torch.randn(2, 3, dtype=torch.float64)
     logp = (old + 0.3 * torch.randn(2, 3, dtype=torch.float64)).requires_grad_(True)
     adv = torch.randn(2, 3, dtype=torch.float64)
     weights, _ = truncated_is_weights(PI.log(), MU.log(), MASK, cap=2.0)
     norm = Normalizer.from_totals("token_mean", 4, 2, 3)
-    folded, _ = ppo_clip_loss(logp, old, adv * weights, MASK, norm, PolicyLossOptions())
+    folded, _ = ppo_clip_loss(PolicyInputs(logp, old, adv, MASK, is_weights=weights), norm, PolicyLossOptions())
     ratio = torch.exp(logp - old)
     per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
     by_hand = (weights * per_token)[MASK].sum() / 4

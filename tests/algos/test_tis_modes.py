@@ -116,16 +116,18 @@ def test_the_plan_carries_and_prints_the_lower_bound(capsys):
 
 
 def test_the_loop_passes_the_lower_bound_on():
-    """correct_sampler_mismatch (the loop's step) weights the advantages with algo.tis.min's bound: token_mask,
-    C = 2, c = 0.4 on the rows above, advantages all 1 -> the weights of EXPECTED_MIN["token_mask"]."""
+    """correct_sampler_mismatch (the loop's step) sets the rollout's importance weights with algo.tis.min's bound,
+    the advantages untouched: token_mask, C = 2, c = 0.4 on the rows above -> the weights of
+    EXPECTED_MIN["token_mask"]."""
     from types import SimpleNamespace
 
     from covey.train.token_weights import correct_sampler_mismatch
     plan = make_plan(load_config(None, ["algo.tis.cap=2", "algo.tis.min=0.4", "algo.tis.mode=token_mask"]))
     sampler = torch.full_like(LOG_R_MIN, -1.0)
     rollout = SimpleNamespace(old_logp=sampler + LOG_R_MIN, sample_logp=sampler, response_mask=MASK_MIN,
-                              advantages=torch.ones_like(LOG_R_MIN))
+                              advantages=torch.ones_like(LOG_R_MIN), is_weights=None)
     metrics = correct_sampler_mismatch(SimpleNamespace(plan=plan), rollout)
     expected = torch.tensor(EXPECTED_MIN["token_mask"][0], dtype=torch.float64)
-    assert torch.allclose(rollout.advantages, expected, atol=1e-12)
+    assert torch.allclose(rollout.is_weights, expected, atol=1e-12)
+    assert torch.equal(rollout.advantages, torch.ones_like(LOG_R_MIN))
     assert metrics["tis/below_min_frac"] == pytest.approx(1 / 6)

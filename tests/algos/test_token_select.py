@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from covey import algos
-from covey.algos import CovOptions, Normalizer, high_entropy_mask, select_cov_tokens, token_covariance
+from covey.algos import (
+    CovOptions, Normalizer, ObjectiveOptions, PolicyInputs, high_entropy_mask, select_cov_tokens, token_covariance,
+)
 from covey.config.schema_algo import ClipCovOptions, KLCovOptions
 from covey.algos.token_select import clip_cov_select, kl_cov_select
 
@@ -112,11 +114,11 @@ def test_clip_cov_drops_the_token_in_the_objective():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     adv, mask = torch.tensor([[1.0, 2.0]]), torch.ones(1, 2)
     norm = Normalizer("token_mean", 2, 1, 2)
-    plain, _ = algos.policy_objective("ppo_clip", logp, logp.detach(), adv, mask, norm)
+    plain, _ = algos.policy_objective(PolicyInputs(logp, logp.detach(), adv, mask), norm)
     assert float(plain.detach()) == pytest.approx(-1.5)
     chosen = torch.tensor([[False, True]])
-    loss, _ = algos.policy_objective("ppo_clip", logp, logp.detach(), adv, mask, norm,
-                                     cov=CovOptions(control="clip_cov"), cov_tokens=chosen)
+    loss, _ = algos.policy_objective(PolicyInputs(logp, logp.detach(), adv, mask, cov_tokens=chosen), norm,
+                                     ObjectiveOptions(cov=CovOptions(control="clip_cov")))
     assert float(loss) == pytest.approx(-0.5)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([-0.5, 0.0])
@@ -131,9 +133,9 @@ def test_kl_cov_penalty_in_the_objective():
     #   on token 1: -A r / 2 = -1
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old, adv, mask = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 2)
-    loss, _ = algos.policy_objective("ppo_clip", logp, old, adv, mask, Normalizer("token_mean", 2, 1, 2),
-                                     cov=CovOptions(control="kl_cov", kl_cov=KLCovOptions(coef=0.1)),
-                                     cov_tokens=torch.tensor([[True, False]]))
+    loss, _ = algos.policy_objective(PolicyInputs(logp, old, adv, mask, cov_tokens=torch.tensor([[True, False]])),
+                                     Normalizer("token_mean", 2, 1, 2),
+                                     ObjectiveOptions(cov=CovOptions(control="kl_cov", kl_cov=KLCovOptions(coef=0.1))))
     assert float(loss) == pytest.approx(-1.575)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([0.05, -1.0])

@@ -5,9 +5,11 @@ reads, with a stand-in for the forward pass that returns the given log-probs.
 
 The sampler-trainer correction (covey's importance_weights: algo.tis.cap, .mode, .min) equals TRL's
 vLLM importance sampling (vllm_importance_sampling_mode, clip_max, clip_min): TRL computes it inline in
-`_generate_and_score_completions`, so its lines there run on their own, on the same inputs.
+`_generate_and_score_completions`, so its lines there run on their own, on the same inputs; VESPO with it
+(the weights inside the kernel's sequence weight) equals TRL's vespo. A selection of tokens (covey's
+PolicyInputs.kept) equals TRL's top_entropy_quantile on the same tokens, GMPO's included.
 
-Where covey departs from TRL on purpose, a test shows the case (cispo's bounds).
+Where covey departs from TRL on purpose, a test shows the case (cispo's bounds; a selection with a sequence ratio).
 """
 
 from collections import defaultdict
@@ -16,7 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from covey.algos import TIS_MODES, Normalizer, PolicyLossOptions, importance_weights, policy_objective
+from covey.algos import (
+    TIS_MODES, Normalizer, ObjectiveOptions, PolicyInputs, PolicyLossOptions, importance_weights, policy_objective,
+)
 from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 
 trl = pytest.importorskip("trl", reason="the comparison runs TRL's own loss code (pip install trl==1.16.0)")
@@ -58,8 +62,9 @@ def inputs(seed=0, spread=0.8):
 
 
 def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28), beta=BETA, gmpo=False,
-             is_ratio=None, **args):
-    """TRL's loss and d loss / d logp; with `is_ratio`, its vLLM importance sampling ratio applied."""
+             is_ratio=None, kept=None, **args):
+    """TRL's loss and d loss / d logp; with `is_ratio`, its vLLM importance sampling ratio applied; with `kept`,
+    its high-entropy selection (top_entropy_quantile < 1) choosing exactly these tokens."""
     if gmpo:
         from trl.experimental.gmpo import GMPOTrainer as Trainer
     else:
@@ -69,11 +74,14 @@ def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28
     t._get_per_token_logps_and_entropies = lambda *a, **k: (leaf, torch.zeros_like(leaf), None)
     t.__dict__.update(
         loss_type=loss_type, importance_sampling_level=level, epsilon_low=eps[0], epsilon_high=eps[1], beta=beta,
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=is_ratio is not None,
-        vllm_importance_sampling_correction=is_ratio is not None, model=SimpleNamespace(training=True),
+        top_entropy_quantile=1.0 if kept is None else 0.5, off_policy_mask_threshold=None,
+        use_vllm=is_ratio is not None, vllm_importance_sampling_correction=is_ratio is not None,
+        model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=MAX_LEN, accelerator=OneProcess(),
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(**{**ARGS, **args}))
+    if kept is not None:  # the rule that picks the tokens is checked in test_token_select.py; here, what a loss does
+        t.get_high_entropy_mask = lambda entropies, completion_mask, threshold: kept.to(completion_mask.dtype)
     batch = {"prompt_ids": torch.zeros(N, 1, dtype=torch.long), "prompt_mask": torch.ones(N, 1, dtype=torch.long),
              "completion_ids": torch.zeros(N, L, dtype=torch.long), "completion_mask": mask,
              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
@@ -84,14 +92,14 @@ def trl_loss(loss_type, logp, old, ref, mask, adv, level="token", eps=(0.2, 0.28
     return loss.item(), torch.autograd.grad(loss, leaf)[0]
 
 
-def covey_loss(name, agg, logp, old, ref, mask, adv, beta=BETA, weights=None, **opts):
-    """covey's loss and d loss / d logp; with `weights` (N, L), the advantages times them, as the loop folds
-    the sampler correction in."""
+def covey_loss(name, agg, logp, old, ref, mask, adv, beta=BETA, weights=None, kept=None, sample_logp=None, **opts):
+    """covey's loss and d loss / d logp; with `weights` (N, L), the sampler correction's importance weights; with
+    `kept`, the tokens a selection keeps; with `sample_logp`, the sampler's log-probs."""
     leaf = logp.clone().requires_grad_(True)
     n = Normalizer.from_totals(agg, float(mask.sum()), N, MAX_LEN)
-    token_adv = adv[:, None].expand(N, L) * (1.0 if weights is None else weights)
-    loss, _ = policy_objective(name, leaf, old, token_adv, mask, n, PolicyLossOptions(**opts),
-                               ref_logp=ref, kl_coef=beta, kl_kind="k3")
+    inp = PolicyInputs(leaf, old, adv[:, None].expand(N, L), mask, ref_logp=ref, kept=kept, is_weights=weights,
+                       sample_logp=sample_logp)
+    loss, _ = policy_objective(inp, n, ObjectiveOptions(name, PolicyLossOptions(**opts), kl_coef=beta, kl_kind="k3"))
     return loss.item(), torch.autograd.grad(loss, leaf)[0]
 
 
@@ -151,6 +159,66 @@ def test_the_cases_reach_every_branch():
         hits |= torch.stack([((r > 1.28) & (a > 0)).any(), ((r < 0.8) & (a < 0)).any(), ((r > 1.28) & (a < 0)).any(),
                              ((r < 0.8) & (a > 0)).any(), ((r > 1.35) & (a > 0)).any(), ((r < 0.67) & (a < 0)).any()])
     assert hits.all()
+
+
+# Kept tokens of the rows of `inputs` (lengths 5, 4, 3, 2; row 0's third token a hole): row 2 keeps none, so GMPO's
+# mean over its kept tokens is empty there (1, no gradient, in both).
+KEPT = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+
+
+SEQUENCE_RATIO = sorted(case for case, (args, _) in CASES.items() if args.get("level") == "sequence")
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - set(SEQUENCE_RATIO)))
+def test_a_selection_equals_trl(case):
+    """TRL's top_entropy_quantile on the same chosen tokens: each per-token loss times the mask, GMPO's geometric
+    mean over the kept tokens; covey's PolicyInputs.kept, read as each loss's token_weights trait says."""
+    trl_args, (name, agg, opts) = CASES[case]
+    trl_args = {"loss_type": case, **trl_args}
+    x = inputs(1, 1.2 if name == "vespo" else 0.8)
+    same(covey_loss(name, agg, *x, kept=KEPT, **opts), trl_loss(trl_args.pop("loss_type"), *x, kept=KEPT, **trl_args))
+
+
+@pytest.mark.parametrize("case", SEQUENCE_RATIO)
+def test_a_selection_with_a_sequence_ratio_departs_from_trl(case):
+    """covey departs here: with the sequence ratio s_i (GSPO, LUSPO) TRL multiplies the sequence's term by the mask
+    on each token, but the term's gradient flows through s_i = exp(mean_t d_t) into every token, so a dropped
+    token keeps (kept share) x its gradient. covey's GSPO-token form (each token's term differentiates its own
+    log-prob, with the value of s_i) gives a dropped token none, as for every other loss. The loss values are
+    equal, and so is each sequence's summed gradient: k_i kept tokens x g_i in covey, T_i tokens x (k_i/T_i) g_i
+    in TRL (no KL term here: it is not selected, and would give a dropped token a gradient in both)."""
+    trl_args, (name, agg, opts) = CASES[case]
+    trl_args = {"loss_type": case, "beta": 0.0, **trl_args}
+    x = inputs(1)
+    ours = covey_loss(name, agg, *x, beta=0.0, kept=KEPT, **opts)
+    theirs = trl_loss(trl_args.pop("loss_type"), *x, kept=KEPT, **trl_args)
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-6)
+    assert torch.allclose(ours[1].sum(-1), theirs[1].sum(-1), atol=1e-6, rtol=0)
+    dropped = x[3].bool() & ~KEPT
+    assert bool((ours[1][dropped] == 0).all()) and bool((theirs[1][dropped].abs() > 1e-4).any())
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vespo_sampler_weight_equals_trl(mode, seed):
+    """VESPO's kernel on W = (pi_theta / pi_old) prod_t w_t, the bounded token ratios pi_old / mu inside it and no
+    weight outside: TRL's vespo with its vLLM importance sampling ratio (token modes) on the same inputs."""
+    logp, old, ref, mask, adv = inputs(seed, 1.2)
+    sampler = sampler_logp(old, mask, seed)
+    theirs = trl_is_ratio(mode, old, sampler, mask, None, TIS_BOUNDS[1])
+    ours, _ = importance_weights(old, sampler, mask, TIS_BOUNDS[1], mode)
+    same(covey_loss("vespo", "token_mean", logp, old, ref, mask, adv, weights=ours, sample_logp=sampler),
+         trl_loss("vespo", logp, old, ref, mask, adv, is_ratio=theirs))
+
+
+def test_vespo_against_the_sampler_equals_trl_with_the_raw_ratio():
+    """Without algo.tis covey's VESPO takes W = pi_theta / mu from the sampler's log-probs: TRL's vespo fed the
+    unbounded ratio pi_old / mu gives the same loss and gradient."""
+    logp, old, ref, mask, adv = inputs(0, 1.2)
+    sampler = sampler_logp(old, mask, 0)
+    raw = torch.exp((old - sampler) * mask)
+    same(covey_loss("vespo", "token_mean", logp, old, ref, mask, adv, sample_logp=sampler),
+         trl_loss("vespo", logp, old, ref, mask, adv, is_ratio=raw))
 
 
 def test_trl_cispo_default_caps_the_weight_at_0_2():

@@ -215,7 +215,8 @@ def test_environment_tokens_carry_no_loss_and_no_gradient(tiny_model_dir):
     with torch.no_grad():
         logp, entropy, width = logprobs.policy_logprobs(model, as_single_turn(episode), opts.temperature,
                                                        with_entropy=True)
-        expected, _ = algos.policy_objective(opts.policy_loss, logp, logp, episode.advantages[:, :width],
-                                             episode.response_mask[:, :width], norm, opts.loss, entropy=entropy,
-                                             entropy_coef=0.01)
+        inp = algos.PolicyInputs(logp, logp, episode.advantages[:, :width], episode.response_mask[:, :width],
+                                 entropy=entropy)
+        expected, _ = algos.policy_objective(inp, norm, algos.ObjectiveOptions(opts.policy_loss, opts.loss,
+                                                                               entropy_coef=0.01))
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)

@@ -6,6 +6,7 @@ import yaml
 
 from covey.config import ConfigError, as_dict, load_config
 from covey.models.load import load_policy
+from covey.runtime import budget
 from covey.runtime.budget import DoesNotFit
 from covey.train import memory_fit
 from covey.train.checkpoint import config_differences
@@ -37,7 +38,7 @@ def test_the_tiny_grpo_run_priced_by_hand(tiny_model_dir):
     shape = memory_fit.run_shape(policy, plan, "cuda", 9)
     assert (shape.weights, shape.trained, shape.trained_bytes, shape.reference) == (427328, 106816, 427264, 427328)
     assert (shape.sampling_copy, shape.activations, shape.kv_cache) == (0, 96768, 70496)
-    assert sum(memory_fit.b.least_parts(shape).values()) == 2_303_712
+    assert sum(budget.least_parts(shape).values()) == 2_303_712
 
 
 def test_lora_drops_the_reference_and_trains_the_adapters(tiny_model_dir):
@@ -49,7 +50,7 @@ def test_lora_drops_the_reference_and_trains_the_adapters(tiny_model_dir):
     shape = memory_fit.run_shape(policy, plan, "cuda", 9)
     assert (shape.trained, shape.trained_bytes, shape.reference) == (8192, 32768, 0)
     assert shape.weights == 427328 + 32768
-    assert memory_fit.b.lora_parameters(policy.config, 4) == 8192
+    assert budget.lora_parameters(policy.config, 4) == 8192
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ import json
 import torch
 from safetensors.torch import load_file
 
+from covey import train
 from covey.config import load_config
 from covey.passes import logprobs
 from covey.rollout.fast import FastEngine
 from covey.train import dpo
 from covey.train import update
-from covey.train.api import train
 from tests.helpers import tiny_overrides
 
 ROWS_THAT_FIT = 2

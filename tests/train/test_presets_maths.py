@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from covey.algos import ESTIMATORS, AdvantageInput, compute_advantages, make_normalizer, policy_loss
+from covey.algos import ESTIMATORS, AdvantageInput, PolicyInputs, compute_advantages, make_normalizer, policy_loss
 from covey.config import load_config, preset_names, preset_path
 from covey.train.plan import Sizes, make_plan
 
@@ -172,7 +172,7 @@ def test_gspo():
     mask = torch.ones(2, 2)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
     norm = make_normalizer(plan.update.loss_agg, mask)
-    loss, metrics = policy_loss(plan.update.policy_loss, logp, old, adv, mask, norm, plan.update.loss)
+    loss, metrics = policy_loss(plan.update.policy_loss, PolicyInputs(logp, old, adv, mask), norm, plan.update.loss)
     assert float(loss.detach()) == pytest.approx(-0.00035, abs=1e-12) and metrics["policy/clipfrac"] == 1.0
     loss.backward()
     assert torch.equal(logp.grad, torch.zeros(2, 2, dtype=torch.float64))
@@ -190,7 +190,7 @@ def test_cispo():
     half = math.log(1.5)
     logp = torch.tensor([[-half]], dtype=torch.float64, requires_grad=True)
     old, mask, adv = torch.tensor([[-2 * half]], dtype=torch.float64), torch.ones(1, 1), torch.ones(1, 1)
-    loss, _ = policy_loss("cispo", logp, old, adv.double(), mask, make_normalizer("token_mean", mask),
+    loss, _ = policy_loss("cispo", PolicyInputs(logp, old, adv.double(), mask), make_normalizer("token_mean", mask),
                           plan.update.loss)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(1.28 * half, abs=1e-12) and float(logp.grad) == pytest.approx(-1.28)

@@ -69,6 +69,21 @@ def test_a_masked_tis_mode_runs_on_the_fast_engine(tiny_model_dir, tmp_path):
     assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and m["tis/capped_frac"] == 0.0
 
 
+@pytest.mark.parametrize("keys", [
+    {"algo.policy_loss": "gmpo", "algo.top_entropy_quantile": 0.5, "algo.tis.cap": 2,
+     "algo.tis.mode": "sequence_truncate"},
+    {"algo.policy_loss": "vespo", "algo.tis.cap": 2, "algo.tis.mode": "token_mask", "algo.cov_control": "clip_cov",
+     "algo.clip_cov.ratio": 0.25, "algo.clip_cov.lb": -100, "algo.clip_cov.ub": 100},
+], ids=["gmpo", "vespo"])
+def test_the_sequence_losses_train_with_their_token_devices(tiny_model_dir, tmp_path, keys):
+    """gmpo over the kept tokens with a weight per sequence, vespo with the bounded sampler ratios inside its weight
+    and Clip-Cov's tokens dropped: a step with two epochs (the second off policy) that moves the policy.
+    What each pair computes, by hand: tests/train/test_loss_devices.py."""
+    m = run(tiny_model_dir, tmp_path / keys["algo.policy_loss"], **{"train.steps": 1, "algo.epochs": 2, **keys})[1]
+    assert m["optim/grad_norm"] > 0 and torch.isfinite(torch.tensor(m["policy/loss"]))
+    assert m["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
 def test_bad_values_fail_with_their_key():
     for bad, key in (("algo.tis.mode=sequence", "algo.tis.mode"), ("algo.cov_control=cov", "algo.cov_control"),
                      ("algo.top_entropy_quantile=1.5", "algo.top_entropy_quantile"),

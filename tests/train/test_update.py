@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from covey import algos
 from covey.algos import make_normalizer
 from covey.train import update
 from covey.config import Config
@@ -97,7 +98,8 @@ def poisoned_pass(real, fill):
 @pytest.mark.parametrize("fill", [float("nan"), float("inf")])
 def test_garbage_at_padded_positions_changes_nothing(tiny_model_dir, monkeypatch, fill):
     # The trainer's own micro-batch loss with the KL and the entropy in it: NaN or +inf at padded
-    # positions of old_logp, ref_logp, the advantages and the pass's own log-probs and entropy must
+    # positions of old_logp, ref_logp, the advantages, the sampler's log-probs, the importance weights and the
+    # pass's own log-probs and entropy must
     # give the loss, gradient and metrics of zeros there (every term is masked before any estimator).
     model, tokenizer = load_policy(tiny_model_dir)
     rollout = grouped_rollout(tokenizer, groups=2, group_size=3)
@@ -109,6 +111,8 @@ def test_garbage_at_padded_positions_changes_nothing(tiny_model_dir, monkeypatch
     rollout.old_logp = logp + 0.1 * torch.randn(logp.shape, generator=g)
     rollout.ref_logp = logp - 0.3 * torch.rand(logp.shape, generator=g)
     rollout.advantages = torch.randn(logp.shape, generator=g)
+    rollout.sample_logp = rollout.old_logp - 0.1 * torch.rand(logp.shape, generator=g)
+    rollout.is_weights = torch.rand(logp.shape, generator=g) * 2
     cfg = Config()
     cfg.algo.entropy_coef, cfg.rollout.max_new_tokens = 0.01, rollout.response_ids.shape[1]
     opts = make_plan(cfg).update
@@ -122,7 +126,7 @@ def test_garbage_at_padded_positions_changes_nothing(tiny_model_dir, monkeypatch
         return loss.detach(), [p.grad.clone() for p in model.parameters()], metrics
 
     clean = copy.copy(rollout)
-    for key in ("old_logp", "ref_logp", "advantages"):
+    for key in ("old_logp", "ref_logp", "advantages", "sample_logp", "is_weights"):
         setattr(clean, key, getattr(rollout, key).masked_fill(pad, 0.0))
         setattr(rollout, key, getattr(rollout, key).masked_fill(pad, fill))
     loss, grads, metrics = loss_and_grads(clean)
@@ -132,3 +136,38 @@ def test_garbage_at_padded_positions_changes_nothing(tiny_model_dir, monkeypatch
     assert torch.equal(bad_loss, loss) and all(torch.equal(a, b) for a, b in zip(bad_grads, grads))
     assert bad_metrics == metrics and {"kl/ref", "policy/entropy"} <= set(metrics)
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "gmpo", "vespo"])
+def test_the_token_devices_reach_the_objective(tiny_model_dir, loss):
+    # The rollout's importance weights, kept tokens and sampler log-probs reach the micro-batch loss as the
+    # objective's own inputs, never folded into the advantages: the trainer's loss equals policy_objective on the
+    # same tensors, and moves when they do. (What each loss does with them: tests/train/test_loss_devices.py.)
+    model, tokenizer = load_policy(tiny_model_dir)
+    rollout = grouped_rollout(tokenizer, groups=2, group_size=3)
+    cfg = Config()
+    cfg.algo.policy_loss, cfg.rollout.max_new_tokens = loss, rollout.response_ids.shape[1]
+    opts = make_plan(cfg).update
+    with torch.no_grad():
+        logp, entropy, _ = update.policy_logprobs(model, rollout, opts.temperature, with_entropy=True,
+                                                  precision=opts.autocast)
+    g = torch.Generator().manual_seed(5)
+    rollout.old_logp = logp + 0.1 * torch.randn(logp.shape, generator=g)
+    rollout.advantages = torch.randn(logp.shape[0], generator=g)[:, None].expand(logp.shape).clone()
+    rollout.sample_logp = rollout.old_logp - 0.3 * torch.rand(logp.shape, generator=g)
+    per_sequence = loss == "gmpo"   # gmpo reads one importance weight per sequence
+    rollout.is_weights = torch.rand(logp.shape[0] if per_sequence else logp.shape, generator=g) + 0.5
+    rollout.is_weights = rollout.is_weights[:, None].expand(logp.shape) if per_sequence else rollout.is_weights
+    rollout.kept_tokens = torch.rand(logp.shape, generator=g) > 0.3
+    norm = make_normalizer(opts.loss_agg, rollout.response_mask, opts.max_len)
+    with torch.no_grad():
+        got, _ = update.micro_policy_loss(model, rollout, norm, opts, kl_coef=0.0)
+        inp = algos.PolicyInputs(logp, rollout.old_logp, rollout.advantages, rollout.response_mask,
+                                 entropy=entropy, kept=rollout.kept_tokens, is_weights=rollout.is_weights,
+                                 sample_logp=rollout.sample_logp)
+        expected, _ = algos.policy_objective(inp, norm, algos.ObjectiveOptions(loss, opts.loss))
+        plain, _ = algos.policy_objective(algos.PolicyInputs(logp, rollout.old_logp, rollout.advantages,
+                                                             rollout.response_mask), norm,
+                                          algos.ObjectiveOptions(loss, opts.loss))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert abs(float(got) - float(plain)) > 1e-4
