@@ -23,10 +23,10 @@ def add_parser(sub) -> None:
 
 def run_train(args) -> int:
     from covey.cli.common import command_device, config_with_cpu_settings
-    from covey.rm.trainer import train_reward_model
+    from covey.rm.trainer import RMRun, train_reward_model
     cfg = config_with_cpu_settings(args.args)
-    train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
-                       seed=cfg.train.seed, device=command_device(cfg))
+    train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model,
+                       RMRun(cfg.reward.step_separator, cfg.train.seed, command_device(cfg)))
     return 0
 
 

@@ -101,7 +101,8 @@ def policy_logprobs(model, part: Rollout, temperature: float, *, with_entropy: b
         width = ids.shape[1] - resp_len
         view = prompts[0].view(prompts[1].to(device), width) if prompts is not None else None
         shared = shared_prompts(ids[:, :width], mask[:, :width]) if view is None else None
-        return packed_logprobs(model, ids, mask, resp_len, shared, temperature, with_entropy, precision, view)
+        return packed_logprobs(model, ids, mask, resp_len, shared, PassSettings(temperature, with_entropy, precision),
+                               view)
     head, targets = fused_head(model), ids[:, -resp_len:]
     # a recurrent layer's state runs through left padding (transformers' chunked Gated DeltaNet is not exact
     # there): such models read each row from its first real token, padding after the response instead
@@ -196,8 +197,17 @@ def pass_settings(model, precision: str, device) -> tuple[str, bool, str]:
     return precision, low, fastest_attention(model, low, device)
 
 
+@dataclasses.dataclass(frozen=True)
+class PassSettings:
+    """How a log-prob pass scores: the sampling temperature, whether it also takes each token's entropy, and
+    its autocast precision."""
+    temperature: float
+    with_entropy: bool
+    precision: str
+
+
 def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tuple[Tensor, Tensor] | None,
-                    temperature: float, with_entropy: bool, precision: str, view: PromptView | None = None):
+                    settings: PassSettings, view: PromptView | None = None):
     """`policy_logprobs` with each distinct prompt encoded once and the responses packed without padding.
 
     Pass 1 runs the U distinct prompts (`shared`: the first row of each, the prompt of each row)
@@ -209,10 +219,11 @@ def packed_logprobs(model, ids: Tensor, mask: Tensor, resp_len: int, shared: tup
     """
     width, n = ids.shape[1] - resp_len, ids.shape[0]
     responses = ids[:, width:]
-    precision, low, implementation = pass_settings(model, precision, ids.device)
+    temperature, with_entropy = settings.temperature, settings.with_entropy
+    precision, low, implementation = pass_settings(model, settings.precision, ids.device)
     inverse = view.inverse if view is not None else shared[1]
     prompt_mask = view.prompt_mask if view is not None else mask[shared[0], :width]
-    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask, pad_id=0,
+    packing = pack(responses, mask[:, width:].sum(1), mask[:, :width].sum(1), inverse, prompt_mask,
                    width_multiple=BF16_WIDTH_MULTIPLE if low else 1,
                    min_capacity=row_capacity(implementation))
     attention = layer_masks(packing, prompt_mask, family_of(model.config))

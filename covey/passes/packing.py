@@ -74,8 +74,12 @@ def plan_bins(fed: list[int], prompt_of_row: list[int], capacity: int) -> list[l
     return bins
 
 
+PAD_ID = 0
+"""The id of a packed row's padding positions: no score reads them, so any id in the vocabulary does."""
+
+
 def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tensor, prompt_mask: Tensor,
-         pad_id: int, width_multiple: int = 1, min_capacity: int | None = None) -> Packing:
+         width_multiple: int = 1, min_capacity: int | None = None) -> Packing:
     """Lay out responses (n, L') of real lengths (n,) whose first token sits at position starts (n,).
 
     `prompt_mask` (U, P) is the mask of each distinct prompt, `prompt_of_row` (n,) indexes it.
@@ -91,8 +95,8 @@ def pack(responses: Tensor, lengths: Tensor, starts: Tensor, prompt_of_row: Tens
     width = max((sum(fed[r] for r in b) for b in bins), default=0)
     width = -(-width // width_multiple) * width_multiple
     k, device = len(bins), responses.device
-    input_ids = torch.full((k, width), pad_id, dtype=responses.dtype, device=device)
-    targets, position_ids = torch.full_like(input_ids, pad_id), torch.zeros_like(input_ids)
+    input_ids = torch.full((k, width), PAD_ID, dtype=responses.dtype, device=device)
+    targets, position_ids = torch.full_like(input_ids, PAD_ID), torch.zeros_like(input_ids)
     block = torch.full((k, width), -1, dtype=torch.long, device=device)
     src_bin, src_slot, dst_row, dst_col = [], [], [], []
     for b, rows in enumerate(bins):

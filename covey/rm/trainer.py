@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -255,12 +256,23 @@ def _split_examples(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, *, p
     return train + extra, held, extra
 
 
-def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, model: ModelConfig, *,
-                       step_separator: str, seed: int, device: str = "cpu", log=print) -> dict:
+@dataclass(frozen=True)
+class RMRun:
+    """Where and how a reward model trains, from the config's other sections."""
+    step_separator: str
+    """reward.step_separator: what ends a reasoning step (PRM data)."""
+    seed: int
+    """train.seed."""
+    device: str = "cpu"
+    """Where the reward model trains."""
+
+
+def train_reward_model(rm: RMConfig, task: TaskConfig, rollout: RolloutConfig, model: ModelConfig,
+                       run: RMRun, log=print) -> dict:
     """`covey train-rm`: data (file or generated), training, held-out accuracy, saved folder.
 
-    `model` is the policy (model.path samples generated data; model.autocast runs the passes),
-    `step_separator` is reward.step_separator, `seed` train.seed, `device` where the RM trains."""
+    `model` is the policy (model.path samples generated data; model.autocast runs the passes)."""
+    step_separator, seed, device = run.step_separator, run.seed, run.device
     torch.manual_seed(seed)
     train, held, extra = _split_examples(rm, task, rollout, policy_path=model.path, step_separator=step_separator,
                                          seed=seed, log=log)

@@ -8,6 +8,7 @@ carry signal (all-right or all-wrong groups have zero advantage).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, fields
 
 from covey.tasks.base import Example
 
@@ -51,9 +52,20 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown arithmetic kind {kind!r}; choose one of {', '.join(KINDS)}")
 
 
-def _generate(rng: random.Random, n: int, kind: str, digits_a: int, digits_b: int,
-              allow_negative: bool, template: str, exclude: set[str]) -> list[Example]:
+@dataclass(frozen=True)
+class Difficulty:
+    """What an arithmetic problem looks like: the keyword arguments of `generate_arithmetic`."""
+    kind: str = "mul"
+    digits_a: int = 2
+    digits_b: int = 1
+    allow_negative: bool = False
+    template: str = DEFAULT_TEMPLATE
+
+
+def _generate(rng: random.Random, n: int, spec: Difficulty, exclude: set[str]) -> list[Example]:
     """Draw `n` distinct questions not in `exclude` (which is updated in place)."""
+    kind, digits_a, digits_b, allow_negative, template = (spec.kind, spec.digits_a, spec.digits_b,
+                                                          spec.allow_negative, spec.template)
     _check_kind(kind)
     available = _space_size(kind, digits_a, digits_b) - len(exclude)
     if n > available:
@@ -87,7 +99,7 @@ def generate_arithmetic(n: int, seed: int, kind: str = "mul", digits_a: int = 2,
     template: user-message text with `{a}`, `{op}`, `{b}` placeholders.
     """
     rng = random.Random(seed)
-    return _generate(rng, n, kind, digits_a, digits_b, allow_negative, template, set())
+    return _generate(rng, n, Difficulty(kind, digits_a, digits_b, allow_negative, template), set())
 
 
 def arithmetic_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tuple[list[Example], list[Example]]:
@@ -98,13 +110,10 @@ def arithmetic_splits(n_train: int, n_eval: int, seed: int, **difficulty) -> tup
     train is drawn from a second stream, skipping every eval question.
     `difficulty` takes the keyword arguments of `generate_arithmetic`.
     """
-    params = {"kind": "mul", "digits_a": 2, "digits_b": 1, "allow_negative": False,
-              "template": DEFAULT_TEMPLATE}
-    unknown = set(difficulty) - set(params)
+    unknown = set(difficulty) - {f.name for f in fields(Difficulty)}
     if unknown:
         raise TypeError(f"unknown arithmetic option(s): {', '.join(sorted(unknown))}")
-    params.update(difficulty)
-    seen: set[str] = set()
-    eval_set = _generate(random.Random(f"{seed}-eval"), n_eval, exclude=seen, **params)
-    train = _generate(random.Random(f"{seed}-train"), n_train, exclude=seen, **params)
+    spec, seen = Difficulty(**difficulty), set()
+    eval_set = _generate(random.Random(f"{seed}-eval"), n_eval, spec, seen)
+    train = _generate(random.Random(f"{seed}-train"), n_train, spec, seen)
     return train, eval_set

@@ -35,7 +35,7 @@ def test_pack_layout_positions_targets_and_unpack():
     starts = torch.tensor([5, 5, 2])   # real prompt lengths
     prompt_of_row = torch.tensor([0, 0, 1])
     prompt_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
-    packed = pack(responses, lengths, starts, prompt_of_row, prompt_mask, pad_id=0)
+    packed = pack(responses, lengths, starts, prompt_of_row, prompt_mask)
     # fed: row 0 -> 10, 11; row 1 -> 20; row 2 -> 30, 31, 32 (the last token of each is never fed)
     assert packed.prompt_of_bin.tolist() == [0, 1]
     assert packed.input_ids.tolist() == [[10, 11, 20], [30, 31, 32]]
@@ -52,6 +52,6 @@ def test_row_capacity_keeps_rows_short_for_eager_attention():
     lengths, starts = torch.tensor([3, 2, 4]), torch.tensor([5, 5, 5])
     one_prompt, prompt_mask = torch.tensor([0, 0, 0]), torch.ones(1, 5, dtype=torch.long)
     # fed 2 + 1 + 3 = 6 tokens: one row by default; capacity 3 (the longest fed) -> rows [3], [2, 1]
-    assert pack(responses, lengths, starts, one_prompt, prompt_mask, pad_id=0).input_ids.shape == (1, 6)
-    short = pack(responses, lengths, starts, one_prompt, prompt_mask, pad_id=0, min_capacity=1)
+    assert pack(responses, lengths, starts, one_prompt, prompt_mask).input_ids.shape == (1, 6)
+    short = pack(responses, lengths, starts, one_prompt, prompt_mask, min_capacity=1)
     assert short.input_ids.tolist() == [[30, 31, 32], [10, 11, 20]]

@@ -15,7 +15,7 @@ from covey.rm.data import (PreferencePair, RewardDataError, StepExample, corrupt
                            counterfactual_steps, load_rm_data, pairs_from_group, save_rm_data, split_by_prompt,
                            swap_final_answer)
 from covey.rm.refresh import ReplayBuffer, pairwise_agreement, replay_count
-from covey.rm.trainer import train_reward_model
+from covey.rm.trainer import RMRun, train_reward_model
 from covey.rewards.learned import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
                                  encode, end_marker_text, step_spans, step_token_ends)
 from covey.batch import Rollout
@@ -199,8 +199,8 @@ def test_replay_buffer_fraction_capacity_and_state():
 
 def train_rm(cfg, log):
     """`train_reward_model` on the sections of a whole config, as `covey train-rm` calls it."""
-    return train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model, step_separator=cfg.reward.step_separator,
-                              seed=cfg.train.seed, log=log)
+    return train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model,
+                              RMRun(cfg.reward.step_separator, cfg.train.seed), log=log)
 
 
 def _separable_pairs(n):
