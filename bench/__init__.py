@@ -5,5 +5,4 @@ report files; `workloads`: what is run and the learning runs' schedule; `covey_s
 trainers' roles in a child (covey through open_run / steps / finish, TRL with covey's settings mapped);
 drivers: `speed` (CPU), `gpu` (one GPU), `gpu_capacity` (what fits under a memory cap), `learn` (what both
 learn), `gpu_learn` (the GPU learning check's restore and summary), `episodes` (a tool turn's cost),
-`optim_memory` (bytes per parameter of each optimizer). Nothing here assigns to a covey object's attributes.
-"""
+`optim_memory` (bytes per parameter of each optimizer). Nothing here assigns to a covey object's attributes."""

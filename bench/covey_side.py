@@ -1,8 +1,6 @@
-"""The covey side of every benchmark, a role per child: `steps` (a workload), `learn` (a run to its Schedule's stop,
-saved at its points), `eval` (`covey eval` of saved folders, both trainers'), `device` (its peaks), `build` (a model
-folder). covey runs as `covey train` does, through open_run / steps / finish; what is measured comes from its step
-metrics, forward hooks on `session.run.policy` and the clock around the engine's public `generate`.
-"""
+"""The covey side, a role per child: a workload's `steps`, a `learn` run, `eval` of saved folders, the `device`, a
+model folder's `build`. covey runs through open_run / steps / finish; measured: its step metrics, forward hooks on
+`session.run.policy`, the clock around the engine's `generate`."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import time
 import torch
 
 from bench.harness import (PHASES, LinearFlops, best_seconds, cap_memory, child_main, measure_device, peak_rss_mib,
-                           say, sync, write_json)
+                           say, sync)
 from bench.workloads import SETUPS, STEP_CAP, WORKLOADS, Schedule, Tracker, build_model, varied_reward, workload_keys
 from covey.config import load_config
 from covey.runtime.dist import resolve_device
@@ -38,15 +36,13 @@ def gpu_peak(m: dict) -> float | None:
 
 
 def step_record(step: int, m: dict, w: dict, flops: LinearFlops | None) -> dict:
-    say(f"covey step {step}: {m['time/step']:.2f} s (generate {m['time/generate']:.2f}, update "
-        f"{m['time/update']:.2f} in micro-batches of {m.get('memory/micro_batch/update')})")
+    say(f"covey step {step}: {m['time/step']:.2f} s, update in micro-batches of {m.get('memory/micro_batch/update')}")
     return {"step": step, "step_s": m["time/step"], **{f"{p}_s": m[f"time/{p}"] for p in PHASES},
             "tokens": round(m["response/len_mean"] * w["prompts"] * w["group_size"]),
             "flops": flops.take() if flops else 0.0, "gpu_peak_mib": gpu_peak(m)}
 
 
-def role_steps(spec: dict, result_path) -> dict:
-    """A workload's steps (covey's defaults, the setup's keys, the spec's); on a GPU the decode step after them."""
+def role_steps(spec: dict) -> dict:
     w, allowed, n = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), spec["steps"]
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
         keys = workload_keys(spec["workload"], n + spec.get("profile", False), out_dir, spec.get("model", ""),
@@ -60,20 +56,17 @@ def role_steps(spec: dict, result_path) -> dict:
             result = {"name": spec.get("name", "covey"), "steps": records, "peak_rss_mib": peak_rss_mib(),
                       "peak_gpu_mib": max((r["gpu_peak_mib"] or 0 for r in records), default=0) or None,
                       "precision": "bfloat16 (autocast)" if autocast == "bfloat16" else cfg.model.dtype,
-                      "allowed_gib": allowed, "keys": spec.get("keys", [])}
+                      "allowed_gib": allowed}
             if w["gpu"]:
                 result["decode"] = decode_timing(session.feed.engine, session.feed.prompts[:w["prompts"]], w)
             if spec.get("profile"):
-                write_json(result_path, result)  # kept if profiling fails
-                result["profile"] = profile_step(run_steps)
+                profile_step(run_steps)
             run_steps.close()
     return result
 
 
 def decode_timing(engine, prompts: list[str], w: dict) -> dict:
-    """The decode step at the workload's rows, timed around the engine's `generate`: the best of two warm calls
-    of L and of L/2 new tokens, their difference over L/2 steps (the prefill left out; every response runs to
-    its length: bench/workloads.py, build_model)."""
+    """A decode step at the workload's rows: warm `generate` calls of L and of L/2 tokens, the difference over L/2."""
     length, half = w["new_tokens"], w["new_tokens"] // 2
     seconds = {n: best_seconds(lambda: engine.generate(prompts, w["group_size"], max_new_tokens=n), 2)
                for n in (length, half)}
@@ -83,27 +76,17 @@ def decode_timing(engine, prompts: list[str], w: dict) -> dict:
     return out
 
 
-def profile_step(run_steps) -> dict:
-    """The run's next step under torch.profiler: the top ops by device and host time printed to the log, and the
-    device's busy time against the step's wall time (busy well under wall: the host's launches bound it)."""
+def profile_step(run_steps) -> None:
     from torch.profiler import ProfilerActivity, profile
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
-        t0 = time.perf_counter()
-        metrics = next(run_steps)
+        next(run_steps)
         sync()
-        wall_s = time.perf_counter() - t0
-    events = prof.key_averages()
     for key in (["self_device_time_total"] if gpu else []) + ["self_cpu_time_total"]:
-        print(f"profile of one step, top ops by {key}:\n" + events.table(sort_by=key, row_limit=25), flush=True)
-    busy_s = sum(e.self_device_time_total for e in events) / 1e6 if gpu else 0.0
-    say(f"profiled step: {wall_s:.2f} s wall (update {metrics['time/update']:.2f} s), device busy {busy_s:.2f} s")
-    return {"step_wall_s": wall_s, "update_s": metrics["time/update"], "device_busy_s": busy_s,
-            "micro_batch": metrics.get("memory/micro_batch/update")}
+        print(f"profile of one step, top ops by {key}:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
 
 
-def role_learn(spec: dict, result_path) -> dict:
-    """A learning run until the Schedule stops it (`break`), the policy saved at each point with save_final."""
+def role_learn(spec: dict) -> dict:
     from covey.rollout.precision import resolve_precision
     with tempfile.TemporaryDirectory(prefix="learn-covey-") as tmp:
         cfg = load_config("grpo", [*spec["keys"], f"train.steps={STEP_CAP}", "train.max_minutes=0",
@@ -123,22 +106,21 @@ def role_learn(spec: dict, result_path) -> dict:
                           rollout_precision=resolve_precision(cfg.rollout.precision, device))
 
 
-def role_eval(spec: dict, result_path) -> dict:
-    """`covey eval` of each label's folder on the held-out problems: label -> accuracy, n, seconds."""
+def role_eval(spec: dict) -> dict:
     from covey.cli.eval import run_eval_command
     from covey.runtime.cpu import apply_cpu_settings
     out = {}
     for label, folder in spec["folders"].items():
         cfg = load_config("grpo", [*spec["keys"], f"model.path={folder}"])
-        apply_cpu_settings(cfg)
+        apply_cpu_settings(cfg.model.threads)
         t0 = time.perf_counter()
         result = run_eval_command(cfg)
         out[label] = {"accuracy": result["eval/accuracy"], "n": result["eval/n"], "eval_s": time.perf_counter() - t0}
     return out
 
 
-ROLES = {"steps": role_steps, "learn": role_learn, "eval": role_eval, "device": lambda spec, _: measure_device(),
-         "build": lambda spec, _: build_model(spec["size"], spec["model"], spec.get("tokenizer", ""), spec["workload"])}
+ROLES = {"steps": role_steps, "learn": role_learn, "eval": role_eval, "device": lambda spec: measure_device(),
+         "build": lambda spec: build_model(spec["size"], spec["model"], spec.get("tokenizer", ""), spec["workload"])}
 
 if __name__ == "__main__":
     child_main(ROLES)

@@ -1,21 +1,19 @@
-"""The cost of a tool turn to the fast engine: the same greedy tool episodes by its episode loop (the reply fed
-into a waiting row's cache) and turn by turn (each turn a prefill of the episode so far), against one turn.
+"""The cost of a tool turn to the fast engine (docs/results.md): the same greedy tool episodes by its episode loop (the
+reply fed into a waiting row's cache) and turn by turn (each turn a prefill of the episode so far), against one turn;
+each episode that ends its first turn calls a scripted tool, then answers. The arms run interleaved `--rounds` times.
 
-    python -m bench.episodes                         # SmolLM2-135M-Instruct, 8 word problems x 8 episodes
-    python -m bench.episodes --smoke                 # the tiny model, seconds: the pipeline only
-"""
+    python -m bench.episodes --rounds 3 --out bench/results/episodes-cpu   # SmolLM2-135M-Instruct, 8 x 8 episodes"""
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import machine, publish, sync, table
+from bench.harness import interleaved, machine, publish, sync, table
 
 REPLY = "The calculator returned 1234."
 
@@ -37,20 +35,8 @@ class ScriptedHost:
         return list(self.reply_ids)
 
 
-def smoke_model() -> str:
-    """The tiny random model with every id an end of turn (its saved generation config's end-of-sequence ids):
-    a random model never stops otherwise, and the tool is called after a turn that ends."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from covey.models.tiny import build_tiny_model
-    folder = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
-    tok = AutoTokenizer.from_pretrained(folder)
-    GenerationConfig(eos_token_id=list(range(len(tok))), pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    return str(folder)
-
-
-def arms(model_path: str, device: str, prompts_n: int, group: int, turn_tokens: int):
-    """The three arms as calls, as a training run samples (the bf16 copy where bf16 is native)."""
+def arms(model_path: str, device: str, prompts_n: int, group: int, turn_tokens: int) -> dict:
+    """The three arms as calls returning a Rollout, sampled as a training run samples (the bf16 copy where native)."""
     from covey.config import load_config
     from covey.models.load import load_policy
     from covey.rollout.agents import Agent
@@ -86,25 +72,26 @@ def arms(model_path: str, device: str, prompts_n: int, group: int, turn_tokens: 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="", help="model path (default: covey's default model; --smoke: the tiny one)")
+    p.add_argument("--model", default="default", help="model path (default: covey's default model)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--smoke", action="store_true", help="the tiny model, 2 x 2 episodes of turns of 8 tokens, 1 round")
+    p.add_argument("--smoke", action="store_true", help="2 x 2 episodes of turns of 8 tokens, 1 round")
     p.add_argument("--out", default="", help="write the report here as .md and .json")
     args = p.parse_args(argv)
     prompts, group, turn_tokens, rounds = (2, 2, 8, 1) if args.smoke else (8, 8, 64, args.rounds)
-    calls = arms(args.model or (smoke_model() if args.smoke else "default"), args.device, prompts, group, turn_tokens)
-    times, tokens = {name: [] for name in calls}, {}
+    calls, tokens = arms(args.model, args.device, prompts, group, turn_tokens), {}
     calls["single turn"]()  # warm-up: first calls allocate buffers (and capture graphs on a GPU)
-    for _ in range(rounds):
-        for name, call in calls.items():
-            sync()
-            start = time.perf_counter()
-            rollout = call()
-            sync()
-            times[name].append(time.perf_counter() - start)
-            model_tokens = int(rollout.response_mask.sum())
-            tokens[name] = (model_tokens, int(rollout.response_attended.sum()) - model_tokens)
+
+    def timed(name: str, tag: str) -> float:
+        sync()
+        start = time.perf_counter()
+        rollout = calls[name]()
+        sync()
+        model_tokens = int(rollout.response_mask.sum())
+        tokens[name] = (model_tokens, int(rollout.response_attended.sum()) - model_tokens)
+        return time.perf_counter() - start
+
+    times = interleaved(list(calls), rounds, timed)
     single = statistics.median(times["single turn"])
     text = "\n".join([f"{machine()}, device {args.device}", f"{prompts} prompts x {group} episodes, turns of up to "
                       f"{turn_tokens} tokens, greedy, medians of {rounds} interleaved rounds", "",

@@ -1,8 +1,5 @@
-"""GPU capacity (scripts/gpu_capacity.sh): bench/gpu.py's capacity grid, `python -m bench.gpu_capacity --help`."""
-
-import sys
-
+"""GPU capacity (scripts/gpu_capacity.sh): the capacity grid of bench/gpu.py, `python -m bench.gpu_capacity --help`."""
 from bench.gpu import main
 
 if __name__ == "__main__":
-    sys.exit(main(capacity=True))
+    raise SystemExit(main(capacity=True))

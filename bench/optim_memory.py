@@ -1,9 +1,7 @@
-"""Bytes per trained parameter of each optim.name (weights, gradients, the optimizer state's tensors) after two
-steps on zero gradients (torchao allocates and compiles at the first), and both steps' seconds.
+"""Bytes per trained parameter of each optim.name (weights, gradients, the optimizer state's tensors) after two steps
+on zero gradients (torchao allocates and compiles at the first), and both steps' seconds (docs/results.md).
 
-    python -m bench.optim_memory                                       # SmolLM2-135M, every CPU-capable name
-    python -m bench.optim_memory --names adamw_8bit --dtype bfloat16   # bf16 weights
-"""
+    python -m bench.optim_memory --names adamw_8bit --dtype bfloat16   # default: SmolLM2-135M, every CPU name, fp32"""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import time
 
 import torch
 
-from bench.report import table
+from bench.harness import table
 from covey.config import OptimConfig
 from covey.models.load import load_policy
 from covey.models.tiny import tiny_llama
@@ -20,14 +18,11 @@ from covey.train.optim import make_optimizer, state_bytes
 from covey.train.plan_setup import optimizer_options
 
 CPU_NAMES = "adamw,adamw_8bit,adamw_4bit,adamw_bf16"
-WEIGHTS = {"adamw_bf16": torch.bfloat16}
-"""The weights' dtype each name is measured with (adamw_bf16 needs model.dtype=bfloat16); fp32 otherwise."""
 
 
 def measure(name: str, model_path: str, device: str = "cpu", dtype: torch.dtype | None = None) -> dict:
-    """One optim.name on a freshly loaded model (weights in `dtype`, else WEIGHTS' or fp32): bytes per
-    parameter and the two steps' seconds."""
-    dtype = dtype or WEIGHTS.get(name, torch.float32)
+    """One optim.name on a freshly loaded model, its weights in `dtype` (default fp32; adamw_bf16's bf16)."""
+    dtype = dtype or (torch.bfloat16 if name == "adamw_bf16" else torch.float32)
     model = tiny_llama(512).to(dtype) if model_path == "tiny" else load_policy(model_path, dtype=dtype)[0]
     params = [p for p in model.to(device).parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
@@ -51,11 +46,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="model.path, or 'tiny' for the test model")
     parser.add_argument("--names", default=CPU_NAMES, help="comma-separated optim.name values")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="", help="the weights' dtype for every name (bfloat16 | float32)")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    rows = [measure(name, args.model, args.device, dtype) for name in args.names.split(",")]
+    rows = [measure(name, args.model, "cpu", dtype) for name in args.names.split(",")]
     print(table(["optim.name", "weights", "bytes/param: weights", "gradients", "optimizer state", "total",
                  "first step s", "second step s"],
                 [[f"`{r['name']}`", r["weights_dtype"], *(f"{r['bytes_per_parameter'][k]:.{d}f}" for k, d in

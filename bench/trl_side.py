@@ -7,8 +7,7 @@ loss (equal micro-batches make its accumulated mean covey's global one), `token_
 `dr_grpo`; k3 in the loss, r = pi_ref / pi_theta, without TRL's `use_bias_correction_kl` (it changes the gradient
 on-policy). Not mapped, stated: TRL's group std has Bessel's correction and +1e-4 (`algo.ddof=1 algo.adv_eps=1e-4`
 gives covey the same); covey samples from a bf16 copy where bf16 is native; each orders prompts its own way.
-Timing: generation, scoring and the no-grad log-prob passes wrap TRL's methods; `update` is the rest of a step.
-"""
+Timing: generation, scoring and the no-grad log-prob passes wrap TRL's methods; `update` is the rest of a step."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import functools
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 from transformers import TrainerCallback
@@ -29,41 +27,31 @@ from covey.runtime.dist import resolve_device
 from covey.runtime.precision import resolve_autocast
 
 LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "constant": "dr_grpo"}
-# covey settings that change the update and that TRL's GRPOTrainer has no switch for: (key, value it must have)
-REQUIRED = (
-    ("algo.learner", "advantage"), ("algo.estimator", "grpo"), ("algo.policy_loss", "ppo_clip"),
-    ("algo.ratio_level", "token"), ("algo.ratio_against", "old"), ("algo.dual_clip", 0.0),
-    ("algo.adaptive_kl.target", 0.0), ("algo.entropy_coef", 0.0), ("algo.token_credit", "shared"),
-    ("algo.epochs", 1), ("algo.minibatches", 1), ("algo.dynamic_sampling.enabled", False),
-    ("algo.ref_refresh_every", 0), ("algo.ref_ema", 0.0), ("algo.tis.cap", 0.0),
-    ("reward.format", 0.0), ("reward.overlong_buffer", 0), ("reward.functions", ""),
-    ("reward.model_path", ""), ("reward.prm_path", ""), ("reward.remote_url", ""), ("reward.language", 0.0),
-    ("model.lora_rank", 0),
-)
+REQUIRED = {  # covey settings that change the update: the values TRL's GRPOTrainer has a counterpart for
+    "algo.learner": ("advantage",), "algo.estimator": ("grpo",), "algo.policy_loss": ("ppo_clip",),
+    "algo.ratio_level": ("token",), "algo.ratio_against": ("old",), "algo.dual_clip": (0.0,),
+    "algo.adaptive_kl.target": (0.0,), "algo.entropy_coef": (0.0,), "algo.token_credit": ("shared",),
+    "algo.epochs": (1,), "algo.minibatches": (1,), "algo.dynamic_sampling.enabled": (False,),
+    "algo.ref_refresh_every": (0,), "algo.ref_ema": (0.0,), "algo.tis.cap": (0.0,), "algo.loss_agg": tuple(LOSS_TYPES),
+    "algo.normalize": ("auto", "group"), "reward.format": (0.0,), "reward.overlong_buffer": (0,),
+    "reward.functions": ("",), "reward.model_path": ("",), "reward.prm_path": ("",), "reward.remote_url": ("",),
+    "reward.language": (0.0,), "reward.correctness": (1.0,), "model.lora_rank": (0,)}
 TRAINER_KEYS = ("peft_config", "quantization_config")  # GRPOTrainer's arguments in a setup, not GRPOConfig's
 QUIET = dict(logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
 
 
 def check_mappable(cfg) -> None:
     """Raise ValueError naming the first covey setting TRL's GRPOTrainer cannot reproduce."""
-    for key, value in REQUIRED:
-        if (have := functools.reduce(getattr, key.split("."), cfg)) != value:
-            raise ValueError(f"{key}={have!r} has no TRL GRPOTrainer counterpart (needs {value!r})")
+    for key, allowed in REQUIRED.items():
+        if (have := functools.reduce(getattr, key.split("."), cfg)) not in allowed:
+            raise ValueError(f"{key}={have!r} has no TRL GRPOTrainer counterpart (mapped: {allowed})")
     a = cfg.algo
-    if a.loss_agg not in LOSS_TYPES:
-        raise ValueError(f"algo.loss_agg={a.loss_agg!r} has no TRL loss_type (mapped: {', '.join(LOSS_TYPES)})")
-    if a.normalize not in ("auto", "group"):
-        raise ValueError(f"algo.normalize={a.normalize!r}: TRL normalises rewards per group only")
     if a.beta and a.kl_in != "none" and (a.kl_in != "loss" or a.kl_estimator != "k3"):
         raise ValueError(f"algo.kl_in={a.kl_in} / algo.kl_estimator={a.kl_estimator}: TRL puts k3 in the loss only")
-    if cfg.reward.correctness != 1.0:
-        raise ValueError(f"reward.correctness={cfg.reward.correctness}: the TRL side scores correctness with weight 1")
 
 
 def trl_grpo_kwargs(cfg, micro_batch: int = 0, autocast_bf16: bool = False) -> dict:
-    """GRPOConfig keyword arguments for covey config `cfg` (output_dir, max_steps and logging are the caller's):
-    micro-batches of `micro_batch` (0: covey's algo.micro_batch_size) accumulated to one step's B*G samples,
-    bf16 autocast where covey's model.autocast resolves to it (`autocast_bf16`)."""
+    """GRPOConfig arguments for covey's `cfg`, micro-batches of `micro_batch` (0: covey's) to one B*G step."""
     check_mappable(cfg)
     a, r, o = cfg.algo, cfg.rollout, cfg.optim
     n = r.prompts_per_step * r.group_size
@@ -84,27 +72,22 @@ def trl_grpo_kwargs(cfg, micro_batch: int = 0, autocast_bf16: bool = False) -> d
     }
 
 
-def trainer_objects(setup: dict) -> dict:
-    """GRPOTrainer's keyword arguments of a setup: peft's LoraConfig and bitsandbytes' NF4 config, made."""
-    kwargs = {}
+def trainer_objects(setup: dict) -> dict:  # a setup's peft LoRA and bitsandbytes NF4 configs, made
+    out = {}
     if "peft_config" in setup:
         from peft import LoraConfig
-        kwargs["peft_config"] = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                           task_type="CAUSAL_LM")
+        out["peft_config"] = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                        task_type="CAUSAL_LM")
     if "quantization_config" in setup:
         from transformers import BitsAndBytesConfig
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True,
-                                                           bnb_4bit_compute_dtype=torch.bfloat16)
-    return kwargs
-
-
-# --------------------------------------------------------------------------- the timed trainer
+        out["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                        bnb_4bit_use_double_quant=True,
+                                                        bnb_4bit_compute_dtype=torch.bfloat16)
+    return out
 
 
 class StepMeter(TrainerCallback):
-    """A TRL run's steps: its timed methods add phases and tokens, the callback's events open and close each step;
-    with a tracker, it saves the evaluation points and stops the run (a changed TrainerControl returned)."""
+    """A TRL run's steps (timed phases, tokens); with a tracker, its evaluation points saved and its stop."""
 
     def __init__(self, tracker: Tracker | None = None):
         self.tracker, self.records, self.flops = tracker, [], None
@@ -113,11 +96,11 @@ class StepMeter(TrainerCallback):
     def count_flops(self, model) -> None:
         self.flops = LinearFlops(model)
 
-    @contextmanager
-    def phase(self, name: str):
+    def timed(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        yield
+        out = fn(*args, **kwargs)
         self.phases[name] += time.perf_counter() - t0
+        return out
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
@@ -132,7 +115,8 @@ class StepMeter(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         seconds, p = time.perf_counter() - self.t0, self.phases
         self.records.append({"step": state.global_step, "step_s": seconds, **{f"{k}_s": p[k] for k in PHASES[:3]},
-                             "update_s": seconds - sum(p.values()), "tokens": self.tokens, "gpu_peak_mib": None,
+                             "update_s": seconds - sum(p.values()), "tokens": self.tokens, "gpu_peak_mib":
+                             torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
                              "flops": self.flops.take() if self.flops is not None else 0.0})
         say(f"trl step {state.global_step}: {seconds:.2f} s {dict(p)}")
         if self.tracker is None:
@@ -142,14 +126,13 @@ class StepMeter(TrainerCallback):
             model.save_pretrained(folder, safe_serialization=True)
             processing_class.save_pretrained(folder)
 
-        self.tracker.end(state.global_step, seconds, save)
+        self.tracker.end(state.global_step, seconds, save, self.records[-1]["gpu_peak_mib"])
         return dataclasses.replace(control, should_training_stop=self.tracker.done)
 
 
 def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batch: int = 0, bf16: bool = False,
           flops: bool = False) -> dict:
-    """GRPOTrainer on the config's settings (then the setup's) and train problems (conversational prompts, answers
-    where covey's correctness reward reads them), on covey's train.device, HF `generate`; what was run."""
+    """GRPOTrainer on the config's settings (then the setup's) and train problems, on covey's train.device."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, __version__
 
@@ -159,20 +142,17 @@ def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batc
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
-            with meter.phase("generate"):
-                out = super()._generate(prompts)
+            out = meter.timed("generate", super()._generate, prompts)
             meter.add_tokens(sum(len(ids) for ids in out[1]))
             return out
 
         def _calculate_rewards(self, *args, **kwargs):
-            with meter.phase("score"):
-                return super()._calculate_rewards(*args, **kwargs)
+            return meter.timed("score", super()._calculate_rewards, *args, **kwargs)
 
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            if torch.is_grad_enabled():  # the training forward: part of `update`
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with meter.phase("logprobs"):
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):  # with grad: the update's training forward
+            passes = super()._get_per_token_logps_and_entropies
+            return passes(*args, **kwargs) if torch.is_grad_enabled() else meter.timed("logprobs", passes, *args,
+                                                                                       **kwargs)
 
     device, system = resolve_device(cfg.train.device), cfg.task.system_prompt or None
     settings = {**trl_grpo_kwargs(cfg, micro_batch, bf16), **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
@@ -186,17 +166,15 @@ def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batc
         if flops:
             meter.count_flops(trainer.model)
         ran = {"trl": __version__, "device": device, "model_dtype": str(next(trainer.model.parameters()).dtype),
-               "trainer_kwargs": sorted(trainer_objects(setup)), **settings}
-        say(f"TRL settings: {ran}")
+               **settings}
         if device != "cpu":  # the peak of the steps (its models loaded, its optimizer state from step 1)
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
     return ran
 
 
-def role_steps(spec: dict, result_path) -> dict:
-    """A workload's steps: on a CPU TRL as it ships (the step's samples in one forward), on a GPU bf16 autocast
-    where covey's resolves to it and the benchmark's reward."""
+def role_steps(spec: dict) -> dict:
+    """A workload's steps: on a CPU TRL as it ships (a step's samples in one forward); on a GPU, bf16 autocast."""
     from covey.rewards.rules import correctness_reward
     w, allowed, meter = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), StepMeter()
     if spec.get("threads"):
@@ -213,8 +191,7 @@ def role_steps(spec: dict, result_path) -> dict:
             "allowed_gib": allowed, "precision": "bfloat16 (autocast)" if ran["bf16"] else "float32"}
 
 
-def role_learn(spec: dict, result_path) -> dict:
-    """A learning run until the Schedule stops it, scored by covey's correctness reward."""
+def role_learn(spec: dict) -> dict:
     from covey.rewards.rules import correctness_reward
     from covey.tasks.data import load_task_data
     from covey.tasks.verifiers import resolve_verifier

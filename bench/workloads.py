@@ -1,10 +1,5 @@
-"""What the benchmarks run: the workloads (each a covey `grpo` config, which the TRL side maps: one source for
-both trainers), the memory setups, the random Qwen2 models, and the learning runs' stop rule and evaluation points.
-
-`cpu`: SmolLM2-135M-Instruct, 4 prompts x 8 samples x 64 new tokens, beta 0.04, lr 1e-5, temperature 1, fp32
-weights, one optimizer step per rollout, micro-batches of 8. `gpu`: random models of Qwen2.5's shapes, 8 x 8
-samples x 256 tokens at full length, lr 1e-6, `varied_reward`; `capacity`: 512 tokens. `*-smoke`: seconds on a CPU.
-"""
+"""What the benchmarks run (docs/benchmark.md, docs/scale.md): the workloads, each a covey `grpo` config that the
+TRL side maps; the memory setups; the random Qwen2 models; the learning runs' stop rule and evaluation points."""
 
 from __future__ import annotations
 
@@ -23,8 +18,7 @@ GPU = dict(CPU, new_tokens=256, lr=1e-6, prompts=8, gpu=True, trl_whole_step=Fal
 SMOKE = dict(prompts=2, group_size=4, micro_batch=4, train_size=16)
 WORKLOADS = {"cpu": CPU, "cpu-smoke": {**CPU, **SMOKE, "new_tokens": 8},
              "gpu": GPU, "gpu-smoke": {**GPU, **SMOKE, "new_tokens": 12, "steps": 3},
-             "capacity": {**GPU, "new_tokens": 512, "steps": 3},
-             "capacity-smoke": {**GPU, **SMOKE, "new_tokens": 8, "steps": 2}}
+             "capacity": {**GPU, "new_tokens": 512, "steps": 3}}
 # Qwen2.5-0.5B ... -14B (their config.json: hidden, MLP, layers, query heads, key-value heads), a tiny smoke shape
 SHAPES = {size: dict(zip(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_key_value_heads"), dims))
@@ -52,15 +46,13 @@ STEP_CAP = 1_000_000  # train.steps / max_steps of a learning run: its Schedule 
 
 
 def varied_reward(prompts, completions, **_):
-    """The GPU benchmark's reward for both trainers: deterministic and different between samples (TRL hands
-    conversational completions as [{"role": "assistant", "content": text}])."""
+    """The GPU benchmark's reward: deterministic, different between samples (TRL's completions are chat messages)."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [(sum(map(ord, t)) % 7) / 6 for t in texts]
 
 
 def workload_keys(workload: str, steps: int, out_dir: str, model: str = "", threads: int = 0) -> list[str]:
-    """A workload's covey settings: one optimizer step per rollout, no evaluation, a throw-away run folder; a GPU
-    workload on this machine's device, scored by `varied_reward` alone (handed to open_run)."""
+    """A workload's covey settings: one optimizer step per rollout, no evaluation, a throw-away run folder."""
     w = WORKLOADS[workload]
     keys = [f"train.steps={steps}", "train.max_minutes=0", f"rollout.prompts_per_step={w['prompts']}",
             f"rollout.group_size={w['group_size']}", f"rollout.max_new_tokens={w['new_tokens']}",
@@ -110,8 +102,7 @@ def model_shape(config, vocab: int) -> dict:
 
 
 def update_flops(shape: dict, w: dict, prompt_tokens: float) -> float:
-    """Model FLOPs of one update: 6 x matmul parameters x tokens, plus attention (QK^T and PV, forward and
-    backward: 3 x 4 x heads x head_dim per query-key pair), each distinct prompt once (recomputation uncredited)."""
+    """Model FLOPs of an update: 6 x matmul parameters x tokens plus attention, each prompt once."""
     n, length, p = w["prompts"] * w["group_size"], w["new_tokens"], prompt_tokens
     pairs = n * (length * p + length * (length + 1) / 2) + w["prompts"] * p * (p + 1) / 2
     return (6 * shape["matmul_params"] * (n * length + w["prompts"] * p)
@@ -119,21 +110,15 @@ def update_flops(shape: dict, w: dict, prompt_tokens: float) -> float:
 
 
 def floor_bytes(shape: dict, w: dict, prompt_tokens: float) -> float:
-    """Bytes a decode step of the bf16 sampling copy reads, averaged over the steps: every weight once (the tied
-    embedding as the output projection) and the keys and values in use by the workload's rows."""
+    """Bytes a decode step of the bf16 sampling copy reads on average: every weight once, the keys and values in use."""
     per_position = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
     return 2 * shape["params"] + w["prompts"] * w["group_size"] * (prompt_tokens + (w["new_tokens"] + 1) / 2) * \
         per_position
 
 
-# --------------------------------------------------------------------------- the learning runs
-
-
 @dataclass(frozen=True)
 class Schedule:
-    """When a learning run stops and which steps are evaluated (`seconds`: training time after the step). A run
-    ends at the first step at least `steps` AND `minutes` of training time, or past `max_minutes` (0: no cap).
-    Evaluated: every `eval_every` steps, step `steps`, the first step past `minutes`, the last step."""
+    """A learning run ends at step >= `steps` AND `minutes` of training time (or past `max_minutes`, 0: no cap)."""
     steps: int
     minutes: float
     eval_every: int
@@ -144,7 +129,6 @@ class Schedule:
         return capped or (step >= self.steps and seconds >= 60 * self.minutes)
 
     def tags(self, step: int, seconds: float, before: float) -> list[str]:
-        """Why step `step` is evaluated (empty: it is not); `before`: the training time after the step before."""
         limit = 60 * self.minutes
         marks = {"every": bool(self.eval_every) and step % self.eval_every == 0, "steps": step == self.steps,
                  "minutes": 0 < limit and before < limit <= seconds, "final": self.done(step, seconds)}
@@ -152,8 +136,7 @@ class Schedule:
 
 
 class Tracker:
-    """Training time, per-step records and saved evaluation points of one learning run (either trainer); training
-    time is the wall clock from the first step's start, less the saving of evaluation folders."""
+    """A learning run's steps and saved evaluation points; training time runs from the first step, less the saving."""
 
     def __init__(self, schedule: Schedule, samples_per_step: int, save_dir: Path):
         self.schedule, self.samples_per_step, self.save_dir = schedule, samples_per_step, Path(save_dir)
@@ -165,7 +148,6 @@ class Tracker:
             self.start = time.perf_counter()
 
     def end(self, step: int, step_s: float, save, gpu_peak_mib: float | None = None) -> None:
-        """After optimizer step `step` (its own duration `step_s`): record, and save(folder) when due."""
         seconds = time.perf_counter() - self.start - self.saving
         tags = self.schedule.tags(step, seconds, self.steps[-1]["seconds"] if self.steps else 0.0)
         self.steps.append({"step": step, "seconds": seconds, "step_s": step_s, "gpu_peak_mib": gpu_peak_mib})
@@ -179,9 +161,6 @@ class Tracker:
         say(f"step {step}: {seconds:.1f} s of training")
 
     def result(self, **extra) -> dict:
-        """The run's record, with the largest per-step GPU peak (MiB) the trainer reported, else the process's."""
         peaks = [s["gpu_peak_mib"] for s in self.steps if s["gpu_peak_mib"] is not None]
-        if not peaks and torch.cuda.is_available() and torch.cuda.is_initialized():
-            peaks = [torch.cuda.max_memory_allocated() / 2**20]
         return {"steps": self.steps, "points": self.points, "threads": torch.get_num_threads(),
                 "gpu_peak_mib": max(peaks, default=None), **extra}

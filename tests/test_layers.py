@@ -287,15 +287,7 @@ def test_every_package_docstring_names_its_modules():
 
 CONFIG_LIMIT = 8
 """At most this many functions outside covey/config/ take the Config (DESIGN.md: the Config stops at the top)."""
-CONFIG_PENDING = {
-    "covey.train.plan": {"token_options", "step_sizes", "sampling_options", "episode_options", "schedule",
-                         "update_options", "max_model_tokens"},
-    "covey.train.plan_checks": {"check_estimator_needs", "check_policy_loss", "check_step_scores"},
-    "covey.tasks.data": {"settle_config"},
-    "covey.runtime.cpu": {"apply_cpu_settings"},
-    "covey.cli.common": {"command_device"},
-    "covey.cli.eval": {"with_tools"},
-}
+CONFIG_PENDING: dict[str, set[str]] = {}
 """Functions that take the Config today and are to take the config sections or plan options they read instead:
 outside the count until then, and listed only while they still take it (the list only shrinks)."""
 
@@ -358,3 +350,77 @@ def test_no_getattr_or_hasattr_on_the_config_outside_config():
             if isinstance(root, ast.Name) and root.id in names:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "getattr / hasattr on the Config:\n" + "\n".join(bad)
+
+
+def test_nothing_under_bench_assigns_to_another_objects_attributes_or_reads_its_private_ones():
+    """bench/ patches nothing: it assigns only to attributes of its own objects' `self` (no `x.attr = ...`,
+    `x.attr += ...`, `del x.attr`, `setattr(x, ...)` on an engine, model, config or module of covey's, nor on any
+    other object) and reads no private attribute (`x._name`) of another object; `super()` stands for `self`."""
+    def own(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "self") or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+    def targets(node) -> list:
+        found = {ast.Assign: "targets", ast.Delete: "targets", ast.AugAssign: "target", ast.AnnAssign: "target",
+                 ast.For: "target", ast.comprehension: "target", ast.withitem: "optional_vars"}.get(type(node))
+        found = getattr(node, found) if found else None
+        stack, out = (found if isinstance(found, list) else [found] if found is not None else []), []
+        while stack:
+            t = stack.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                stack.extend(t.elts)
+            elif isinstance(t, ast.Starred):
+                stack.append(t.value)
+            else:
+                out.append(t)
+        return out
+
+    bad = []
+    for path in sorted((ROOT.parent / "bench").rglob("*.py")):
+        where = path.relative_to(ROOT.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            bad += [f"{where}:{node.lineno} assigns {ast.unparse(t)}" for t in targets(node)
+                    if isinstance(t, ast.Attribute) and not own(t.value)]
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) in ("setattr", "delattr")
+                                               or getattr(node.func, "attr", None) in ("__setattr__", "__delattr__")):
+                bad.append(f"{where}:{node.lineno} calls {ast.unparse(node.func)}")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not own(node.value)
+                    and not (node.attr.startswith("__") and node.attr.endswith("__"))):
+                bad.append(f"{where}:{node.lineno} reads the private {ast.unparse(node)}")
+    assert not bad, "bench/ reaches into other objects:\n" + "\n".join(bad)
+
+
+def test_bench_is_at_most_1500_lines():
+    """bench/ is one harness with its workloads, small enough to read in a sitting."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in sorted((ROOT.parent / "bench").rglob("*.py"))}
+    assert sum(lines.values()) <= 1500, f"bench/ has {sum(lines.values())} lines: {lines}"
+
+
+MAX_PARAMETERS = 7
+AUTOGRAD_METHODS = ("forward", "backward")
+"""torch.autograd.Function's forward and backward take one argument per input tensor (and ctx): their count
+is the op's, not a design choice."""
+
+
+def is_autograd_function(cls: ast.ClassDef) -> bool:
+    return any(ast.unparse(base).endswith("autograd.Function") or ast.unparse(base) == "Function"
+               for base in cls.bases)
+
+
+def test_no_function_takes_more_than_seven_parameters():
+    """Beyond seven parameters a function takes an inputs object (docs/design.md); constructors excepted, and an
+    autograd Function's forward/backward (one argument per tensor)."""
+    bad = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        exempt = {id(node) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) and is_autograd_function(cls)
+                  for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in AUTOGRAD_METHODS}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name == "__init__":
+                continue
+            a = node.args
+            params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg not in ("self", "cls")]
+            count = len(params) + bool(a.vararg) + bool(a.kwarg)
+            if count > MAX_PARAMETERS and id(node) not in exempt:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} takes {count}")
+    assert not bad, "\n".join(bad)

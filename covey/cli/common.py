@@ -22,13 +22,13 @@ def config_with_cpu_settings(items: typing.Sequence[str]):
     from covey.config import load_config, split_config
     from covey.runtime.cpu import apply_cpu_settings
     cfg = load_config(*split_config(items))
-    apply_cpu_settings(cfg)
+    apply_cpu_settings(cfg.model.threads)
     quiet_progress_bars()
     return cfg
 
 
-def command_device(cfg) -> str:
+def command_device(setting: str) -> str:
     """train.device resolved for a command that runs one model (eval, train-rm, eval-rm); a
     missing GPU is a one-line error."""
     from covey.runtime.dist import resolve_device
-    return resolve_device(cfg.train.device)
+    return resolve_device(setting)

@@ -61,7 +61,7 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     from covey.rollout.hf import HFEngine
     from covey.tasks.data import format_prompts, load_run_data
     from covey.tasks.verifiers import resolve_verifier
-    from covey.train.evaluate import Judge, evaluate, reply_breakdown
+    from covey.train.evaluate import HeldOutOptions, Judge, evaluate, reply_breakdown
     from covey.train.plan import make_plan
     if replies_path:
         Path(replies_path).parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
                          "task.eval_size=N to hold out N rows of task.path")
     metric = cfg.eval.metric
     verifier = resolve_verifier(metric, [ex.answer for ex in data.eval if ex.answer is not None])
-    device = command_device(cfg)
+    device = command_device(cfg.train.device)
     judge = Judge(verifier)
     if metric == "reward":
         rewards = make_plan(cfg).rewards
@@ -84,11 +84,11 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     prompts = format_prompts(tokenizer, data.eval, cfg.task.system_prompt)
     if cfg.rollout.tools or cfg.rollout.environment:  # whole episodes with the run's tools, as the run evaluated
-        engine, prompts = with_tools(cfg, engine, tokenizer, data.eval)
+        engine, prompts = with_tools(make_plan(cfg), engine, tokenizer, data.eval, cfg.task.system_prompt)
     replies = [] if replies_path else None
-    result = evaluate(engine, prompts, data.eval, judge=judge, batch_size=cfg.rollout.eval_batch_size,
-                      max_new_tokens=cfg.rollout.eval_max_new_tokens, pass_k=pass_k or cfg.train.eval_pass_k,
-                      replies=replies)
+    settings = HeldOutOptions(judge, cfg.rollout.eval_batch_size, cfg.rollout.eval_max_new_tokens,
+                            pass_k or cfg.train.eval_pass_k)
+    result = evaluate(engine, prompts, data.eval, settings, replies=replies)
     if replies is not None:
         with open(replies_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in replies)
@@ -97,12 +97,11 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     return result
 
 
-def with_tools(cfg, engine, tokenizer, examples) -> tuple:
-    """The engine of whole episodes with rollout.tools / rollout.environment, and the prompts that show the tools."""
+def with_tools(plan, engine, tokenizer, examples, system_prompt: str) -> tuple:
+    """The engine of whole episodes with rollout.tools / rollout.environment (the run's `plan`), and the prompts
+    that show the tools."""
     from covey.rollout.agents import EpisodeEngine
-    from covey.train.plan import make_plan
     from covey.train.inputs import make_agent
-    plan = make_plan(cfg)
     agent = make_agent(plan.tools, tokenizer)
-    prompts = agent.prompts(examples, cfg.task.system_prompt)
+    prompts = agent.prompts(examples, system_prompt)
     return EpisodeEngine(engine, tokenizer, agent.episodes, plan.episodes, agent.metrics), prompts

@@ -26,7 +26,7 @@ def run_train(args) -> int:
     from covey.rm.trainer import RMRun, train_reward_model
     cfg = config_with_cpu_settings(args.args)
     train_reward_model(cfg.rm, cfg.task, cfg.rollout, cfg.model,
-                       RMRun(cfg.reward.step_separator, cfg.train.seed, command_device(cfg)))
+                       RMRun(cfg.reward.step_separator, cfg.train.seed, command_device(cfg.train.device)))
     return 0
 
 
@@ -38,5 +38,5 @@ def run_eval(args) -> int:
     cfg = config_with_cpu_settings(args.args)
     print(json.dumps(evaluate_reward_model(args.folder, args.data or None, task=cfg.task, seed=cfg.train.seed,
                                            batch_size=cfg.rm.batch_size, autocast=cfg.model.autocast,
-                                           device=command_device(cfg))))
+                                           device=command_device(cfg.train.device))))
     return 0

@@ -22,6 +22,8 @@ class DecodeOptions:
     graphs); auto = graphs on CUDA, plain elsewhere."""
     mode: str = "auto"
     persistent: bool = True  # keep buffers and graphs between calls (False for held-out evaluation)
+    slots: int = 0
+    """rollout.slots: rows through this many slots, refilled as rows end (covey/rollout/slots.py); 0: all at once."""
 
     def resolve(self, device: torch.device | str) -> dict:
         """FastEngine keywords on `device`."""
@@ -30,20 +32,20 @@ class DecodeOptions:
         cuda = torch.device(device).type == "cuda"
         if self.mode == "graphs" and not cuda:
             raise ValueError(f"rollout.decode=graphs captures CUDA graphs: the engine runs on {device}")
-        mode = ("graphs" if cuda else "plain") if self.mode == "auto" else self.mode
+        mode = ("graphs" if cuda and not self.slots else "plain") if self.mode == "auto" else self.mode
         return {"static_cache": mode != "plain", "cuda_graphs": mode == "graphs" or (mode == "compile" and cuda),
-                "compile_decode": mode == "compile", "persistent": self.persistent}
+                "compile_decode": mode == "compile", "persistent": self.persistent, "slots": self.slots}
 
 
-def local_engine(name: str, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, precision: str = "float32",
-                 decode: DecodeOptions | None = None):
+def local_engine(name: str, model, tokenizer, *, precision: str = "float32", decode: DecodeOptions | None = None,
+                 **sampling):
     """rollout.engine=hf | fast. In the policy's own precision the engine shares the policy module (no
     weight sync); with a lower `precision` (bfloat16) it samples from a copy that sync_weights refreshes.
-    `decode`: the fast engine's static cache and CUDA graphs (default: auto, on for CUDA)."""
+    `decode`: the fast engine's decode loop (default: auto, graphs on CUDA); `sampling`: the engine's
+    max_new_tokens (required), temperature, top_p and top_k."""
     if name not in LOCAL_ENGINES:
         raise ValueError(f"no local generation engine {name!r}; one of: {', '.join(LOCAL_ENGINES)}")
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    kwargs = dict(sampling)
     if name == "fast":
         kwargs.update((decode or DecodeOptions()).resolve(next(model.parameters()).device))
     dtype = getattr(torch, precision)

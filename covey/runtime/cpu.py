@@ -37,8 +37,8 @@ def malloc_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     return {**environ, **MALLOC_ENV}
 
 
-def apply_cpu_settings(cfg) -> None:
+def apply_cpu_settings(threads: int) -> None:
     """model.threads: torch intra-op threads (0 keeps torch's default, all cores)."""
     import torch  # here, not at the top: `covey.cli.main.entry` imports this module before its restart
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    if threads:
+        torch.set_num_threads(threads)

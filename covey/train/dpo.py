@@ -38,7 +38,7 @@ from covey.runtime.dist import all_finite
 from covey.runtime.memory import MicroBatchSizes, halving_on_oom
 from covey.runtime.precision import model_device
 from covey.train.plan import UpdateOptions
-from covey.train.update import MetricAverager, Optimized, StepGradient, UpdateState, optimizer_steps
+from covey.train.update import MetricAverager, Optimized, StepGradient, optimizer_steps
 
 
 def label_pairs(rollout: Rollout, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
@@ -82,11 +82,12 @@ def dpo_gradient(policy, pairs: Rollout, ref_seq: torch.Tensor, ref_token_logp: 
     return StepGradient(True, avg)
 
 
-def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions,
-               state: UpdateState, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
-    """Pair, score under the reference, and take the DPO optimizer steps of one iteration
-    (covey.train.update.optimizer_steps). Out of memory, the reference pass and an optimizer step
-    are redone at half their batch (`sizes`, kept for the run; reported as memory/*)."""
+def dpo_update(target: Optimized, reference, rollout: Rollout, opts: UpdateOptions, generator: torch.Generator,
+               sizes: MicroBatchSizes | None = None) -> dict:
+    """Pair, score under the reference, and take the DPO optimizer steps of `target` (the policy, its optimizer
+    and schedule) for one iteration (covey.train.update.optimizer_steps). Out of memory, the reference pass and
+    an optimizer step are redone at half their batch (`sizes`, kept for the run; reported as memory/*)."""
+    policy, state = target.model, target.state
     chosen, rejected = algos.best_worst_pairs(rollout.scores, rollout.group_ids)
     label_pairs(rollout, chosen, rejected)
     num_pairs = len(chosen)
@@ -100,7 +101,7 @@ def dpo_update(policy, reference, optimizer, scheduler, rollout: Rollout, opts: 
     ref_seq = algos.sequence_logprob(ref_token_logp, pairs.response_mask)
     out["time/logprobs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out.update(optimizer_steps(Optimized(policy, optimizer, scheduler, state), num_pairs,
+    out.update(optimizer_steps(target, num_pairs,
                                partial(dpo_gradient, policy, pairs, ref_seq, ref_token_logp, opts=opts),
                                opts, generator, sizes))
     out.update(sizes.metrics())

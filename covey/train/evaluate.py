@@ -82,12 +82,25 @@ def headline(result: dict) -> float:
     return result["eval/accuracy"] if "eval/accuracy" in result else result["eval/reward_pass"]
 
 
+@dataclass(frozen=True)
+class HeldOutOptions:
+    """How held-out answers are drawn and judged."""
+    judge: Judge
+    batch_size: int
+    """Prompts per generate call."""
+    max_new_tokens: int
+    pass_k: int = 0
+    """Also pass@k with k sampled answers per prompt (0: off)."""
+
+
 @torch.inference_mode()
-def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judge, batch_size: int,
-             max_new_tokens: int, pass_k: int = 0, replies: list[dict] | None = None, stop=None) -> dict:
-    """Greedy answers to every held-out prompt, judged; pass@k with `pass_k` samples per prompt.
+def evaluate(engine, prompts: list[str], examples: list[Example], settings: HeldOutOptions,
+             replies: list[dict] | None = None, stop=None) -> dict:
+    """Greedy answers to every held-out prompt, judged; pass@k with settings.pass_k samples per prompt.
     `replies`: one `reply_record` per prompt is appended to it. `stop` (the run's StopFlag, for the
     evaluation before training): once raised, EvaluationStopped before the next batch."""
+    judge, batch_size, max_new_tokens, pass_k = settings.judge, settings.batch_size, settings.max_new_tokens, \
+        settings.pass_k
     hits: list[bool] = []
     values: list[float] = []
     cut = 0  # answers that hit max_new_tokens
@@ -114,13 +127,15 @@ def evaluate(engine, prompts: list[str], examples: list[Example], *, judge: Judg
     result["eval/truncated_frac"] = cut / n
     if pass_k > 0:
         name = f"eval/reward_pass@{pass_k}" if judge.by_reward else f"eval/pass@{pass_k}"
-        result[name] = pass_at_k(engine, prompts, examples, judge, batch_size, max_new_tokens, pass_k, stop)
+        result[name] = pass_at_k(engine, prompts, examples, settings, stop)
     return result
 
 
-def pass_at_k(engine, prompts, examples, judge: Judge, batch_size: int, max_new_tokens: int, k: int,
-              stop=None) -> float:
-    """Share of prompts with at least one of k sampled answers passing the judge (`stop`: as `evaluate`'s)."""
+def pass_at_k(engine, prompts, examples, settings: HeldOutOptions, stop=None) -> float:
+    """Share of prompts with at least one of k = settings.pass_k sampled answers passing the judge (`stop`: as
+    `evaluate`'s)."""
+    judge, batch_size, max_new_tokens, k = settings.judge, settings.batch_size, settings.max_new_tokens, \
+        settings.pass_k
     solved = []
     per_call = max(batch_size // k, 1)
     for start in range(0, len(prompts), per_call):

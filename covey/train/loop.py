@@ -50,7 +50,8 @@ from covey.tasks.data import load_run_data
 from covey.train.checkpoint import (check_resume_request, load_checkpoint, resolve_resume, save_checkpoint,
                                     save_final)
 from covey.train.dpo import dpo_update
-from covey.train.evaluate import Judge, eval_settings, evaluate, read_cached_eval, settings_key, write_cached_eval
+from covey.train.evaluate import (HeldOutOptions, Judge, eval_settings, evaluate, read_cached_eval, settings_key,
+                                  write_cached_eval)
 from covey.train.global_batch import (decorrelate_ranks, global_advantages, global_batch_view, global_episode_metrics,
                                       save_on_main, whole_tensors)
 from covey.train.gradvar import measure_grad_variance
@@ -63,7 +64,7 @@ from covey.train.setup import (Feed, Run, Session, TrainResult, attach_reward_mo
                                seed_everything, size_update)
 from covey.train.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.train.token_weights import correct_sampler_mismatch, observe_entropy, select_tokens
-from covey.train.update import record_skip, update_critic, update_policy
+from covey.train.update import Optimized, record_skip, update_critic, update_policy
 
 
 def open_run(config: Config, *, reward_funcs=None, reward_weights=None, tools=None, environment_factory=None,
@@ -84,7 +85,7 @@ def open_run(config: Config, *, reward_funcs=None, reward_weights=None, tools=No
     check_resume_request(plan.run.resume, plan.run.run_name)
     world = open_world(plan)
     validate_world(config, world.size)
-    apply_cpu_settings(config)
+    apply_cpu_settings(config.model.threads)
     return start_run(plan, data, given, world, as_dict(config), evaluate_before)
 
 
@@ -333,8 +334,8 @@ def update(run: Run, rollout: Rollout) -> dict:
     t0 = time.perf_counter()
     size_update(run, rollout)  # on one GPU, before the first update
     sizes = run.micro_batches
-    metrics.update(update_policy(run.policy, run.optimizer, run.scheduler, rollout, opts, run.kl_controller.value,
-                                 run.update_state, run.shuffle_generator, sizes))
+    target = Optimized(run.policy, run.optimizer, run.scheduler, run.update_state)
+    metrics.update(update_policy(target, rollout, opts, run.kl_controller.value, run.shuffle_generator, sizes))
     if run.critic is not None:
         metrics.update(update_critic(run.critic, run.critic_optimizer, rollout, opts, run.update_state,
                                      run.shuffle_generator, sizes))
@@ -346,8 +347,8 @@ def update(run: Run, rollout: Rollout) -> dict:
 
 def learn_from_pairs(run: Run, rollout: Rollout) -> dict:
     """Iterative DPO (covey.train.dpo): best-vs-worst pairs of each group, DPO steps against the reference."""
-    metrics = dpo_update(run.policy, run.reference, run.optimizer, run.scheduler, rollout, run.plan.update,
-                         run.update_state, run.shuffle_generator, run.micro_batches)
+    target = Optimized(run.policy, run.optimizer, run.scheduler, run.update_state)
+    metrics = dpo_update(target, run.reference, rollout, run.plan.update, run.shuffle_generator, run.micro_batches)
     return record_gpu_peak({**metrics, "optim/lr": run.scheduler.get_last_lr()[0]}, run.world.device, "update")
 
 
@@ -390,9 +391,9 @@ def run_eval(run: Run, feed: Feed, stop: StopFlag | None = None) -> dict:
         return {}
     mine = uneven_share(list(range(len(feed.eval_prompts))), run.world)
     feed.judge.state = TrainerState(global_step=run.step, max_steps=schedule.steps)
+    settings = HeldOutOptions(feed.judge, sampling.eval_batch_size, sampling.eval_max_new_tokens, schedule.eval_pass_k)
     out = evaluate(feed.eval_engine, [feed.eval_prompts[i] for i in mine], [feed.data.eval[i] for i in mine],
-                   judge=feed.judge, batch_size=sampling.eval_batch_size, stop=stop if run.world.size == 1 else None,
-                   max_new_tokens=sampling.eval_max_new_tokens, pass_k=schedule.eval_pass_k)
+                   settings, stop=stop if run.world.size == 1 else None)
     out = reduce_eval(out)
     out.update({f"eval/{k}": v for k, v in global_episode_metrics(feed.eval_engine).items()})  # episodes
     out["time/eval"] = time.perf_counter() - t0

@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, is_dataclass, replace
 
 from covey import algos
-from covey.config import Config, ConfigError, validate
-from covey.config.schema_algo import AdaptiveEntropyOptions, TisOptions
+from covey.config import (Config, ConfigError, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
+                          validate)
+from covey.config.schema_algo import AdaptiveEntropyOptions, AlgoConfig, TisOptions
 from covey.models.load import ModelOptions
 from covey.rewards.build import RewardOptions
 from covey.rollout.episodes import EpisodeOptions
@@ -230,12 +231,12 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     code gets them too); then the option objects check themselves.
     """
     validate(cfg)
-    check_against_registries(cfg, episodes=bool(cfg.rollout.tools or cfg.rollout.environment or with_tools))
-    a = cfg.algo
+    a, r, episodes = cfg.algo, cfg.rollout, bool(cfg.rollout.tools or cfg.rollout.environment or with_tools)
+    check_against_registries(cfg, episodes=episodes)
     traits = algos.ESTIMATORS[a.estimator]
-    sizes = step_sizes(cfg)
+    sizes = step_sizes(r, a)
     learns_advantages = a.learner == "advantage"
-    tokens = token_options(cfg)
+    tokens = token_options(a)
     plan = Plan(
         **setup_sections(cfg),  # model, engine, optimizer, rewards, run, tools (covey/train/plan_setup.py)
         label="dpo" if a.learner == "dpo" else a.estimator, learner=a.learner, estimator=a.estimator,
@@ -246,15 +247,15 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
                                                   or a.tis.cap > 0 or tokens.needs_old_logprobs),
         advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.gae.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
-        update=update_options(cfg, with_tools),
+        update=update_options(a, cfg.optim, r, cfg.model, episodes),
         kl=KLOptions(beta=a.beta, target=a.adaptive_kl.target, horizon=a.adaptive_kl.horizon, estimator=a.kl_estimator,
                      placement=a.kl_in),
-        sampling=sampling_options(cfg), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
-        schedule=schedule(cfg), gpu_memory_gib=cfg.train.gpu_memory_gib,
+        sampling=sampling_options(r, a), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
+        schedule=schedule(cfg.train), gpu_memory_gib=cfg.train.gpu_memory_gib,
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
-        episodes=episode_options(cfg, with_tools), tokens=tokens)
+        episodes=episode_options(r, cfg.reward, episodes), tokens=tokens)
     for check in (plan.advantage.validate, plan.update.loss.validate, lambda: traits.options(plan.advantage),
                   tokens.cov.validate):
         try:
@@ -264,8 +265,7 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     return plan
 
 
-def token_options(cfg: Config) -> TokenOptions:
-    a = cfg.algo
+def token_options(a: AlgoConfig) -> TokenOptions:
     cov = algos.CovOptions(control=a.cov_control, clip_cov=replace(a.clip_cov), kl_cov=replace(a.kl_cov))
     return TokenOptions(tis=replace(a.tis), top_entropy_quantile=a.top_entropy_quantile, cov=cov,
                         adaptive_entropy=replace(a.adaptive_entropy))
@@ -276,16 +276,15 @@ def copy_group(value):
     return replace(value) if is_dataclass(value) else value
 
 
-def step_sizes(cfg: Config) -> Sizes:
-    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    per_mb = n_seq // cfg.algo.minibatches
+def step_sizes(r: RolloutConfig, a: AlgoConfig) -> Sizes:
+    n_seq = r.prompts_per_step * r.group_size
+    per_mb = n_seq // a.minibatches
     return Sizes(sequences_per_step=n_seq, sequences_per_minibatch=per_mb,
-                 micro_batches_per_minibatch=-(-per_mb // cfg.algo.micro_batch_size),
-                 optimizer_steps_per_rollout=cfg.algo.epochs * cfg.algo.minibatches)
+                 micro_batches_per_minibatch=-(-per_mb // a.micro_batch_size),
+                 optimizer_steps_per_rollout=a.epochs * a.minibatches)
 
 
-def sampling_options(cfg: Config) -> SamplingOptions:
-    r, a = cfg.rollout, cfg.algo
+def sampling_options(r: RolloutConfig, a: AlgoConfig) -> SamplingOptions:
     return SamplingOptions(prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                            seeding=r.seeding, eval_batch_size=r.eval_batch_size,
@@ -293,12 +292,11 @@ def sampling_options(cfg: Config) -> SamplingOptions:
                            max_resample_rounds=a.dynamic_sampling.max_rounds)
 
 
-def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | None:
-    """Turns and budgets of a multi-turn episode when tools or an environment are given (rollout.tools,
-    rollout.environment, or Python's tools= / environment_factory=)."""
-    r = cfg.rollout
-    if not (r.tools or r.environment or with_tools):
-        for key, value in (("reward.tool_use", cfg.reward.tool_use), ("rollout.tool_demo", r.tool_demo)):
+def episode_options(r: RolloutConfig, reward: RewardConfig, episodes: bool) -> EpisodeOptions | None:
+    """Turns and budgets of a multi-turn episode when tools or an environment are given (`episodes`:
+    rollout.tools, rollout.environment, or Python's tools= / environment_factory=)."""
+    if not episodes:
+        for key, value in (("reward.tool_use", reward.tool_use), ("rollout.tool_demo", r.tool_demo)):
             if value:
                 raise ConfigError(f"{key}={value} needs tools: set rollout.tools or rollout.environment "
                                   "(docs/agents.md)")
@@ -308,16 +306,15 @@ def episode_options(cfg: Config, with_tools: bool = False) -> EpisodeOptions | N
                           max_episode_tokens=r.max_episode_tokens or 2 * r.max_turns * turn)
 
 
-def schedule(cfg: Config) -> Schedule:
-    t = cfg.train
+def schedule(t: TrainConfig) -> Schedule:
     return Schedule(steps=t.steps, max_minutes=t.max_minutes, seed=t.seed, eval_every=t.eval_every,
                     eval_pass_k=t.eval_pass_k, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
                     samples_every=t.samples_every, progress=t.progress, grad_var_every=t.grad_var_every,
                     grad_var_batches=t.grad_var_batches, resume_force=t.resume_force)
 
 
-def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
-    a, o = cfg.algo, cfg.optim
+def update_options(a: AlgoConfig, o: OptimConfig, r: RolloutConfig, model: ModelConfig,
+                   episodes: bool = False) -> UpdateOptions:
     # every loss option from the algo key of its name (algo.dual_clip's 0 is None), each loss's group a copy of
     # the config's; a loss defined with its own aggregation (its registry entry's) runs with it
     loss = algos.PolicyLossOptions(**{**{key: copy_group(getattr(a, key)) for key in LOSS_KEYS},
@@ -326,18 +323,17 @@ def update_options(cfg: Config, with_tools: bool = False) -> UpdateOptions:
     return UpdateOptions(
         epochs=a.epochs, minibatches=a.minibatches, micro_batch_size=a.micro_batch_size,
         max_grad_norm=o.max_grad_norm, max_skipped_steps=o.max_skipped_steps,
-        temperature=cfg.rollout.temperature, autocast=cfg.model.autocast, loss_agg=loss_agg,
-        max_len=max_model_tokens(cfg, with_tools), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
+        temperature=r.temperature, autocast=model.autocast, loss_agg=loss_agg,
+        max_len=max_model_tokens(r, episodes), policy_loss=a.policy_loss, loss=loss, kl_estimator=a.kl_estimator,
         kl_in_loss=a.kl_in == "loss", entropy_coef=a.entropy_coef, value_clip=a.gae.value_clip or None,
-        value_coef=a.gae.value_coef, dpo_beta=a.dpo.beta, mismatch_cap=a.tis.cap or 2.0, mask_truncated=a.mask_truncated,
-        cov=token_options(cfg).cov if a.cov_control != "none" else None, router_aux_coef=cfg.model.router_aux_coef)
+        value_coef=a.gae.value_coef, dpo_beta=a.dpo.beta, mismatch_cap=a.tis.cap or 2.0,
+        mask_truncated=a.mask_truncated,
+        cov=token_options(a).cov if a.cov_control != "none" else None, router_aux_coef=model.router_aux_coef)
 
 
-def max_model_tokens(cfg: Config, with_tools: bool = False) -> int:
+def max_model_tokens(r: RolloutConfig, episodes: bool) -> int:
     """The most tokens the model samples for one answer (the constant of loss_agg=constant): one
     response, or every turn of an episode."""
-    r = cfg.rollout
-    episodes = r.tools or r.environment or with_tools
     return r.max_turns * (r.max_turn_tokens or r.max_new_tokens) if episodes else r.max_new_tokens
 
 

@@ -13,7 +13,7 @@ from dataclasses import fields, is_dataclass
 
 from covey import algos
 from covey.algos.options import NORMALIZE_MODES, RATIO_AGAINST, RATIO_LEVELS, TOKEN_CREDITS
-from covey.config import Config, ConfigError, check_choices
+from covey.config import Config, ConfigError, RewardConfig, RolloutConfig, check_choices
 from covey.config.schema import AlgoConfig
 
 REGISTRY_CHOICES = {
@@ -38,15 +38,14 @@ def check_against_registries(cfg: Config, episodes: bool = False) -> None:
     """Registry names first (so a typo is named as such), then what the estimator needs; `episodes`: the
     run samples tool-calling episodes."""
     check_choices(cfg, REGISTRY_CHOICES)
-    check_estimator_needs(cfg)
-    check_policy_loss(cfg)
-    check_step_scores(cfg, episodes)
+    check_estimator_needs(cfg.algo, cfg.rollout)
+    check_policy_loss(cfg.algo)
+    check_step_scores(cfg.algo, cfg.reward, cfg.task.name, episodes)
 
 
-def check_estimator_needs(cfg: Config) -> None:
+def check_estimator_needs(a: AlgoConfig, r: RolloutConfig) -> None:
     """Group sizes, dynamic sampling and a KL penalty in the reward, from the estimator's traits (its
     normalisation and token credit are checked by the entry itself, in make_plan)."""
-    a, r = cfg.algo, cfg.rollout
     estimator = algos.ESTIMATORS[a.estimator]
     if r.group_size < estimator.min_group_size:
         raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
@@ -58,11 +57,11 @@ def check_estimator_needs(cfg: Config) -> None:
         raise ConfigError(f"algo.kl_in=reward needs a per-token-reward estimator ({per_token}), not {a.estimator}")
 
 
-def check_policy_loss(cfg: Config) -> None:
+def check_policy_loss(a: AlgoConfig) -> None:
     """From the policy loss's traits: a loss option set for a loss that does not read it, an aggregation
     other than the one the loss is defined with, per-token advantages for a loss that reads one per sequence,
     a token device whose weight means nothing for the loss (check_token_devices)."""
-    a, default = cfg.algo, AlgoConfig()
+    default = AlgoConfig()
     if a.learner != "advantage":
         return
     entry = algos.POLICY_LOSSES[a.policy_loss]
@@ -114,10 +113,10 @@ def check_token_devices(a) -> None:
             raise ConfigError(f"{key}: algo.policy_loss={a.policy_loss} {use.meaning}")
 
 
-def check_step_scores(cfg: Config, episodes: bool = False) -> None:
+def check_step_scores(a: AlgoConfig, r: RewardConfig, task_name: str, episodes: bool = False) -> None:
     """Process supervision: where the step rewards come from, and the outcome added to the last step. In
     tool-calling episodes a step is a model turn (reward.step_source=turns, the only source there)."""
-    r, name = cfg.reward, cfg.algo.estimator
+    name = a.estimator
     if r.step_source == "turns" and not episodes:
         raise ConfigError("reward.step_source=turns scores the model turns of tool-calling episodes: set "
                           "rollout.tools or rollout.environment")
@@ -132,7 +131,7 @@ def check_step_scores(cfg: Config, episodes: bool = False) -> None:
         if r.step_source == "prm" and not r.prm_path:
             raise ConfigError(f"algo.estimator={name} scores steps with a PRM: set reward.prm_path "
                               "(or reward.step_source=exact on task.name=multistep)")
-        if r.step_source == "exact" and cfg.task.name != "multistep":
+        if r.step_source == "exact" and task_name != "multistep":
             raise ConfigError("reward.step_source=exact needs task.name=multistep (the only task with step labels)")
     elif r.process_outcome_weight:
         raise ConfigError(f"reward.process_outcome_weight adds the outcome to the last step of a step-scored "

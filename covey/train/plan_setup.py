@@ -104,7 +104,7 @@ def engine_options(r: RolloutConfig, seed: int) -> EngineOptions:
                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
                          vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization, vllm_sleep=r.vllm_sleep,
                          vllm_max_model_len=r.vllm_max_model_len, vllm_sync_bucket_mb=r.vllm_sync_bucket_mb,
-                         vllm_sync_timeout_s=r.vllm_sync_timeout_s)
+                         vllm_sync_timeout_s=r.vllm_sync_timeout_s, slots=r.slots)
 
 
 def optimizer_options(o: OptimConfig) -> OptimizerOptions:

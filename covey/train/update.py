@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -139,9 +139,10 @@ def streak_name(what: str) -> str:
     return "consecutive_skips" if what == "policy" else f"{what}_consecutive_skips"
 
 
-def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: UpdateState,
-                   max_skips: int, what: str, loss_finite: bool = True) -> dict:
+def optimizer_step(target: Optimized, max_grad_norm: float, max_skips: int, loss_finite: bool = True) -> dict:
     """Clip, check finiteness, step. A non-finite loss or gradient skips the update and is counted."""
+    optimizer, scheduler, state, what = target.optimizer, target.scheduler, target.state, target.what
+    params = target.model.parameters()
     if not loss_finite:
         optimizer.zero_grad(set_to_none=True)
         record_skip(state, max_skips, what, "non-finite loss")
@@ -162,16 +163,16 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, state: Up
 
 
 def policy_gradient(policy, rollout: Rollout, batch: torch.Tensor, norm, opts: UpdateOptions, kl_coef: float,
-                    avg: MetricAverager, micro_batch_size: int | None = None) -> tuple[bool, float]:
-    """Accumulate one optimizer step's gradient over its micro-batches: (all losses finite, the step's loss).
-    `micro_batch_size`: the size in use (halved after an out-of-memory); default opts.micro_batch_size.
+                    avg: MetricAverager) -> tuple[bool, float]:
+    """Accumulate one optimizer step's gradient over its micro-batches of opts.micro_batch_size (the size in
+    use: halved after an out-of-memory): (all losses finite, the step's loss).
     With a router loss (opts.router_aux_coef), each micro-batch's share of it joins that micro-batch's
     backward (covey/train/router_aux.py); it is logged as loss/router_aux, not in the step's loss."""
     step_loss = 0.0
     # The step's distinct prompts run once; each micro-batch's backward stops at its slice of them.
     encoded = encode_prompts(policy, rollout, batch, opts.autocast)
     with router_aux(policy, rollout, batch, opts.router_aux_coef) as router:  # None without a router loss
-        for micro in by_prompt(batch, rollout.group_ids).split(micro_batch_size or opts.micro_batch_size):
+        for micro in by_prompt(batch, rollout.group_ids).split(opts.micro_batch_size):
             part = on_device(rollout.select(micro), model_device(policy))
             prompts = (encoded[0], encoded[1][micro]) if encoded is not None else None
             with router.recording() if router is not None else contextlib.nullcontext():
@@ -230,27 +231,28 @@ def optimizer_steps(target: Optimized, n: int, gradient: Callable[[torch.Tensor,
         grad = halving_on_oom("update", sizes, partial(gradient, rows), device,
                               cleanup=lambda: model.zero_grad(set_to_none=True))
         avg.merge(grad.micro)
-        applied = optimizer_step(model.parameters(), target.optimizer, target.scheduler, opts.max_grad_norm,
-                                 target.state, opts.max_skipped_steps, target.what, grad.finite)
+        applied = optimizer_step(target, opts.max_grad_norm, opts.max_skipped_steps, grad.finite)
         avg.add({target.grad_norm_key: applied["optim/grad_norm"], **grad.step}, 1.0)
     return avg.result()
 
 
-def update_policy(policy, optimizer, scheduler, rollout: Rollout, opts: UpdateOptions, kl_coef: float,
-                  state: UpdateState, generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
-    """mu epochs of clipped policy-gradient updates over the rollout (optimizer_steps). An optimizer
-    step's gradient that runs out of memory is redone from zero at half the micro-batch (`sizes`)."""
+def update_policy(target: Optimized, rollout: Rollout, opts: UpdateOptions, kl_coef: float,
+                  generator: torch.Generator, sizes: MicroBatchSizes | None = None) -> dict:
+    """mu epochs of clipped policy-gradient updates of `target` (the policy, its optimizer and schedule) over
+    the rollout (optimizer_steps). An optimizer step's gradient that runs out of memory is redone from zero at
+    half the micro-batch (`sizes`)."""
+    policy = target.model
     device = model_device(policy)
 
     def gradient(batch: torch.Tensor, size: int) -> StepGradient:
         norm = global_normalizer(opts.loss_agg, rollout.response_mask[batch], opts.max_len)
         avg = MetricAverager()
         with shared_weight_casts(opts.autocast, device):
-            finite, step_loss = policy_gradient(policy, rollout, batch, norm, opts, kl_coef, avg, size)
+            finite, step_loss = policy_gradient(policy, rollout, batch, norm, replace(opts, micro_batch_size=size),
+                                                kl_coef, avg)
         return StepGradient(finite, avg, {"policy/loss": step_loss})
-    target = Optimized(policy, optimizer, scheduler, state)
     out = optimizer_steps(target, len(rollout), gradient, opts, generator, sizes)
-    out["optim/skipped_steps"] = state.skipped_steps
+    out["optim/skipped_steps"] = target.state.skipped_steps
     return out
 
 

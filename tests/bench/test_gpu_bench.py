@@ -1,10 +1,11 @@
-"""The GPU benchmark's arithmetic (bench/gpu.py): the update's model FLOPs, the shapes' parameter counts,
-the targets."""
+"""The GPU benchmark's arithmetic (bench/gpu.py, bench/workloads.py): the update's model FLOPs, the shapes'
+parameter counts, the decode floor, the targets; and the random model folder whose responses run to full length."""
 
 import pytest
+import torch
 
-from bench.report import gpu_summary, gpu_table, verdicts
-from bench.workloads import model_shape, update_flops, varied_reward
+from bench.gpu import gpu_summary, gpu_table, verdicts
+from bench.workloads import build_model, floor_bytes, model_shape, update_flops, varied_reward
 
 
 def test_qwen25_shapes_count_their_parameters():
@@ -30,22 +31,31 @@ def test_update_flops_count_six_per_parameter_and_token_and_the_attention():
     assert update_flops(shape, workload, 10) == 21600 + 7440
 
 
+def test_the_decode_floor_reads_every_weight_and_the_cache_in_use():
+    """1000 bf16 parameters = 2000 bytes; keys and values of 2 layers x 1 head x 4 = 2 x 2 x 1 x 4 x 2 bytes = 32
+    bytes a position; 2 x 2 rows at 10 prompt + (4 + 1) / 2 response positions on average: 4 x 12.5 x 32 = 1600."""
+    shape = {"params": 1000, "layers": 2, "kv_heads": 1, "head_dim": 4}
+    assert floor_bytes(shape, {"prompts": 2, "group_size": 2, "new_tokens": 4}, 10) == 2000 + 1600
+
+
 def test_summary_ratios_and_verdicts():
     def steps(s):
-        return [{"step_s": x, "generate_s": x / 2, "reference_s": 0.1, "update_s": x / 4, "score_s": 0.0} for x in s]
+        return [{"step_s": x, "generate_s": x / 2, "logprobs_s": 0.1, "update_s": x / 4, "score_s": 0.0} for x in s]
 
-    covey = {"steps": steps([9, 1, 1.2, 1.1]), "peak_gpu_bytes": 20 * 2**30,
-             "decode": {"loop_ms_median": 2.0, "floor_bytes_per_step": 1e9, "rows": 64}}
-    trl = {"steps": steps([9, 10, 10, 10]), "peak_gpu_bytes": 40 * 2**30}
-    shape = {"matmul_params": 1e9, "heads": 12, "head_dim": 128, "layers": 28, "prompt_tokens_mean": 40}
+    covey = {"steps": steps([9, 1, 1.2, 1.1]), "peak_gpu_mib": 20 * 1024, "decode": {"step_ms": 2.0, "rows": 64}}
+    trl = {"steps": steps([9, 10, 10, 10]), "peak_gpu_mib": 40 * 1024}
+    variant = {"steps": steps([9, 0.8, 0.9, 0.7]), "peak_gpu_mib": 30 * 1024}
+    # the copy bandwidth is chosen so that the floor is 1 ms: covey's 2 ms decode step is 2 x its floor
+    shape = {"matmul_params": 1e9, "params": 1e6, "heads": 12, "kv_heads": 2, "head_dim": 128, "layers": 28,
+             "prompt_tokens_mean": 40}
     workload = {"prompts": 8, "group_size": 8, "new_tokens": 256}
-    variant = {"steps": steps([9, 0.8, 0.9, 0.7]), "peak_gpu_bytes": 30 * 2**30}
-    row = gpu_summary("1.5b", {"copy_bytes_per_s": 1e12, "matmul_tflops": 800}, shape,
-                    {"covey": covey, "trl": trl, "covey-variant": variant}, workload)
+    bandwidth = floor_bytes(shape, workload, 40) * 1000  # bytes per second: the floor is 1 ms
+    row = gpu_summary("1.5b", {"copy_bytes_per_s": bandwidth, "matmul_tflops": 800}, shape,
+                      {"covey": covey, "trl": trl, "covey-variant": variant}, workload)
     assert row["step_vs_trl"] == pytest.approx(0.11) and row["memory_vs_trl"] == 0.5  # covey's, not the variant's
-    assert row["trainers"] == ["covey", "trl", "covey-variant"] and row["covey-variant"]["step_s"] == 0.8
+    assert row["labels"] == ["covey", "trl", "covey-variant"] and row["covey-variant"]["step_s"] == 0.8
     assert "| 1.5b | covey-variant | 0.80 |" in gpu_table([row])
-    assert row["decode_floor_ms"] == 1.0 and row["decode_vs_floor"] == 2.0
+    assert row["decode_floor_ms"] == pytest.approx(1.0) and row["covey"]["decode_vs_floor"] == pytest.approx(2.0)
     lines = verdicts(row)
     assert any("step_vs_trl: 0.110 (target <= 0.25) met" in line for line in lines)
     assert any("decode_vs_floor: 2.000 (target <= 2.0) met" in line for line in lines)
@@ -54,3 +64,15 @@ def test_summary_ratios_and_verdicts():
 
 def test_the_reward_reads_plain_and_conversational_completions():
     assert varied_reward([], ["ab", [{"role": "assistant", "content": "ab"}]]) == [(97 + 98) % 7 / 6] * 2
+
+
+def test_the_random_model_never_ends_a_response(tmp_path, tiny_model_dir):
+    """The folder's end-of-sequence id lies past the model's vocabulary: sampled responses run to their length."""
+    from covey.models.load import load_policy
+    from covey.rollout.local import local_engine
+    shape = build_model("smoke", str(tmp_path / "m"), tiny_model_dir, "gpu-smoke")
+    model, tok = load_policy(str(tmp_path / "m"), dtype=torch.float32)
+    assert tok.eos_token_id == len(tok) - 1 == model.get_output_embeddings().weight.shape[0]  # one past the logits
+    assert shape["prompt_tokens_mean"] > 0
+    rollout = local_engine("fast", model, tok, max_new_tokens=16).generate(["hello"], 8)
+    assert rollout.response_mask.sum(1).tolist() == [16] * 8

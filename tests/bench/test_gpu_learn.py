@@ -139,7 +139,7 @@ def test_the_summary_reads_recorded_runs(tmp_path):
     # mean of the step means (-0.004 + 0.002 - 0.001 + 0.003) / 4 = 0; largest |log ratio| 0.9;
     # beyond the cap (0.001 + 0 + 0.002 + 0.001) / 4 = 0.001
     assert m["log_ratio_mean"] == pytest.approx(0.0) and m["log_ratio_max"] == 0.9
-    assert m["beyond_cap_frac"] == pytest.approx(0.001) and m["first"]["log_ratio_mean"] == -0.004
+    assert m["beyond_cap_frac"] == pytest.approx(0.001) and m["steps"] == 4
     assert (word["task"], word["before"], word["after"], word["median_step_s"]) == ("wordproblems", 0.11, None, 3.0)
     # TRL: steps of 4, 2, 3 s -> first 4.0, median of (2, 3) 2.5; 9 s of training = 0.15 min; no sampler/*
     assert (trl["name"], trl["samples"], trl["minutes"], trl["first_step_s"], trl["median_step_s"]) == (
@@ -151,7 +151,6 @@ def test_the_summary_reads_recorded_runs(tmp_path):
     assert "| trl-seed0 | arithmetic | 192 | 0.15 | 18.5% -> 25.0% | 3 | 2.50 | 4.00 | 3100 | not logged |" in text
     assert "11.0% -> no final evaluation" in text
     assert "phase covey-wordproblems: exit 124 (its time limit) after 150 s" in text
-    assert "covey-default-seed0 held-out accuracy against training minutes: 0.0 min 18.5%, 0.2 min 30.0%" in text
 
 
 def test_the_script_runs_every_piece_on_the_cpu(tmp_path, tiny_model_dir):
@@ -163,13 +162,13 @@ def test_the_script_runs_every_piece_on_the_cpu(tmp_path, tiny_model_dir):
            "WHEELS_DIR": str(tmp_path / "no-wheels")}
     log = tmp_path / "log"
     done = subprocess.run(["bash", str(SCRIPT), str(log)], env=env, capture_output=True, text=True, timeout=300)
-    phases = {p["phase"]: p["exit"] for p in gpu_learn.read_phases(log)}
+    summary = json.loads((log / "gpu-learn.json").read_text()) if (log / "gpu-learn.json").is_file() else {}
+    phases = {p["phase"]: p["exit"] for p in summary.get("phases", [])}
     have_trl = subprocess.run([sys.executable, "-c", "import trl"], capture_output=True).returncode == 0
     assert phases == {"covey-default-seed0": 0, "covey-wordproblems": 0, "trl-default": 0 if have_trl else 99,
                       "tool-turns": 0}, (
         done.stdout[-3000:] + done.stderr[-2000:])
     assert done.returncode == (0 if have_trl else 1)  # a phase skipped fails the check
-    summary = json.loads((log / "gpu-learn.json").read_text())
     runs = {r["name"]: r for r in summary["runs"]}
     for name, task in (("covey-default-seed0", "arithmetic"), ("covey-wordproblems", "wordproblems")):
         r = runs[name]

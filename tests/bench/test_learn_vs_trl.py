@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from bench.report import learn_summary, markdown, mean_curve, spread_verdict, view
-from bench.trl_side import micro_batches, trl_grpo_kwargs
+from bench.learn import learn_summary, markdown, spread_verdict
+from bench.trl_side import trl_grpo_kwargs
 from bench.workloads import Schedule
 from covey.config import load_config
 
@@ -50,9 +50,10 @@ def test_settings_trl_cannot_reproduce_are_refused_by_name(preset, overrides, ke
 
 
 def test_a_micro_batch_must_divide_the_step():
-    assert micro_batches(load_config("grpo", ["rollout.prompts_per_step=2", "rollout.group_size=4"])) == (8, 1)
+    kw = trl_grpo_kwargs(load_config("grpo", ["rollout.prompts_per_step=2", "rollout.group_size=4"]))
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (8, 1)
     with pytest.raises(ValueError, match="does not divide"):
-        micro_batches(load_config("grpo"), micro_batch=24)  # 64 samples
+        trl_grpo_kwargs(load_config("grpo"), micro_batch=24)  # 64 samples
 
 
 def simulate(schedule: Schedule, step_s: float) -> dict[int, list[str]]:
@@ -96,10 +97,12 @@ def run(trainer, seed, accs, mark_step):
 
 def test_overlapping_seed_ranges_are_within_the_spread():
     # covey 0.40 and 0.44 (mean 0.42), TRL 0.36 and 0.41 (mean 0.385): the ranges share 0.40..0.41
-    v = spread_verdict({"mean": 0.42, "low": 0.40, "high": 0.44}, {"mean": 0.385, "low": 0.36, "high": 0.41})
+    trl = {"mean": 0.385, "low": 0.36, "high": 0.41, "seeds": {0: 0.36, 1: 0.41}}
+    v = spread_verdict({"mean": 0.42, "low": 0.40, "high": 0.44, "seeds": {0: 0.40, 1: 0.44}}, trl)
     assert v["within_spread"] and v["higher"] == "covey" and v["difference"] == pytest.approx(0.035)
+    assert v["paired"] == {0: pytest.approx(0.04), 1: pytest.approx(0.03)}
     # covey 0.45 and 0.47 against the same TRL seeds: every covey seed above every TRL seed
-    v = spread_verdict({"mean": 0.46, "low": 0.45, "high": 0.47}, {"mean": 0.385, "low": 0.36, "high": 0.41})
+    v = spread_verdict({"mean": 0.46, "low": 0.45, "high": 0.47, "seeds": {0: 0.45, 1: 0.47}}, trl)
     assert not v["within_spread"] and v["higher"] == "covey"
 
 
@@ -112,16 +115,14 @@ def test_the_summary_reads_each_view_at_its_tagged_point():
     assert s["steps"]["verdict"]["within_spread"]
     assert s["steps"]["verdict"]["paired"] == {0: pytest.approx(0.04), 1: pytest.approx(0.03)}
     # wall-clock view: covey's mark at steps 20 and 30 (0.36, 0.44), TRL's at step 10 (0.25, 0.27)
-    assert view(runs, "covey", "minutes")["seeds"] == {0: 0.36, 1: 0.44}
+    assert s["minutes"]["covey"]["seeds"] == {0: 0.36, 1: 0.44} and s["minutes"]["covey"]["step"] == {0: 20, 1: 30}
     assert s["minutes"]["verdict"]["higher"] == "covey" and not s["minutes"]["verdict"]["within_spread"]
     # standard error at p = (0.42 + 0.385) / 2 on 200 problems
     assert s["steps"]["binomial_se"] == pytest.approx(math.sqrt(0.4025 * 0.5975 / 200))
     text = markdown(runs, s, "header", 30, 12)
     assert "within the seeds' spread of each other" in text and "covey is higher in every seed" in text
     assert "per seed, on the same problems: +4.0, +3.0 points" in text
-    # mean curves: the same steps averaged; on the minutes axis the marks (steps 20 and 30) too
-    assert mean_curve(runs[:2], "samples")[-1] == pytest.approx((1920, 0.42))
-    assert (12.5, pytest.approx(0.40)) in mean_curve(runs[:2], "minutes")
+    assert "| covey | 18.0%, 18.0% | 42.0% (40.0%, 44.0%) | 40.0% (36.0%, 44.0%) | 20/30 | 12.0 | 30/30 |" in text
 
 
 def test_a_time_cap_ends_the_run_short_of_the_step_count():
@@ -134,6 +135,7 @@ def test_a_time_cap_ends_the_run_short_of_the_step_count():
 
 def test_the_learning_driver_puts_both_trainers_on_the_device_it_is_given():
     from bench.learn import base_overrides, parse_args
-    assert base_overrides(parse_args([]), None)[0] == "train.device=cpu"  # the CPU, as before
-    args = parse_args(["--device", "cuda", "--max-minutes", "1.5", "algo.ddof=1"])
-    assert base_overrides(args, None) == ["train.device=cuda", "algo.ddof=1"] and args.max_minutes == 1.5
+    assert base_overrides(parse_args([])[0])[0] == "train.device=cpu"  # the CPU, as before
+    args, trainers = parse_args(["--device", "cuda", "--max-minutes", "1.5", "algo.ddof=1"])
+    assert base_overrides(args) == ["train.device=cuda", "algo.ddof=1"] and args.max_minutes == 1.5
+    assert trainers == ["covey", "trl"] and parse_args(["--smoke", "--steps", "5"])[0].steps == 5

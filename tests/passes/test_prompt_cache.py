@@ -17,7 +17,7 @@ from covey.passes.prompt_cache import EncodedPrompts
 from covey.runtime.precision import shared_weight_casts
 from covey.train.global_batch import global_normalizer
 from covey.train.plan import make_plan
-from covey.train.update import UpdateState, update_policy
+from covey.train.update import Optimized, UpdateState, update_policy
 from tests.helpers import grouped_rollout
 
 
@@ -46,8 +46,8 @@ def one_step(model, rollout, micro_batch_size, monkeypatch, encode_once: bool):
     with monkeypatch.context() as patch:
         if not encode_once:
             patch.setattr(update, "encode_prompts", lambda *args, **kwargs: None)
-        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update, 0.0,
-                      UpdateState(), torch.Generator().manual_seed(0))
+        target = Optimized(model, torch.optim.SGD(model.parameters(), lr=1.0), None, UpdateState())
+        update_policy(target, rollout, make_plan(cfg).update, 0.0, torch.Generator().manual_seed(0))
     return dict(model.named_parameters())
 
 

@@ -77,9 +77,9 @@ def test_the_command_line_restarts_with_the_variables_and_runs():
 def test_apply_cpu_settings_sets_threads():
     before = torch.get_num_threads()
     try:
-        apply_cpu_settings(load_config(None, ["model.threads=1"]))
+        apply_cpu_settings(load_config(None, ["model.threads=1"]).model.threads)
         assert torch.get_num_threads() == 1
-        apply_cpu_settings(load_config(None, ["model.threads=0"]))  # 0 keeps the current count
+        apply_cpu_settings(load_config(None, ["model.threads=0"]).model.threads)  # 0 keeps the current count
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -8,7 +8,7 @@ import torch
 
 from covey.cli.main import main
 from covey.tasks.base import Example
-from covey.train.evaluate import Judge, evaluate, reply_breakdown
+from covey.train.evaluate import HeldOutOptions, Judge, evaluate, reply_breakdown
 
 # Five held-out problems, each answered one way; the reference answer is 29 throughout.
 REPLIES = [
@@ -39,8 +39,7 @@ def test_replies_are_recorded_with_how_each_answer_was_read():
     prompts = [e.prompt for e in examples]
     replies: list[dict] = []
     engine = FixedEngine()
-    result = evaluate(engine, prompts, examples, judge=Judge("math"), batch_size=2, max_new_tokens=64,
-                      replies=replies)
+    result = evaluate(engine, prompts, examples, HeldOutOptions(Judge("math"), 2, 64), replies=replies)
     assert engine.calls == [2, 2, 1]  # batches of 2: the records follow the batches in order
     assert result == {"eval/accuracy": 1 / 5, "eval/n": 5, "eval/truncated_frac": 1 / 5}  # reply 4 hit the limit
     assert [r["prompt"] for r in replies] == prompts and [r["reply"] for r in replies] == REPLIES
@@ -56,8 +55,7 @@ def test_replies_are_recorded_with_how_each_answer_was_read():
 
 def test_evaluate_without_replies_records_nothing():
     examples = [Example(prompt=f"problem {i}", answer="29") for i in range(2)]
-    result = evaluate(FixedEngine(), [e.prompt for e in examples], examples, judge=Judge("math"),
-                      batch_size=8, max_new_tokens=64)
+    result = evaluate(FixedEngine(), [e.prompt for e in examples], examples, HeldOutOptions(Judge("math"), 8, 64))
     assert result == {"eval/accuracy": 0.5, "eval/n": 2, "eval/truncated_frac": 0.0}
 
 

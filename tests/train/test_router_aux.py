@@ -16,7 +16,7 @@ from covey.models.tiny import build_tiny_family, build_tiny_model, tiny_family_c
 from covey.passes import logprobs
 from covey.train.plan import make_plan
 from covey.train.router_aux import RouterAux, routed_tokens
-from covey.train.update import MetricAverager, UpdateState, update_policy
+from covey.train.update import MetricAverager, Optimized, UpdateState, update_policy
 from tests.helpers import grouped_rollout, tiny_overrides
 
 MOE = ("qwen3_moe", "gpt_oss")
@@ -89,8 +89,8 @@ def one_step(model, rollout, micro_batch_size: int, coef: float):
     cfg.algo.micro_batch_size, cfg.optim.max_grad_norm, cfg.rollout.max_new_tokens = micro_batch_size, 0.0, 7
     cfg.model.autocast, cfg.model.router_aux_coef = "none", coef
     model = copy.deepcopy(model)
-    metrics = update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update,
-                            0.0, UpdateState(), torch.Generator().manual_seed(0))
+    target = Optimized(model, torch.optim.SGD(model.parameters(), lr=1.0), None, UpdateState())
+    metrics = update_policy(target, rollout, make_plan(cfg).update, 0.0, torch.Generator().manual_seed(0))
     return dict(model.named_parameters()), metrics
 
 

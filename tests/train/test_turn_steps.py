@@ -41,9 +41,9 @@ def test_each_turn_is_a_step_and_its_advantage_reaches_the_update(tiny_model_dir
     seen = []
     real_update_policy = loop.update_policy
 
-    def update_policy(policy, optimizer, scheduler, rollout, *args, **kwargs):
+    def update_policy(target, rollout, *args, **kwargs):
         seen.append((rollout.advantages.clone(), rollout))
-        return real_update_policy(policy, optimizer, scheduler, rollout, *args, **kwargs)
+        return real_update_policy(target, rollout, *args, **kwargs)
 
     monkeypatch.setattr(loop, "update_policy", update_policy)
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{

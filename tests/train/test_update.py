@@ -15,7 +15,7 @@ from covey.config import Config
 from covey.models.load import load_policy
 from covey.train.plan import make_plan
 from covey.train.optim import allocate_adamw_state
-from covey.train.update import UpdateState, by_prompt, update_policy
+from covey.train.update import Optimized, UpdateState, by_prompt, update_policy
 from tests.helpers import grouped_rollout
 
 
@@ -30,8 +30,8 @@ def one_update(model, rollout, cfg, order_fn, monkeypatch):
     model = copy.deepcopy(model)
     with monkeypatch.context() as patch:  # undoes only this patch (not conftest's)
         patch.setattr(update, "by_prompt", order_fn)
-        update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), None, rollout, make_plan(cfg).update, 0.0,
-                      UpdateState(), torch.Generator().manual_seed(0))
+        target = Optimized(model, torch.optim.SGD(model.parameters(), lr=1.0), None, UpdateState())
+        update_policy(target, rollout, make_plan(cfg).update, 0.0, torch.Generator().manual_seed(0))
     return dict(model.named_parameters())
 
 
