@@ -1,5 +1,4 @@
-"""covey's benchmarks against TRL's GRPOTrainer, run from the repository root (`python -m bench.speed ...`).
-
+"""covey's benchmarks against TRL's GRPOTrainer, run from the repository root (`python -m bench.speed ...`):
 `harness`: child processes under a time budget, interleaved rounds, medians and rates, the machine's peaks,
 report files; `workloads`: what is run and the learning runs' schedule; `covey_side` / `trl_side`: the two
 trainers' roles in a child (covey through open_run / steps / finish, TRL with covey's settings mapped);

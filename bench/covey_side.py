@@ -1,6 +1,5 @@
-"""The covey side, a role per child: a workload's `steps`, a `learn` run, `eval` of saved folders, the `device`, a
-model folder's `build`. covey runs through open_run / steps / finish; measured: its step metrics, forward hooks on
-`session.run.policy`, the clock around the engine's `generate`."""
+"""The covey side, a role per child (`steps`, `learn`, `eval`, `device`, `build`): covey through open_run / steps /
+finish; measured: its step metrics, forward hooks on `session.run.policy`, the clock around the engine's `generate`."""
 
 from __future__ import annotations
 
@@ -72,7 +71,6 @@ def decode_timing(engine, prompts: list[str], w: dict) -> dict:
                for n in (length, half)}
     out = {"rows": len(prompts) * w["group_size"], "generate_s": seconds[length],
            "step_ms": 1000 * (seconds[length] - seconds[half]) / (length - half)}
-    say(f"decode at {out['rows']} rows: {out['step_ms']:.3f} ms/step, generate {seconds[length]:.3f} s")
     return out
 
 

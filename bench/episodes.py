@@ -2,7 +2,7 @@
 reply fed into a waiting row's cache) and turn by turn (each turn a prefill of the episode so far), against one turn;
 each episode that ends its first turn calls a scripted tool, then answers. The arms run interleaved `--rounds` times.
 
-    python -m bench.episodes --rounds 3 --out bench/results/episodes-cpu   # SmolLM2-135M-Instruct, 8 x 8 episodes"""
+    python -m bench.episodes --rounds 3 --out runs/episodes   # SmolLM2-135M-Instruct, 8 x 8 episodes"""
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class ScriptedHost:
 
 
 def arms(model_path: str, device: str, prompts_n: int, group: int, turn_tokens: int) -> dict:
-    """The three arms as calls returning a Rollout, sampled as a training run samples (the bf16 copy where native)."""
     from covey.config import load_config
     from covey.models.load import load_policy
     from covey.rollout.agents import Agent
@@ -87,9 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         rollout = calls[name]()
         sync()
-        model_tokens = int(rollout.response_mask.sum())
+        seconds, model_tokens = time.perf_counter() - start, int(rollout.response_mask.sum())
         tokens[name] = (model_tokens, int(rollout.response_attended.sum()) - model_tokens)
-        return time.perf_counter() - start
+        return seconds
 
     times = interleaved(list(calls), rounds, timed)
     single = statistics.median(times["single turn"])

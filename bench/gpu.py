@@ -181,20 +181,20 @@ def main(argv=None, capacity: bool = False) -> int:
                                 out.with_suffix(".jsonl"))
     rows = [gpu_summary(size, device, shape, {c.name if capacity else c.name.removesuffix(f"-{size}"): results[c.name]
                                               for c in cells if c.size == size}, w) for size, shape in shapes.items()]
-    failed = [c for c in cells if not (results[c.name] or {}).get("steps")]
-    why = {c.name: why_not(children.log_dir / f"{c.name}.log") for c in failed}
-    publish(out, "\n".join([
-        f"device: {device.get('name', 'unknown')}; copy {device.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s; bf16 matmul"
-        f" peak {device.get('matmul_tflops', 0):.1f} TFLOP/s; medians of steps 2..{w['steps']}", "workload: " +
-        json.dumps(w), *(f"{r['size']}: {shapes[r['size']]['describe']}; decode floor {r['decode_floor_ms']:.3f} ms/step"
-                         for r in rows), "", gpu_table(rows), "", *(f"{name}: no step ({text})" for name, text in
-                                                                   why.items()),
-        *([] if capacity else [line for r in rows for line in verdicts(r)])]), {"device": device, "workload": w,
-                                                                                 "rows": rows, "no_step": why})
+    why = {c.name: why_not(children.log_dir / f"{c.name}.log") for c in cells if not (results[c.name] or {}).get(
+        "steps")}
+    lines = [f"device: {device.get('name', 'unknown')}; copy {device.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s; "
+             f"bf16 matmul peak {device.get('matmul_tflops', 0):.1f} TFLOP/s; medians of steps 2..{w['steps']}",
+             "workload: " + json.dumps(w), *(f"{r['size']}: {shapes[r['size']]['describe']}; decode floor "
+                                            f"{r['decode_floor_ms']:.3f} ms/step" for r in rows),
+             "", gpu_table(rows), "", *(f"{name}: no step ({text})" for name, text in why.items())]
+    publish(out, "\n".join(lines + ([] if capacity else [v for r in rows for v in verdicts(r)])),
+            {"device": device, "workload": w, "rows": rows, "no_step": why})
     if capacity:  # each acceptance cell ran, or ran out of memory, or covey's fit check refused it
-        return int(any(c in failed and not any(m in why[c.name] for m in ("out of memory", "OutOfMemory", "does not fit"))
-                       for c in cells[:len(ACCEPTANCE)]))
+        return int(any(c.name in why and not any(m in why[c.name] for m in ("out of memory", "OutOfMemory",
+                                                                            "does not fit")) for c in ACCEPTANCE))
     return int(children.failed > 0)
+
 
 if __name__ == "__main__":
     sys.exit(main())

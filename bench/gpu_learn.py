@@ -70,12 +70,12 @@ def covey_run(folder: Path) -> dict:
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
     run = RunData("covey", cfg["train"]["seed"], folder, read_jsonl(folder / "metrics.jsonl"), cfg)
     summary, m = run_summary(run), [r for r in run.steps if all(k in r for k in MISMATCH)]
+    peaks = [v for r in run.rows for k, v in r.items() if k.startswith("memory/gpu_peak_mb/")]  # evaluations too
     return row(folder.name, cfg["task"]["name"], [{"step": s, "minutes": t, "accuracy": a} for s, t, a in
                                                   run.eval_points()], [v for _, v in run.series("time/step")],
-               after=None if math.isnan(summary["acc_after"]) else summary["acc_after"],
-               minutes=summary["train_minutes"], samples=len(run.steps) * cfg["rollout"]["prompts_per_step"] *
-               cfg["rollout"]["group_size"], gpu_peak_mib=max((v for r in run.rows for k, v in r.items()
-                                                               if k.startswith("memory/gpu_peak_mb/")), default=None),
+               after=None if math.isnan(summary["acc_after"]) else summary["acc_after"], gpu_peak_mib=max(
+                   peaks, default=None), minutes=summary["train_minutes"], device=cfg["train"]["device"],
+               samples=len(run.steps) * cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"],
                mismatch={"steps": len(m), "log_ratio_mean": statistics.fmean(s[MISMATCH[0]] for s in m),
                          "log_ratio_max": max(s[MISMATCH[1]] for s in m),
                          "beyond_cap_frac": statistics.fmean(s[MISMATCH[2]] for s in m)} if m else None)

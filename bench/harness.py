@@ -1,6 +1,5 @@
-"""The harness: child processes under a time budget, interleaved rounds, medians and rates, the machine's peaks, a
-FLOP counter, report files. A child is `python -m bench.<side>_side ROLE RESULT SPEC_JSON`; a trainer run's steps
-are {"step", "step_s", "<phase>_s", "tokens", "flops", "gpu_peak_mib"}; step 1 warms up, medians are over 2..N."""
+"""The harness: children (`python -m bench.<side>_side ROLE RESULT SPEC_JSON`) under a time budget, interleaved rounds,
+medians over steps 2..N of {"step", "step_s", "<phase>_s", "tokens", "flops", "gpu_peak_mib"}, peaks, report files."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ def child_main(roles: dict) -> None:
 
 
 def out_prefix(out: str, name: str) -> Path:
-    """`out` (a temporary folder's `name` if not given), with its `<prefix>-logs/` folder."""
     prefix = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
     (prefix.parent / f"{prefix.name}-logs").mkdir(parents=True, exist_ok=True)
     return prefix
@@ -126,15 +124,14 @@ def peak_rss_mib() -> float:
 def summarize(result: dict) -> dict:
     """A CPU run's row: medians over steps 2..N, the fastest step, sampled tokens/s, the update's FLOP rate."""
     steps = result["steps"][1:] or result["steps"]
+    seconds = sum(s["step_s"] for s in steps)
     return {"name": result["name"], **medians(result["steps"]), "min_s": min(s["step_s"] for s in steps),
-            "steps_timed": len(steps), "tokens_per_s": sum(s["tokens"] for s in steps) / sum(s["step_s"] for s in
-                                                                                              steps),
+            "steps_timed": len(steps), "tokens_per_s": sum(s["tokens"] for s in steps) / seconds,
             "train_gflops": sum(s["flops"] for s in steps) / max(sum(s["update_s"] for s in steps), 1e-9) / 1e9,
             "peak_rss_mib": result["peak_rss_mib"], "precision": result["precision"]}
 
 
 def pooled(rounds: list[dict]) -> dict:
-    """A run's rounds as one: the timed steps (2..N) of every round, the highest peak RSS."""
     return {**rounds[0], "steps": [rounds[0]["steps"][0], *(step for r in rounds for step in r["steps"][1:])],
             "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds)}
 
@@ -191,7 +188,6 @@ def measure_device() -> dict:
 
 
 def cap_memory(cap_gib: float) -> float:
-    """The CUDA allocator capped at cap_gib (the whole card when the cap is at or above it); the GiB allowed."""
     if not torch.cuda.is_available() or cap_gib <= 0:
         return 0.0
     total = torch.cuda.get_device_properties(0).total_memory

@@ -1,7 +1,7 @@
 """covey vs TRL's GRPOTrainer on the CPU workload (docs/benchmark.md): step time, phases, tokens/s, memory, FLOP rate
 against the matmul peak of each precision, measured before and after; each run a child (its peak RSS its own).
 
-    nice -n 10 python -m bench.speed --steps 6 --runs covey,trl,trl-gc --rounds 2 --out bench/results/bench"""
+    nice -n 10 python -m bench.speed --steps 6 --runs covey,trl,trl-gc --rounds 2 --out runs/speed"""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ def cpu_table(rows: list[dict], peak: dict) -> str:
 
 
 def main(argv: list[str] | None = None):
-    """The benchmark; the path of its JSON results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run; step 1 is not timed")
     p.add_argument("--runs", default="covey,trl", help=f"comma-separated, from: {', '.join(RUNS)}")

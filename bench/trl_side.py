@@ -1,13 +1,12 @@
-"""The TRL side of every benchmark (the `bench` extra), a role per child: `steps` and `learn`, as covey_side's.
-
-`trl_grpo_kwargs` maps covey's Config to GRPOConfig arguments with the same update (TRL 1.16) and refuses by name
-what has no counterpart (REQUIRED): G generations, micro-batches accumulated to one optimizer step per generation
-batch (`num_iterations=1`: no old-log-prob pass on either side); covey's `seq_mean_token_mean` is TRL's `grpo`
-loss (equal micro-batches make its accumulated mean covey's global one), `token_mean` is `dapo`, `constant` is
-`dr_grpo`; k3 in the loss, r = pi_ref / pi_theta, without TRL's `use_bias_correction_kl` (it changes the gradient
-on-policy). Not mapped, stated: TRL's group std has Bessel's correction and +1e-4 (`algo.ddof=1 algo.adv_eps=1e-4`
-gives covey the same); covey samples from a bf16 copy where bf16 is native; each orders prompts its own way.
-Timing: generation, scoring and the no-grad log-prob passes wrap TRL's methods; `update` is the rest of a step."""
+"""The TRL side (the `bench` extra), a role per child: `steps` and `learn`, as covey_side's. `trl_grpo_kwargs` maps
+covey's Config to GRPOConfig arguments with the same update (TRL 1.16) and refuses by name what has no counterpart
+(REQUIRED): G generations, micro-batches accumulated to one optimizer step per generation batch (`num_iterations=1`:
+no old-log-prob pass on either side); `seq_mean_token_mean` is TRL's `grpo` loss (equal micro-batches make its mean
+covey's global one), `token_mean` is `dapo`, `constant` is `dr_grpo`; k3 in the loss, r = pi_ref / pi_theta, without
+TRL's `use_bias_correction_kl` (it changes the gradient on-policy). Not mapped, stated: TRL's group std has Bessel's
+correction and +1e-4 (`algo.ddof=1 algo.adv_eps=1e-4` gives covey the same); covey samples from a bf16 copy where
+bf16 is native; each orders prompts its own way. Timing: generation, scoring and no-grad log-prob passes wrap TRL's
+methods; `update` is the rest of a step."""
 
 from __future__ import annotations
 
@@ -89,12 +88,12 @@ def trainer_objects(setup: dict) -> dict:  # a setup's peft LoRA and bitsandbyte
 class StepMeter(TrainerCallback):
     """A TRL run's steps (timed phases, tokens); with a tracker, its evaluation points saved and its stop."""
 
-    def __init__(self, tracker: Tracker | None = None):
-        self.tracker, self.records, self.flops = tracker, [], None
+    def __init__(self, tracker: Tracker | None = None, count_flops: bool = False):
+        self.tracker, self.records, self.count_flops, self.flops = tracker, [], count_flops, None
         self.phases, self.tokens, self.t0 = defaultdict(float), 0, 0.0
 
-    def count_flops(self, model) -> None:
-        self.flops = LinearFlops(model)
+    def watch(self, model) -> None:  # the FLOP counter on the trainer's model, if asked for
+        self.flops = LinearFlops(model) if self.count_flops else None
 
     def timed(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -130,9 +129,8 @@ class StepMeter(TrainerCallback):
         return dataclasses.replace(control, should_training_stop=self.tracker.done)
 
 
-def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batch: int = 0, bf16: bool = False,
-          flops: bool = False) -> dict:
-    """GRPOTrainer on the config's settings (then the setup's) and train problems, on covey's train.device."""
+def train(cfg, reward, meter: StepMeter, max_steps: int, settings: dict, setup: dict | None = None) -> dict:
+    """GRPOTrainer with `settings` (and the setup's objects) on the config's problems, on covey's train.device."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, __version__
 
@@ -155,16 +153,14 @@ def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batc
                                                                                        **kwargs)
 
     device, system = resolve_device(cfg.train.device), cfg.task.system_prompt or None
-    settings = {**trl_grpo_kwargs(cfg, micro_batch, bf16), **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
     data = Dataset.from_list([{"prompt": build_messages(ex, system), "answer": ex.answer}
                               for ex in load_task_data(cfg.task, cfg.train.seed).train])
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:
         config = GRPOConfig(output_dir=out_dir, max_steps=max_steps, use_cpu=device == "cpu", use_vllm=False,
                             **settings, **QUIET)
         trainer = TimedGRPOTrainer(model=resolve_model_path(cfg.model.path), reward_funcs=reward, args=config,
-                                   train_dataset=data, callbacks=[meter], **trainer_objects(setup))
-        if flops:
-            meter.count_flops(trainer.model)
+                                   train_dataset=data, callbacks=[meter], **trainer_objects(setup or {}))
+        meter.watch(trainer.model)
         ran = {"trl": __version__, "device": device, "model_dtype": str(next(trainer.model.parameters()).dtype),
                **settings}
         if device != "cpu":  # the peak of the steps (its models loaded, its optimizer state from step 1)
@@ -176,16 +172,18 @@ def train(cfg, reward, meter: StepMeter, max_steps: int, setup: dict, micro_batc
 def role_steps(spec: dict) -> dict:
     """A workload's steps: on a CPU TRL as it ships (a step's samples in one forward); on a GPU, bf16 autocast."""
     from covey.rewards.rules import correctness_reward
-    w, allowed, meter = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), StepMeter()
+    w, allowed, meter = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), StepMeter(None, spec.get(
+        "flops", False))
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out_dir:  # the GPU reward goes to both trainers
         cfg = load_config("grpo", [k for k in workload_keys(spec["workload"], spec["steps"], out_dir, spec.get(
             "model", ""), spec.get("threads", 0)) if not k.startswith("reward.")])
     bf16 = w["gpu"] and resolve_autocast(cfg.model.autocast, resolve_device(cfg.train.device)) == "bfloat16"
-    ran = train(cfg, varied_reward if w["gpu"] else correctness_reward, meter, spec["steps"],
-                SETUPS["trl"][spec.get("setup", "mapped")], w["prompts"] * w["group_size"] if w["trl_whole_step"]
-                else 0, bf16, spec.get("flops", False))
+    setup = SETUPS["trl"][spec.get("setup", "mapped")]
+    settings = {**trl_grpo_kwargs(cfg, w["prompts"] * w["group_size"] if w["trl_whole_step"] else 0, bf16),
+                **{k: v for k, v in setup.items() if k not in TRAINER_KEYS}}
+    ran = train(cfg, varied_reward if w["gpu"] else correctness_reward, meter, spec["steps"], settings, setup)
     return {"name": spec.get("name", "trl"), "steps": meter.records, "peak_rss_mib": peak_rss_mib(), "settings": ran,
             "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if ran["device"] != "cpu" else None,
             "allowed_gib": allowed, "precision": "bfloat16 (autocast)" if ran["bf16"] else "float32"}
@@ -203,8 +201,8 @@ def role_learn(spec: dict) -> dict:
     device = resolve_device(cfg.train.device)
     tracker = Tracker(Schedule(*spec["schedule"]), cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                       spec["save_dir"])
-    ran = train(cfg, correctness_reward, StepMeter(tracker), STEP_CAP, {},
-                bf16=resolve_autocast(cfg.model.autocast, device) == "bfloat16")
+    ran = train(cfg, correctness_reward, StepMeter(tracker), STEP_CAP,
+                trl_grpo_kwargs(cfg, autocast_bf16=resolve_autocast(cfg.model.autocast, device) == "bfloat16"))
     return tracker.result(precision="bfloat16" if ran["bf16"] else "none", trl_settings=ran, device=device)
 
 

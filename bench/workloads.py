@@ -96,9 +96,8 @@ def model_shape(config, vocab: int) -> dict:
     matmul = layers * (2 * d * h * head_dim + 2 * d * kv * head_dim + 3 * d * config.intermediate_size) + vocab * d
     params = matmul + layers * (2 * d + (h + 2 * kv) * head_dim) + d  # and the norms and biases
     return {"layers": layers, "heads": h, "kv_heads": kv, "head_dim": head_dim, "params": params,
-            "matmul_params": matmul, "describe": f"Qwen2 hidden {d}, {layers} layers, {h} query / {kv} key-value "
-            f"heads of {head_dim}, MLP {config.intermediate_size}, vocabulary {vocab} (tied): {params / 1e6:.0f}M "
-            f"parameters, {matmul / 1e6:.0f}M in matrix products (the output projection included)"}
+            "matmul_params": matmul, "describe": f"Qwen2 hidden {d}, {layers} layers, {h}/{kv} heads of {head_dim}, "
+            f"MLP {config.intermediate_size}, vocabulary {vocab}: {params / 1e6:.0f}M parameters ({matmul / 1e6:.0f}M)"}
 
 
 def update_flops(shape: dict, w: dict, prompt_tokens: float) -> float:

@@ -33,7 +33,7 @@
 #    to the last benchmark run, and BENCH_FLAGS adds flags to python -m bench.gpu (--profile,
 #    --covey-variant KEYS, ...), e.g.
 #
-#      BENCH_FLAGS='--sizes 1.5b --covey-keys algo.micro_batch_size=16' bash scripts/gpu_speed.sh LOG_DIR
+#      BENCH_FLAGS='--sizes 1.5b --covey-variant algo.micro_batch_size=16' bash scripts/gpu_speed.sh LOG_DIR
 #
 #    It writes to LOG_DIR: summary.txt (tests, the benchmark table, the targets met or not),
 #    bench.md, bench.json, pytest.log and logs.tgz (every child's log and JSON): 5 files.

@@ -411,7 +411,7 @@ def test_no_function_takes_more_than_seven_parameters():
     """Beyond seven parameters a function takes an inputs object (docs/design.md); constructors excepted, and an
     autograd Function's forward/backward (one argument per tensor)."""
     bad = []
-    for name, path in modules().items():
+    for path in modules().values():
         tree = ast.parse(path.read_text())
         exempt = {id(node) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) and is_autograd_function(cls)
                   for node in cls.body if isinstance(node, ast.FunctionDef) and node.name in AUTOGRAD_METHODS}
@@ -423,4 +423,21 @@ def test_no_function_takes_more_than_seven_parameters():
             count = len(params) + bool(a.vararg) + bool(a.kwarg)
             if count > MAX_PARAMETERS and id(node) not in exempt:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} takes {count}")
+    assert not bad, "\n".join(bad)
+
+
+def test_engines_are_called_through_their_interface():
+    """One engine interface (covey/rollout/base.py, `Engine`): no wrapper in rollout/ or train/ forwards unknown
+    names (`__getattr__`), and nothing asks an engine what it can do by attribute name (getattr / hasattr on
+    an engine): what an engine can do is a declared member of the interface."""
+    bad = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+                    and name.split(".")[1:2] in (["rollout"], ["train"])):
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: __getattr__ forwarding")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and node.args and "engine" in ast.unparse(node.args[0]).lower()):
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "\n".join(bad)

@@ -104,4 +104,4 @@ def with_tools(plan, engine, tokenizer, examples, system_prompt: str) -> tuple:
     from covey.train.inputs import make_agent
     agent = make_agent(plan.tools, tokenizer)
     prompts = agent.prompts(examples, system_prompt)
-    return EpisodeEngine(engine, tokenizer, agent.episodes, plan.episodes, agent.metrics), prompts
+    return EpisodeEngine(engine, agent.episodes, plan.episodes, agent.metrics), prompts

@@ -24,7 +24,7 @@ import torch
 
 from covey.batch import Rollout
 from covey.rewards.combine import describe_exception, run_to_end
-from covey.rollout.base import Prompt
+from covey.rollout.base import Engine, EngineWrapper, Prompt
 from covey.rollout.episodes import EpisodeOptions, row_seed, run_episodes
 from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_prompt, append_to_last_user,
                                  chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
@@ -198,18 +198,16 @@ def environment_rewards(hosts: list[ToolHost]) -> torch.Tensor | None:
     return None if all(math.isnan(r) for r in rewards) else torch.tensor(rewards)
 
 
-class EpisodeEngine:
+class EpisodeEngine(EngineWrapper):
     """An engine that samples whole episodes; `episodes(prompts, G)` gives the tools side of each episode
     (and, with an environment, each episode's own prompt: Agent.episodes)."""
 
-    def __init__(self, engine, tokenizer, episodes: Callable[[list[Prompt], int], tuple[list | None, list]],
+    def __init__(self, engine: Engine, episodes: Callable[[list[Prompt], int], tuple[list | None, list]],
                  options: EpisodeOptions, tool_metrics: Callable[[], dict] | None = None):
-        self.engine, self.tokenizer, self.episodes, self.options = engine, tokenizer, episodes, options
+        super().__init__(engine)
+        self.episodes, self.options = episodes, options
         self.tool_metrics = tool_metrics or dict
         self.pending: list[dict] = []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
@@ -223,13 +221,13 @@ class EpisodeEngine:
         rows = None if seeds is None else [row_seed(s, g) for s in seeds for g in range(group_size)]
 
         def episodes(batch: list[Prompt], g: int, hosts: list, first: list[int] | None) -> tuple[Rollout, dict]:
-            if getattr(self.engine, "continues_episodes", False):  # the fast engine: one loop, rows apart
-                return self.engine.decode_episodes(batch, g, hosts, options, greedy=greedy, seeds=first)
+            if self.inner.continues_episodes:  # the fast engine: one loop, rows apart
+                return self.inner.decode_episodes(batch, g, hosts, options, greedy=greedy, seeds=first)
 
             def sample(turn: list[Prompt], n: int, budget: int, seeds: list[int] | None = first) -> Rollout:
                 # the first turn: `first`, one per prompt of `batch`; later turns: run_episodes' turn seeds
                 seeded = {} if seeds is None else {"seeds": seeds}
-                return self.engine.generate(turn, n, greedy=greedy, max_new_tokens=budget, **seeded)
+                return self.inner.generate(turn, n, greedy=greedy, max_new_tokens=budget, **seeded)
             return run_episodes(sample, self.tokenizer, batch, g, hosts, options, seeds=rows)
 
         own, hosts = self.episodes(prompts, group_size)

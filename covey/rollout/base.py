@@ -1,4 +1,4 @@
-"""The engine interface every sampler implements: chat-formatted prompts in, a Rollout out.
+"""The engine interface every sampler implements (`Engine`): chat-formatted prompts in, a Rollout out.
 
 A prompt is the chat-formatted text, or the token ids themselves: a multi-turn episode continues
 from the ids it has (the model's sampled ids and the environment's appended ones), which are
@@ -7,9 +7,11 @@ never decoded and encoded again.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import abc
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from covey.batch import Rollout
 
@@ -34,11 +36,89 @@ def encode_prompts(tokenizer, prompts: list[Prompt]) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class GenerationEngine(Protocol):
-    """Anything that turns chat-formatted prompts into a Rollout."""
+class Engine(abc.ABC):
+    """The interface every sampler implements: the trainer, tool episodes, held-out evaluation and bench call
+    only these. A wrapper (`EngineWrapper`) implements each of them, forwarding what it does not change; no
+    engine is asked what it can do by attribute name.
 
-    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False) -> Rollout:
-        ...
+    What an engine can do is said by `continues_episodes` (its `decode_episodes` runs tool episodes in its own
+    decode loop; otherwise they run turn by turn through `generate`), `keeps_weights` (its sampling weights
+    must stay resident between calls: a static cache's graphs read them in place) and `samples_a_copy` (it
+    samples from its own reduced-precision copy of the policy, so held-out evaluation takes an engine on the
+    policy itself)."""
+
+    tokenizer: Any
+    continues_episodes: bool = False
+    keeps_weights: bool = False
+    samples_a_copy: bool = False
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+        """len(prompts) x group_size completions (prompt-major rows). `seeds`: one per prompt; each group's
+        samples then depend on its seed only, not on the rest of the batch (rollout.seeding=per_prompt)."""
+
+    def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
+                        greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
+        """Whole tool episodes in the engine's decode loop (only where `continues_episodes`)."""
+        raise NotImplementedError(f"{type(self).__name__} runs tool episodes turn by turn (covey/rollout/episodes.py)")
+
+    @abc.abstractmethod
+    def sync_weights(self, model) -> None:
+        """After an optimizer step: the engine samples `model`'s current weights from its next call."""
+
+    def release_weights(self) -> None:  # noqa: B027 - an optional hook, a no-op unless the engine holds a copy
+        """Free what the engine holds of the weights until its next call (nothing by default)."""
+
+    def decode_path(self) -> str:
+        """One start-up line: how the engine decodes, and why."""
+        return f"{type(self).__name__}"
+
+    def take_metrics(self, total: Callable[[Tensor], Tensor] | None = None) -> dict:
+        """The engine's metrics since the last call (tool episodes: `episode/*`, `tools/*`); `total` sums a
+        vector over processes, and every rank must call it then. {} by default."""
+        return {}
+
+
+class EngineWrapper(Engine):
+    """An engine around another (`inner`): every method of the interface is forwarded to it unless the wrapper
+    changes it."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    @property
+    def continues_episodes(self) -> bool:
+        return self.inner.continues_episodes
+
+    @property
+    def keeps_weights(self) -> bool:
+        return self.inner.keeps_weights
+
+    @property
+    def samples_a_copy(self) -> bool:
+        return self.inner.samples_a_copy
+
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+        return self.inner.generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
+
+    def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
+                        greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
+        return self.inner.decode_episodes(prompts, group_size, hosts, options, greedy=greedy, seeds=seeds)
 
     def sync_weights(self, model) -> None:
-        """Push the policy's current weights to the engine (no-op when it shares the module)."""
+        self.inner.sync_weights(model)
+
+    def release_weights(self) -> None:
+        self.inner.release_weights()
+
+    def decode_path(self) -> str:
+        return self.inner.decode_path()
+
+    def take_metrics(self, total: Callable[[Tensor], Tensor] | None = None) -> dict:
+        return self.inner.take_metrics(total)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from covey.models.load import ModelOptions, resolve_model_path
 from covey.rollout.local import DecodeOptions, local_engine
-from covey.rollout.precision import LowPrecisionEngine, resolve_precision
+from covey.rollout.precision import resolve_precision
 from covey.rollout.vllm import VLLMEngine, lora_rank_for_vllm
 
 
@@ -70,8 +70,7 @@ def make_eval_engine(engine_options: EngineOptions, policy, tokenizer, engine):
     """The held-out engine: None when the sampling engine serves (it samples from the policy's own
     weights), else a local engine on the policy module whose buffers and graphs are freed after each
     evaluation (it runs seldom and holds the fp32 policy's)."""
-    inner = getattr(engine, "engine", engine)
-    if not isinstance(inner, LowPrecisionEngine):
+    if not engine.samples_a_copy:
         return None
     e = engine_options
     return local_engine(e.engine, policy, tokenizer, max_new_tokens=e.max_new_tokens, temperature=e.temperature,

@@ -38,7 +38,7 @@ from covey.models.attention import sampling_attention
 from covey.runtime.signals import check_abort
 from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
-from covey.rollout.base import Prompt, encode_prompts
+from covey.rollout.base import Engine, Prompt, encode_prompts
 from covey.rollout.decode_cache import BufferLayer as BufferLayer, buffer_cache, cache_plan, held_bytes
 from covey.rollout.fast_episodes import EpisodeDecoder, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
@@ -85,10 +85,9 @@ class Uniforms:
         return torch.cat([torch.rand(self.group_size, generator=g) for g in self.generators])
 
 
-class FastEngine:
-    """Samples G completions per prompt with a prefix-shared, preallocated KV cache (left padding)."""
-
-    takes_seeds = True  # per-prompt seeds in one batched call (rollout.seeding=per_prompt)
+class FastEngine(Engine):
+    """Samples G completions per prompt with a prefix-shared, preallocated KV cache (left padding); per-prompt
+    seeds in one batched call (one uniform stream per prompt)."""
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True,
@@ -227,7 +226,7 @@ class FastEngine:
             sample_logp=logps,
         )
 
-    def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, capacity: int):
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, capacity: int):
         """Encode the prompts (once each when sharing) and return (cache, first logits) for all rows."""
         if not self.share_prefix:
             prompt_ids, prompt_mask = prompt_ids[index], prompt_mask[index]
@@ -252,7 +251,7 @@ class FastEngine:
         prompt_ids, prompt_mask, index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
         n, width = len(index), prompt_ids.shape[1]
         pad, eos = self.tokenizer.pad_token_id, torch.tensor(self.eos, device=device)
-        cache, logits = self._prefill(prompt_ids, prompt_mask, index, width + max_new)
+        cache, logits = self.prefill(prompt_ids, prompt_mask, index, width + max_new)
         lean = self.lean and supports_lean_step(self.model)
         mask = torch.cat([prompt_mask[index], prompt_mask.new_ones(n, max_new)], dim=1)
         start = prompt_mask[index].sum(-1)         # position of each row's first new token
@@ -275,10 +274,10 @@ class FastEngine:
                 keep = (~done).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 rows, mask, start, step = rows[keep], mask[keep], start[keep], step[keep]
-            logits = self._next_logits(step, start + t, mask[:, :width + t + 1], cache, lean)
+            logits = self.step_logits(step, start + t, mask[:, :width + t + 1], cache, lean)
         return tokens.cpu(), logps.cpu()
 
-    def _next_logits(self, step: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache, lean: bool) -> Tensor:
+    def step_logits(self, step: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache, lean: bool) -> Tensor:
         """(n, V) float32 logits after one new token per row."""
         if lean:
             return lean_step(self.model, step, positions, key_mask, cache).float()

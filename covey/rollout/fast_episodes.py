@@ -141,7 +141,7 @@ class EpisodeDecoder:
         device = next(engine.model.parameters()).device
         width = prompt_ids.shape[1]
         capacity = width + self.options.max_episode_tokens + SLACK
-        cache, logits = engine._prefill(prompt_ids.to(device), prompt_mask.to(device), index.to(device), capacity)
+        cache, logits = engine.prefill(prompt_ids.to(device), prompt_mask.to(device), index.to(device), capacity)
         key_mask = torch.zeros((len(index), capacity), dtype=torch.long, device=device)
         key_mask[:, :width] = prompt_mask[index].to(device)
         position = prompt_mask[index].sum(-1).to(device)
@@ -168,7 +168,7 @@ class EpisodeDecoder:
                 column = int(key_mask.sum(1).max())
             key_mask[:, column] = valid.long()
             with rows_held(cache, ~valid):
-                logits = engine._next_logits(tokens, position, key_mask[:, :column + 1], cache, lean)
+                logits = engine.step_logits(tokens, position, key_mask[:, :column + 1], cache, lean)
             position, column = position + valid.long(), column + 1
 
     def next_inputs(self, rows: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:

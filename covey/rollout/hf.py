@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from covey.models.attention import sampling_attention
-from covey.batch import Rollout
-from covey.rollout.base import Prompt, encode_prompts
+from covey.batch import Rollout, concat_rollouts
+from covey.rollout.base import Engine, Prompt, encode_prompts
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -49,7 +49,7 @@ def sampled_logprobs(step_logits, tokens: torch.Tensor, temperature: float) -> t
     return out
 
 
-class HFEngine:
+class HFEngine(Engine):
     """Samples G completions per prompt with `model.generate` (left padding)."""
 
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
@@ -65,9 +65,27 @@ class HFEngine:
     def sync_weights(self, model) -> None:
         self.model = model
 
-    @torch.inference_mode()
+    def decode_path(self) -> str:
+        return "hf engine (transformers' generate)"
+
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+        """`seeds`: `generate` draws from torch's global generator, so each seeded group is one call inside a
+        forked generator seeded with its seed (the run's own stream is left untouched)."""
+        if seeds is None:
+            return self.sample(prompts, group_size, greedy, max_new_tokens)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        parts = []
+        for prompt, seed in zip(prompts, seeds, strict=True):
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                parts.append(self.sample([prompt], group_size, greedy, max_new_tokens))
+        rollout = concat_rollouts(parts, self.tokenizer.pad_token_id)
+        rollout.example_index = rollout.group_ids.tolist()  # the prompt's position in `prompts`
+        return rollout
+
+    @torch.inference_mode()
+    def sample(self, prompts: list[Prompt], group_size: int, greedy: bool, max_new_tokens: int | None) -> Rollout:
         tok = self.tokenizer
         enc = encode_prompts(tok, prompts)
         sampling = {} if greedy else {

@@ -23,6 +23,8 @@ import copy
 import torch
 from torch import nn
 
+from covey.batch import Rollout
+from covey.rollout.base import EngineWrapper, Prompt
 from covey.runtime import precision
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -57,22 +59,21 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
         d.copy_(s.detach())
 
 
-class LowPrecisionEngine:
+class LowPrecisionEngine(EngineWrapper):
     """A local engine (hf or fast) that samples from a reduced-precision copy of the policy."""
+
+    samples_a_copy = True
 
     def __init__(self, engine_cls, model: nn.Module, tokenizer, dtype: torch.dtype, **engine_kwargs):
         self.copy = low_precision_copy(model, dtype)
         self.source = model  # what a released copy is refilled from
         self.released = False
-        self.engine = engine_cls(self.copy, tokenizer, **engine_kwargs)
-
-    def __getattr__(self, name):  # takes_seeds, eos, ... of the wrapped engine
-        return getattr(self.engine, name)
+        super().__init__(engine_cls(self.copy, tokenizer, **engine_kwargs))
 
     def release_weights(self) -> None:
         """Free the copy's weights until `sync_weights` (or the next `generate`) fills them again; kept
         where the engine's CUDA graphs read them in place (a static cache: `keeps_weights`)."""
-        if getattr(self.engine, "keeps_weights", False):
+        if self.inner.keeps_weights:
             return
         for p in self.copy.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -86,13 +87,15 @@ class LowPrecisionEngine:
             self.released = False
         copy_weights(self.copy, model)
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
         if self.released:  # no update since the release (a step whose samples were all dropped)
             self.sync_weights(self.source)
-        return self.engine.generate(*args, **kwargs)
+        return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
 
-    def decode_episodes(self, *args, **kwargs):
+    def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
+                        greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
         """Tool episodes from the copy (the fast engine's episode loop), refilled first if released."""
         if self.released:
             self.sync_weights(self.source)
-        return self.engine.decode_episodes(*args, **kwargs)
+        return super().decode_episodes(prompts, group_size, hosts, options, greedy=greedy, seeds=seeds)

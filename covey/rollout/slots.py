@@ -124,7 +124,7 @@ class SlotDecoder:
                     layer.skip_to(self.column)
             self.key_mask[:, self.column] = 1
             self.record(len(self.rows))
-            logits = engine._next_logits(step, self.position, self.key_mask[:, :self.column + 1], self.cache, lean)
+            logits = engine.step_logits(step, self.position, self.key_mask[:, :self.column + 1], self.cache, lean)
             self.position, self.column = self.position + 1, self.column + 1
 
     def record(self, busy: int) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from covey.batch import Rollout
-from covey.rollout.base import Prompt, encode_prompts
+from covey.rollout.base import Engine, Prompt, encode_prompts
 from covey.rollout.hf import eos_ids
 from covey.runtime.fsdp import full_state_dict
 
@@ -155,10 +155,9 @@ def lora_rank_for_vllm(rank: int) -> int:
 # --------------------------------------------------------------------------- the engine
 
 
-class VLLMEngine:
-    """Samples with a colocated vLLM instance; weights pushed from the trained policy after each update."""
-
-    takes_seeds = True  # per-request seeds: rollout.seeding=per_prompt in one batched call
+class VLLMEngine(Engine):
+    """Samples with a colocated vLLM instance; weights pushed from the trained policy after each update;
+    per-request seeds (rollout.seeding=per_prompt) in one batched call."""
 
     def __init__(self, llm, policy, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, sleep: bool, bucket_mb: int, timeout_s: float, lora: bool):

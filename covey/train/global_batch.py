@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from covey import algos
-from covey.batch import concat_rollouts
+from covey.batch import Rollout
+from covey.rollout.base import Engine, EngineWrapper, Prompt
 from covey.runtime.dist import World, all_reduce, barrier, gather_rows, is_main_process, rank_share, world_size
 from covey.runtime.fsdp import (FullStateModel, FullStateOptimizer, fsdp_modules, full_optimizer_state,
                                 full_state_dict, unsharded)
@@ -57,31 +58,7 @@ def prompt_seed(run_seed: int, draw: int) -> int:
     return (run_seed * 1_000_003 + draw) % (2**63 - 1)
 
 
-def sample_groups(engine, prompts: list[str], group_size: int, seeds: list[int] | None):
-    """G samples per prompt; with seeds, each group from its own seed (per_prompt seeding).
-
-    The HF engine draws from torch's global generator, so each seeded group is one
-    generate call inside a forked RNG (the run's own stream is left untouched); an engine
-    that takes per-request seeds (vLLM) does the whole batch in one call.
-    """
-    if seeds is None:
-        return engine.generate(prompts, group_size)
-    if getattr(engine, "takes_seeds", False):
-        return engine.generate(prompts, group_size, seeds=seeds)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    whole = engine.whole_parameters() if hasattr(engine, "whole_parameters") else contextlib.nullcontext()
-    parts = []
-    with whole:  # under FSDP: gathered once for all the groups
-        for prompt, seed in zip(prompts, seeds):
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
-                parts.append(engine.generate([prompt], group_size))
-    rollout = concat_rollouts(parts, engine.tokenizer.pad_token_id)
-    rollout.example_index = rollout.group_ids.tolist()  # position of the prompt in `prompts`
-    return rollout
-
-
-class GatheredGeneration:
+class GatheredGeneration(EngineWrapper):
     """An engine that reads the (FSDP-sharded) policy itself, run on whole parameters.
 
     Generation runs a different number of forward passes on each rank; with sharded
@@ -89,24 +66,22 @@ class GatheredGeneration:
     plain pass-through.
     """
 
-    def __init__(self, engine, policy: nn.Module):
-        self.engine, self.policy = engine, policy
+    def __init__(self, engine: Engine, policy: nn.Module):
+        super().__init__(engine)
+        self.policy = policy
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def whole_parameters(self):
-        return unsharded(self.policy)
-
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+        """Under FSDP the parameters are gathered once for the whole call (every seeded group of it)."""
         with unsharded(self.policy):
-            return self.engine.generate(*args, **kwargs)
+            return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
 
-    def decode_episodes(self, *args, **kwargs):
+    def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
+                        greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
         """The fast engine's loop of whole tool episodes (covey/rollout/fast_episodes.py), whose decode
         steps differ between ranks as well (held-out evaluation, greedy baselines, seeding=global)."""
         with unsharded(self.policy):
-            return self.engine.decode_episodes(*args, **kwargs)
+            return super().decode_episodes(prompts, group_size, hosts, options, greedy=greedy, seeds=seeds)
 
 
 # --------------------------------------------------------------------------- advantages and loss normaliser
@@ -159,12 +134,11 @@ def global_batch_view(rollout) -> SimpleNamespace:
                            truncated=every["truncated"], reward_parts=parts)
 
 
-def global_episode_metrics(engine) -> dict:
+def global_episode_metrics(engine: Engine) -> dict:
     """An engine of tool episodes: its episode and tool metrics (`take_metrics`) over every rank's episodes,
     from all-reduced sums, so W ranks log what one process logs on the same episodes; {} for another
     engine. Every rank calls it at the same point (after sampling, after an evaluation)."""
-    take = getattr(engine, "take_metrics", None)
-    return {} if take is None else take(total=all_reduce)
+    return engine.take_metrics(total=all_reduce)
 
 
 def decorrelate_ranks(world: World, seed: int, step: int) -> None:

@@ -15,10 +15,11 @@ import time
 import torch
 
 from covey.batch import Rollout, concat_rollouts
+from covey.rollout.base import Engine
 from covey.rewards.combine import TrainerState
 from covey.rewards.scoring import score
 from covey.runtime.memory import halving_on_oom
-from covey.train.global_batch import draw_share, global_episode_metrics, prompt_seed, sample_groups
+from covey.train.global_batch import draw_share, global_episode_metrics, prompt_seed
 from covey.train.setup import Run
 
 
@@ -69,11 +70,11 @@ def sample_in_calls(engine, prompts: list[str], group_size: int, seeds: list[int
     distribution.
     """
     if per_call >= len(prompts):
-        return sample_groups(engine, prompts, group_size, seeds)
+        return engine.generate(prompts, group_size, seeds=seeds)
     parts = []
     for start in range(0, len(prompts), per_call):
-        part = sample_groups(engine, prompts[start:start + per_call], group_size,
-                             seeds[start:start + per_call] if seeds is not None else None)
+        part = engine.generate(prompts[start:start + per_call], group_size,
+                               seeds=seeds[start:start + per_call] if seeds is not None else None)
         part.example_index = [start + i for i in part.example_index]
         parts.append(part)
     return concat_rollouts(parts, engine.tokenizer.pad_token_id)
@@ -123,9 +124,7 @@ def drop_invalid(rollout: Rollout) -> Rollout:
     return rollout.select(rollout.valid.nonzero().squeeze(1))
 
 
-def release_sampling_copy(engine) -> None:
+def release_sampling_copy(engine: Engine) -> None:
     """A bf16 sampling copy (covey/rollout/precision.py) is not read again before the engine's
     `sync_weights` refreshes it: free it for the reference pass and the update, where a step's memory peaks."""
-    release = getattr(engine, "release_weights", None)
-    if release is not None:
-        release()
+    engine.release_weights()

@@ -342,11 +342,10 @@ def open_feed(run: Run, data, rewarder, agent: AgentInputs | None = None) -> Fee
     if on_gpu(run.world.device) and run.world.size == 1 and prompts:  # torchrun: ranks keep the configured size
         fit_batches(run, max(len(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts))
     engine, eval_engine = open_engines(run)
-    decode_path = getattr(engine, "decode_path", None)  # the fast engine's: which decode step, cache and episodes
-    if callable(decode_path) and run.world.is_main:
-        print(f"covey: sampling with the {decode_path()}")
+    if run.world.is_main:  # which engine, decode step, cache and episode runner, and why
+        print(f"covey: sampling with the {engine.decode_path()}")
     if agents is not None:
-        engine, eval_engine = (EpisodeEngine(e, run.tokenizer, a.episodes, run.plan.episodes, a.metrics)
+        engine, eval_engine = (EpisodeEngine(e, a.episodes, run.plan.episodes, a.metrics)
                                for e, a in zip((engine, eval_engine), agents))
     return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
                 eval_engine=eval_engine)

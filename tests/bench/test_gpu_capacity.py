@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu
-from bench.gpu import ACCEPTANCE, Cell, capacity_cells, capacity_record, capacity_table, describe, run_cells
+from bench.gpu import ACCEPTANCE, Cell, capacity_cells, describe, gpu_summary, gpu_table, run_cells, why_not
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,22 +43,22 @@ def steps(*seconds):
     return [{"step_s": s, "generate_s": s / 2, "logprobs_s": 0.1, "update_s": s / 4, "score_s": 0.0} for s in seconds]
 
 
-def test_records_and_table_by_hand(tmp_path):
+def test_each_cell_in_the_table_and_why_a_cell_gave_no_step(tmp_path):
     oom = tmp_path / "oom.log"
-    oom.write_text("bench: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    oom.write_text("bench: ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\nTraceback\n")
     fit = tmp_path / "fit.log"
     fit.write_text("covey: error: the run does not fit train.gpu_memory_gib=21.6: weights 12.0 GiB ...\n")
-    records = [capacity_record(ACCEPTANCE[0], {"steps": steps(30, 10, 12), "peak_gpu_mib": 70 * 1024}, tmp_path / "a"),
-               capacity_record(ACCEPTANCE[1], None, oom), capacity_record(ACCEPTANCE[2], None, tmp_path / "none.log"),
-               capacity_record(ACCEPTANCE[3], {"partial": True}, fit)]
-    # medians of steps 2..3: 11 s (10, 12); first step 30 s
-    assert records[0]["step_s"] == 11 and records[0]["first_step_s"] == 30 and records[0]["peak_gib"] == 70
-    assert records[1]["error"].startswith("out of memory: torch.OutOfMemoryError")
-    assert records[2]["error"] == "not run (no time left in the budget)"
-    assert records[3]["error"].startswith("covey's fit check refused it: covey: error: the run does not fit")
-    text = capacity_table(records)
-    assert "| covey-7b-full-80g | yes | 70.0 | 11.00 | 30.0 | model.dtype=bfloat16" in text
-    assert "| covey-1.5b-full-24g | no: out of memory" in text and "| 7B full-parameter on 80 GB |" in text
+    assert why_not(oom).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert why_not(fit).startswith("covey: error: the run does not fit")
+    assert why_not(tmp_path / "none.log") == "not run: no time left in the budget"
+    # medians of steps 2..3: 11 s (10, 12); the first step 30 s; 70 GiB
+    shape = {"matmul_params": 1e9, "params": 1e9, "heads": 12, "kv_heads": 2, "head_dim": 128, "layers": 28,
+             "prompt_tokens_mean": 40, "describe": "stub"}
+    row = gpu_summary("7b", {}, shape, {ACCEPTANCE[0].name: {"steps": steps(30, 10, 12), "peak_gpu_mib": 70 * 1024},
+                                        ACCEPTANCE[2].name: None}, {"prompts": 8, "group_size": 8, "new_tokens": 512})
+    text = gpu_table([row])
+    assert "| 7b | covey-7b-full-80g | 11.00 | 30.00 |" in text and "| 70.00 |" in text
+    assert "| 7b | covey-7b-qlora-16g | no step |" in text
 
 
 class StubChildren:

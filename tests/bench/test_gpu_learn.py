@@ -150,7 +150,7 @@ def test_the_summary_reads_recorded_runs(tmp_path):
            "+0.0000 / 0.90 / 0.100% |" in text
     assert "| trl-seed0 | arithmetic | 192 | 0.15 | 18.5% -> 25.0% | 3 | 2.50 | 4.00 | 3100 | not logged |" in text
     assert "11.0% -> no final evaluation" in text
-    assert "phase covey-wordproblems: exit 124 (its time limit) after 150 s" in text
+    assert summary["phases"][1] == {"phase": "covey-wordproblems", "exit": 124, "seconds": 150.0}
 
 
 def test_the_script_runs_every_piece_on_the_cpu(tmp_path, tiny_model_dir):

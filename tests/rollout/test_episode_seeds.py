@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from covey.rollout.base import EngineWrapper
 from covey.rollout.agents import EpisodeEngine
 from covey.rollout.episodes import EpisodeOptions, row_seed, turn_seed
 from covey.rollout.fast import FastEngine
@@ -45,18 +46,16 @@ class Host:
         return list(self.reply_ids)
 
 
-class Recorder:
+class Recorder(EngineWrapper):
     """The fast engine on a static cache (so episodes go turn by turn), recording each call's seeds."""
 
     def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+        super().__init__(engine)
+        self.calls = []
 
     def generate(self, prompts, group_size, **kwargs):
         self.calls.append(kwargs.get("seeds"))
-        return self.engine.generate(prompts, group_size, **kwargs)
+        return super().generate(prompts, group_size, **kwargs)
 
 
 def episode_engine(llama, tok, calls_after, own: bool = False) -> EpisodeEngine:
@@ -70,7 +69,7 @@ def episode_engine(llama, tok, calls_after, own: bool = False) -> EpisodeEngine:
         return ([f"{p} (episode {k})" for p in prompts for k in range(g)] if own else None), hosts
 
     options = EpisodeOptions(max_turns=4, max_turn_tokens=12, max_episode_tokens=60)
-    return EpisodeEngine(Recorder(fast), tok, episodes, options)
+    return EpisodeEngine(Recorder(fast), episodes, options)
 
 
 def episodes_of(rollout, rows) -> list[tuple]:
@@ -101,12 +100,12 @@ def test_later_turns_get_each_episodes_own_seed_and_no_seeds_none(llama, tok):
     engine draws the group from it), turns 2 and 3 (index 1, 2) the seeds by hand above."""
     engine = episode_engine(llama, tok, lambda p: (1, 2))
     engine.generate(PROMPTS[:1], 2, seeds=[3])
-    assert engine.engine.calls == [[3], [3_000_108_000_298, 3_000_109_000_331],  # 3_000_010 * 1_000_033 + 1
+    assert engine.inner.calls == [[3], [3_000_108_000_298, 3_000_109_000_331],  # 3_000_010 * 1_000_033 + 1
                                    [3_000_108_000_299, 3_000_109_000_332]]
     engine = episode_engine(llama, tok, lambda p: (1, 2))
     torch.manual_seed(0)
     engine.generate(PROMPTS[:1], 2)  # rollout.seeding=global: no call takes seeds
-    assert engine.engine.calls == [None, None, None]
+    assert engine.inner.calls == [None, None, None]
 
 
 def test_an_episode_does_not_change_when_the_others_end_sooner(llama, tok):
@@ -121,8 +120,8 @@ def test_an_episode_does_not_change_when_the_others_end_sooner(llama, tok):
     rows = [2 * G, 2 * G + 1]  # the episodes of "x"
     assert episodes_of(a, rows) == episodes_of(b, rows)
     assert all(len(m) == 7 for _, _, m in episodes_of(a, rows))  # 4 model turns and 3 replies each
-    assert len(short.engine.calls) == len(long.engine.calls) == 4
-    assert len(short.engine.calls[1]) == G and len(long.engine.calls[1]) == len(PROMPTS) * G
+    assert len(short.inner.calls) == len(long.inner.calls) == 4
+    assert len(short.inner.calls[1]) == G and len(long.inner.calls[1]) == len(PROMPTS) * G
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["shared prompt", "own prompts"])

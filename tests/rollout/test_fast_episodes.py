@@ -184,7 +184,7 @@ def test_the_bf16_sampling_copy_runs_episodes_after_its_weights_were_released(ti
 
     model, tok = tiny
     engine = LowPrecisionEngine(FastEngine, model, tok, torch.bfloat16, max_new_tokens=10)
-    engine.engine.eos = [tok.eos_token_id, 33, 90]
+    engine.inner.eos = [tok.eos_token_id, 33, 90]
     engine.release_weights()
     assert engine.continues_episodes
     rollout, metrics = engine.decode_episodes(PROMPTS, 2, hosts(6), options(), greedy=True)

@@ -33,7 +33,7 @@ def test_copy_rounds_parameters_keeps_buffers_and_ties(tiny):
 def test_sync_weights_brings_an_update_into_the_copy(tiny_model_dir):
     model, tok = load_policy(tiny_model_dir)
     engine = local_engine("fast", model, tok, max_new_tokens=4, precision="bfloat16")
-    assert isinstance(engine, LowPrecisionEngine) and engine.takes_seeds  # attributes of the wrapped engine
+    assert isinstance(engine, LowPrecisionEngine) and engine.samples_a_copy and not engine.inner.samples_a_copy
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(0.5)
     stale = engine.copy.model.layers[0].mlp.up_proj.weight
@@ -95,17 +95,17 @@ def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir,
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.precision": "bfloat16"}))
     session = open_run(cfg, evaluate_before=False)
     run, engine, eval_engine = session.run, session.feed.engine, session.feed.eval_engine
-    assert isinstance(engine.engine, LowPrecisionEngine)
-    assert eval_engine.engine.model is run.policy  # held-out accuracy in the policy's own precision
+    assert isinstance(engine.inner, LowPrecisionEngine)
+    assert eval_engine.inner.model is run.policy  # held-out accuracy in the policy's own precision
     held = []  # bf16 weights the copy holds while the policy updates: none, it was released after sampling
     update = loop.update
     monkeypatch.setattr(loop, "update", lambda *a: held.append(
-        sum(p.numel() for p in engine.engine.copy.parameters())) or update(*a))
+        sum(p.numel() for p in engine.inner.copy.parameters())) or update(*a))
     metrics = next(steps(session))
     session.close()
     assert held == [0]
     assert metrics["time/sync_weights"] >= 0
-    for p, q in zip(run.policy.parameters(), engine.engine.copy.parameters()):  # refreshed after the update
+    for p, q in zip(run.policy.parameters(), engine.inner.copy.parameters()):  # refreshed after the update
         assert torch.equal(p.detach().to(torch.bfloat16), q)
 
 

@@ -206,7 +206,7 @@ def test_a_frozen_copy_decodes_with_fused_projections_that_sync_updates(llama, t
     assert isinstance(engine, LowPrecisionEngine) and engine.keeps_weights
     before = engine.generate(PROMPTS, 1, greedy=True)
     attn = engine.copy.model.layers[1].self_attn
-    qkv = engine.engine.static.fused[(1, "qkv")][0]
+    qkv = engine.inner.static.fused[(1, "qkv")][0]
     assert views_of(qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     engine.release_weights()  # a no-op: the static cache reads the copy in place
     assert all(p.numel() for p in engine.copy.parameters())
@@ -252,7 +252,7 @@ def test_options_the_step_does_not_reproduce_are_refused(family, change, tok):
 
 
 def test_decode_options_resolve_by_device():
-    plain = {"static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True}
+    plain = {"static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True, "slots": 0}
     assert DecodeOptions().resolve("cpu") == plain  # the CPU keeps its plain loop
     assert DecodeOptions("static").resolve("cpu") == {**plain, "static_cache": True}
     assert DecodeOptions("compile").resolve("cpu") == {**plain, "static_cache": True, "compile_decode": True}
@@ -283,11 +283,12 @@ def test_a_training_step_samples_on_the_static_cache(tiny_model_dir, tmp_path):
                                                                         "algo.tis.cap": 2}))
     session = open_run(cfg, evaluate_before=False)
     engine, eval_engine = session.feed.engine, session.feed.eval_engine
-    assert engine.static is not None and engine.static.persistent
+    fast = engine.inner  # the fast engine, on whole parameters (GatheredGeneration)
+    assert fast.static is not None and fast.static.persistent
     metrics = next(steps(session))
     session.close()
-    assert engine.static.steps > 0 and metrics["optim/grad_norm"] >= 0
+    assert fast.static.steps > 0 and metrics["optim/grad_norm"] >= 0
     # fp32 sampling from the trained weights: every ratio pi_old / pi_sampler is 1 up to rounding
     assert metrics["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3) and metrics["tis/capped_frac"] == 0.0
     assert abs(metrics["sampler/log_ratio_mean"]) < 1e-4
-    assert eval_engine.engine is engine.engine  # fp32 sampling: one engine for both
+    assert eval_engine.inner is engine.inner  # fp32 sampling: one engine for both

@@ -100,16 +100,16 @@ def test_sampled_tokens_with_graphs_equal_the_eager_static_loop(model, tok):
 def test_an_update_synced_into_the_bf16_copy_reaches_the_graphs(tok):
     policy = tiny_llama(len(tok)).cuda()
     engine = local_engine("fast", policy, tok, max_new_tokens=24, precision="bfloat16")  # auto: graphs on CUDA
-    assert engine.engine.static is not None and engine.engine.static.runner.graphs_on
+    assert engine.inner.static is not None and engine.inner.static.runner.graphs_on
     before = engine.generate(PROMPTS, 1, greedy=True)
-    captured = engine.engine.static.runner.captures
+    captured = engine.inner.static.runner.captures
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     engine.release_weights()  # kept: the graphs read the copy in place
     engine.sync_weights(policy)
     after = engine.generate(PROMPTS, 1, greedy=True)
-    assert engine.engine.static.runner.captures == captured  # same addresses, same graphs
+    assert engine.inner.static.runner.captures == captured  # same addresses, same graphs
     fresh = FastEngine(low_precision_copy(policy, torch.bfloat16), tok, max_new_tokens=24, static_cache=True)
     assert torch.equal(after.response_ids, fresh.generate(PROMPTS, 1, greedy=True).response_ids)
     assert not torch.equal(after.response_ids, before.response_ids)

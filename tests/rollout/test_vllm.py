@@ -153,7 +153,7 @@ def test_lora_adapters_reach_vllm_as_a_new_request(fake_vllm, monkeypatch, tiny_
     assert llm.loaded == {}  # the base weights in vLLM are never touched
 
 
-def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
+def test_truncated_is_weights_each_token(tiny_model_dir, tmp_path):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, tmp_path, **{"rollout.engine": "vllm", "algo.tis.cap": 2}))
     run = SimpleNamespace(plan=make_plan(cfg))
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -165,7 +165,9 @@ def test_truncated_is_folds_into_advantages(tiny_model_dir, tmp_path):
         sample_logp=torch.log(torch.tensor([[0.2, 0.4], [0.3, 0.9]])),
         advantages=torch.tensor([[1.0, 1.0], [-2.0, 0.0]]))
     metrics = correct_sampler_mismatch(run, rollout)
-    assert torch.allclose(rollout.advantages, torch.tensor([[2.0, 0.5], [-2.0, 0.0]]))  # w = [[2 (cap), 0.5], [1]]
+    # w = [[2 (cap), 0.5], [1]]: the weights beside the advantages, which stay as they were
+    assert torch.allclose(rollout.is_weights * mask, torch.tensor([[2.0, 0.5], [1.0, 0.0]]))
+    assert torch.allclose(rollout.advantages, torch.tensor([[1.0, 1.0], [-2.0, 0.0]]))
     assert metrics["tis/capped_frac"] == pytest.approx(1 / 3)
     rollout.sample_logp = None
     with pytest.raises(RuntimeError, match="no sampling log-probs"):

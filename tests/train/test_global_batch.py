@@ -11,7 +11,7 @@ from covey.config import ConfigError, load_config, validate_world
 from covey.tasks.data import PromptStream
 from covey.runtime.dist import SilentLogger, World, rank_share, reduce_metrics, uneven_share
 from covey.runtime.fsdp import unsharded
-from covey.train.global_batch import draw_share, global_normalizer, prompt_seed, sample_groups
+from covey.train.global_batch import draw_share, global_normalizer, prompt_seed
 from covey.models.load import load_policy
 from covey.rollout.hf import HFEngine
 from tests.helpers import tiny_overrides
@@ -46,15 +46,15 @@ def test_per_prompt_seeds_make_samples_independent_of_the_split(tiny_model_dir):
                                              add_generation_prompt=True) for q in ("What is 2+3?", "Add 40 and 2")]
     seeds = [prompt_seed(0, d) for d in (5, 6)]
     state = torch.get_rng_state()
-    together = sample_groups(engine, prompts, 3, seeds)
+    together = engine.generate(prompts, 3, seeds=seeds)
     assert torch.equal(torch.get_rng_state(), state)  # the run's own RNG stream is left alone
-    apart = [sample_groups(engine, [p], 3, [s]) for p, s in zip(prompts, seeds)]
+    apart = [engine.generate([p], 3, seeds=[s]) for p, s in zip(prompts, seeds)]
     for i, part in enumerate(apart):
         width = part.response_ids.shape[1]
         assert torch.equal(together.response_ids[3 * i:3 * i + 3, :width], part.response_ids)
         assert part.completions == together.completions[3 * i:3 * i + 3]
     assert together.group_ids.tolist() == [0, 0, 0, 1, 1, 1] and together.example_index == [0, 0, 0, 1, 1, 1]
-    other = sample_groups(engine, prompts, 3, [prompt_seed(0, 7), prompt_seed(0, 8)])
+    other = engine.generate(prompts, 3, seeds=[prompt_seed(0, 7), prompt_seed(0, 8)])
     assert other.completions != together.completions
 
 

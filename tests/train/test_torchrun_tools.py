@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def pooled_engine(batches: list[dict], calls: int, errors: int) -> EpisodeEngine:
     """An EpisodeEngine holding the metrics of batches it sampled (what `generate` records) and tool counts."""
-    engine = EpisodeEngine(None, None, None, None,
+    engine = EpisodeEngine(None, None, None,
                            tool_metrics=lambda: {"tools/calls": calls, "tools/errors": errors})
     engine.pending = [{"episode/turns_mean": b["turns"] / b["episodes"],
                        "episode/tool_calls_mean": b["calls"] / b["episodes"],
