@@ -258,8 +258,10 @@ def test_decode_options_resolve_by_device():
     assert DecodeOptions("compile").resolve("cpu") == {**plain, "static_cache": True, "compile_decode": True}
     assert DecodeOptions().resolve("cuda") == {**plain, "static_cache": True, "cuda_graphs": True}
     assert DecodeOptions("compile", persistent=False).resolve("cuda") == {
-        "static_cache": True, "cuda_graphs": True, "compile_decode": True, "persistent": False}
+        "static_cache": True, "cuda_graphs": True, "compile_decode": True, "persistent": False, "slots": 0}
     assert DecodeOptions("plain").resolve("cuda") == plain
+    # slots decode with plain steps: auto on a GPU is then plain
+    assert DecodeOptions(slots=4).resolve("cuda") == {**plain, "slots": 4}
     with pytest.raises(ValueError, match="rollout.decode=graphs captures CUDA graphs"):
         DecodeOptions("graphs").resolve("cpu")
     with pytest.raises(ValueError, match="rollout.decode='fastest'"):
