@@ -13,7 +13,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -ra $(ARGS)
 
 # The fast tier, under a minute on two cores: the maths, the config, the rewards and the house rules.
-FAST_TESTS := tests/algos tests/config tests/train/test_presets_maths.py tests/rewards tests/test_layers.py
+FAST_TESTS := tests/algos tests/config tests/training/test_presets_maths.py tests/rewards tests/test_layers.py
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m "not slow and not gpu" $(FAST_TESTS) $(ARGS)

@@ -10,14 +10,13 @@ import time
 
 import torch
 
-from bench.harness import (PHASES, LinearFlops, best_seconds, cap_memory, child_main, measure_device, peak_rss_mib,
-                           say, sync)
+from bench import harness
 from bench.workloads import SETUPS, STEP_CAP, WORKLOADS, Schedule, Tracker, build_model, varied_reward, workload_keys
 from covey.config import load_config
 from covey.runtime.dist import resolve_device
 from covey.runtime.precision import resolve_autocast
-from covey.train.checkpoint import save_final
-from covey.train.loop import finish, open_run, steps
+from covey.training.checkpoint import save_final
+from covey.training.loop import finish, open_run, steps
 
 
 @contextlib.contextmanager
@@ -34,25 +33,26 @@ def gpu_peak(m: dict) -> float | None:
     return max((v for k, v in m.items() if k.startswith("memory/gpu_peak_mb/")), default=None)
 
 
-def step_record(step: int, m: dict, w: dict, flops: LinearFlops | None) -> dict:
-    say(f"covey step {step}: {m['time/step']:.2f} s, update in micro-batches of {m.get('memory/micro_batch/update')}")
-    return {"step": step, "step_s": m["time/step"], **{f"{p}_s": m[f"time/{p}"] for p in PHASES},
+def step_record(step: int, m: dict, w: dict, flops: harness.LinearFlops | None) -> dict:
+    harness.say(f"covey step {step}: {m['time/step']:.2f} s, update in micro-batches of "
+                f"{m.get('memory/micro_batch/update')}")
+    return {"step": step, "step_s": m["time/step"], **{f"{p}_s": m[f"time/{p}"] for p in harness.PHASES},
             "tokens": round(m["response/len_mean"] * w["prompts"] * w["group_size"]),
             "flops": flops.take() if flops else 0.0, "gpu_peak_mib": gpu_peak(m)}
 
 
 def role_steps(spec: dict) -> dict:
-    w, allowed, n = WORKLOADS[spec["workload"]], cap_memory(spec.get("cap_gib", 0)), spec["steps"]
+    w, allowed, n = WORKLOADS[spec["workload"]], harness.cap_memory(spec.get("cap_gib", 0)), spec["steps"]
     with tempfile.TemporaryDirectory(prefix="bench-covey-") as out_dir:
         keys = workload_keys(spec["workload"], n + spec.get("profile", False), out_dir, spec.get("model", ""),
                              spec.get("threads", 0))
         cfg = load_config("grpo", [*keys, *SETUPS["covey"][spec.get("setup", "defaults")], *spec.get("keys", [])])
         autocast = resolve_autocast(cfg.model.autocast, resolve_device(cfg.train.device))
         with covey_run(cfg, [varied_reward] if w["gpu"] else None) as session:
-            flops = LinearFlops(session.run.policy) if spec.get("flops") else None
+            flops = harness.LinearFlops(session.run.policy) if spec.get("flops") else None
             run_steps = steps(session)
             records = [step_record(i + 1, next(run_steps), w, flops) for i in range(n)]
-            result = {"name": spec.get("name", "covey"), "steps": records, "peak_rss_mib": peak_rss_mib(),
+            result = {"name": spec.get("name", "covey"), "steps": records, "peak_rss_mib": harness.peak_rss_mib(),
                       "peak_gpu_mib": max((r["gpu_peak_mib"] or 0 for r in records), default=0) or None,
                       "precision": "bfloat16 (autocast)" if autocast == "bfloat16" else cfg.model.dtype,
                       "allowed_gib": allowed}
@@ -67,7 +67,7 @@ def role_steps(spec: dict) -> dict:
 def decode_timing(engine, prompts: list[str], w: dict) -> dict:
     """A decode step at the workload's rows: warm `generate` calls of L and of L/2 tokens, the difference over L/2."""
     length, half = w["new_tokens"], w["new_tokens"] // 2
-    seconds = {n: best_seconds(lambda: engine.generate(prompts, w["group_size"], max_new_tokens=n), 2)
+    seconds = {n: harness.best_seconds(lambda: engine.generate(prompts, w["group_size"], max_new_tokens=n), 2)
                for n in (length, half)}
     out = {"rows": len(prompts) * w["group_size"], "generate_s": seconds[length],
            "step_ms": 1000 * (seconds[length] - seconds[half]) / (length - half)}
@@ -79,7 +79,7 @@ def profile_step(run_steps) -> None:
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         next(run_steps)
-        sync()
+        harness.sync()
     for key in (["self_device_time_total"] if gpu else []) + ["self_cpu_time_total"]:
         print(f"profile of one step, top ops by {key}:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
 
@@ -117,8 +117,8 @@ def role_eval(spec: dict) -> dict:
     return out
 
 
-ROLES = {"steps": role_steps, "learn": role_learn, "eval": role_eval, "device": lambda spec: measure_device(),
+ROLES = {"steps": role_steps, "learn": role_learn, "eval": role_eval, "device": lambda spec: harness.measure_device(),
          "build": lambda spec: build_model(spec["size"], spec["model"], spec.get("tokenizer", ""), spec["workload"])}
 
 if __name__ == "__main__":
-    child_main(ROLES)
+    harness.child_main(ROLES)

@@ -14,8 +14,8 @@ from bench.harness import table
 from covey.config import OptimConfig
 from covey.models.load import load_policy
 from covey.models.tiny import tiny_llama
-from covey.train.optim import make_optimizer, state_bytes
-from covey.train.plan_setup import optimizer_options
+from covey.training.optim import make_optimizer, state_bytes
+from covey.training.plan_setup import optimizer_options
 
 CPU_NAMES = "adamw,adamw_8bit,adamw_4bit,adamw_bf16"
 

@@ -10,12 +10,11 @@
     result = covey.finish(session)                       # checkpoint, held-out accuracy, final/
 
 `import covey` stays light (no torch): `load_config` (covey.config, which loads no torch) and the step
-API (open_run, steps, finish of covey.train.loop) are imported on first use (PEP 562), and so is the
+API (open_run, steps, finish of covey.training.loop) are imported on first use (PEP 562), and so is the
 run's code when `train` is first called.
 
-`covey.train` is the function below, the one public way to train. The package that holds the run's
-code is also named covey.train: it is imported here first, so that its name on this module is set
-once and the function takes it. Import its modules with `from covey.train import loop`.
+`covey.train` is the function below, the one public way to train; the run's code is the package
+covey.training (`from covey.training import loop`).
 
 The packages, lowest layer first (imports point down only; docs/design.md):
 - config: the one typed config; algos: the tensor maths; batch: the Rollout, the typed batch
@@ -24,7 +23,7 @@ The packages, lowest layer first (imports point down only; docs/design.md):
 - passes: one batch through one model at train time;
 - rollout: the sampling engines; rewards: scoring completions;
 - rm: training reward models;
-- train: the run's code (plan, loop, update);
+- training: the run's code (plan, loop, update);
 - report: reading run folders back;
 - cli: the command line.
 """
@@ -36,13 +35,11 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
     from covey.config import Config
-    from covey.train.setup import TrainResult
+    from covey.training.setup import TrainResult
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "finish", "load_config", "open_run", "steps", "train"]
 STEP_API = ("open_run", "steps", "finish")
-
-importlib.import_module("covey.train")  # the package (a docstring, no imports); `train` below is the function
 
 
 def train(config: Config, *, reward_funcs: Iterable[Callable | str] | Callable | str | None = None,
@@ -68,7 +65,7 @@ def train(config: Config, *, reward_funcs: Iterable[Callable | str] | Callable |
 
     `covey train` on the command line runs this function; covey.open_run takes the same keywords.
     """
-    loop = importlib.import_module("covey.train.loop")
+    loop = importlib.import_module("covey.training.loop")
     session = loop.open_run(config, reward_funcs=reward_funcs, reward_weights=reward_weights, tools=tools,
                             environment_factory=environment_factory)
     try:
@@ -83,5 +80,5 @@ def __getattr__(name: str):
     if name == "load_config":
         return importlib.import_module("covey.config").load_config
     if name in STEP_API:
-        return getattr(importlib.import_module("covey.train.loop"), name)
+        return getattr(importlib.import_module("covey.training.loop"), name)
     raise AttributeError(f"module 'covey' has no attribute {name!r}")

@@ -16,7 +16,7 @@ LAYERS = {
     "passes": 2,
     "rollout": 3, "rewards": 3,
     "rm": 4,
-    "train": 5,
+    "training": 5,
     "report": 6,
     "cli": 7,
 }
@@ -100,7 +100,7 @@ def test_no_import_cycle():
 
 
 def test_module_and_function_sizes():
-    limits = {"covey.train.loop": 450}
+    limits = {"covey.training.loop": 450}
     bad = []
     for name, path in modules().items():
         lines = path.read_text().splitlines()
@@ -149,15 +149,15 @@ def test_importing_covey_config_loads_no_torch():
 
 def test_the_run_holds_the_plan_not_the_config():
     """The Config stops at the top: `Run` has no `cfg` field and no untyped state dict, and nothing
-    under covey/train/ reads a `.cfg` attribute (what a step needs is in the Plan)."""
-    tree = ast.parse((ROOT / "train" / "setup.py").read_text())
+    under covey/training/ reads a `.cfg` attribute (what a step needs is in the Plan)."""
+    tree = ast.parse((ROOT / "training" / "setup.py").read_text())
     run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Run")
     fields = {n.target.id for n in run.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert "plan" in fields and not fields & {"cfg", "config", "extra_state"}, sorted(fields)
-    bad = [f"{p.relative_to(ROOT.parent)}:{node.lineno}" for p in sorted((ROOT / "train").glob("*.py"))
+    bad = [f"{p.relative_to(ROOT.parent)}:{node.lineno}" for p in sorted((ROOT / "training").glob("*.py"))
            for node in ast.walk(ast.parse(p.read_text()))
            if isinstance(node, ast.Attribute) and node.attr in ("cfg", "extra_state")]
-    assert not bad, "reads of .cfg / .extra_state under covey/train: " + ", ".join(bad)
+    assert not bad, "reads of .cfg / .extra_state under covey/training: " + ", ".join(bad)
 
 
 DOC_PATH = re.compile(r"(?<![\w./<-])((?:covey|tests|bench|scripts|docs|examples|dev)/[\w./*<>{}-]*|test_[\w*]+\.py)")
@@ -193,7 +193,7 @@ def test_every_path_cited_in_the_docs_exists():
 def test_nothing_under_bench_assigns_to_a_covey_module_attribute():
     """Benchmarks drive a run through open_run / steps / finish and module hooks (DESIGN.md): no
     `loop.train_step = f`, `loop.x += 1` or `setattr(loop, "x", f)` on a name bound to a covey module
-    (`import covey.train.loop as loop`, `from covey.train import loop`, `import covey.train.loop`)."""
+    (`import covey.training.loop as loop`, `from covey.training import loop`, `import covey.training.loop`)."""
     known = set(modules())
 
     def dotted(node) -> str | None:
@@ -314,7 +314,7 @@ def takes_config(fn: ast.FunctionDef | ast.AsyncFunctionDef, names: set[str]) ->
 def test_at_most_a_handful_of_functions_take_the_config():
     """Outside covey/config/, at most CONFIG_LIMIT functions (by the syntax tree: a parameter annotated `Config`,
     or named `cfg`, or `config` in a module that imports covey.config's Config) see the Config; set-up functions
-    take the Plan's sections (covey/train/plan_setup.py)."""
+    take the Plan's sections (covey/training/plan_setup.py)."""
     found: dict[str, set[str]] = {}
     for name, path in modules().items():
         if name.startswith("covey.config"):
@@ -435,9 +435,10 @@ def test_engines_are_called_through_their_interface():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if (isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
-                    and name.split(".")[1:2] in (["rollout"], ["train"])):
+                    and name.split(".")[1:2] in (["rollout"], ["training"])):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: __getattr__ forwarding")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                    and node.args and "engine" in ast.unparse(node.args[0]).lower()):
+            probe = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr",
+                                                                                                   "hasattr")
+            if probe and node.args and "engine" in ast.unparse(node.args[0]).lower():
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "\n".join(bad)

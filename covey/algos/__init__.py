@@ -26,30 +26,60 @@ Modules:
 
 from covey.algos._stats import GroupStats, group_stats, masked_mean, masked_std, whiten
 from covey.algos.advantages import (
-    ESTIMATORS, Estimator, compute_advantages, grpo, grpo_process, remax, rloo, spread_over_tokens, steps_to_tokens,
+    ESTIMATORS,
+    Estimator,
+    compute_advantages,
+    grpo,
+    grpo_process,
+    remax,
+    rloo,
+    spread_over_tokens,
+    steps_to_tokens,
 )
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, mask_truncated, step_totals
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
+from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
 from covey.algos.linear_logits import linear_logprobs_and_entropy
 from covey.algos.logits import entropy_from_logits, full_kl, logprobs_and_entropy, selective_log_softmax
 from covey.algos.loss_registry import (
-    POLICY_LOSSES, TOKEN_DEVICES, WEIGHT_USES, PolicyLoss, WeightUse, policy_loss, token_device_use,
+    POLICY_LOSSES,
+    TOKEN_DEVICES,
+    WEIGHT_USES,
+    PolicyLoss,
+    WeightUse,
+    policy_loss,
+    token_device_use,
 )
 from covey.algos.losses import (
-    LOG_RATIO_CLAMP, cispo_loss, entropy_loss, explained_variance, kl_loss, pg_loss, ppo_clip_loss, value_loss,
+    LOG_RATIO_CLAMP,
+    cispo_loss,
+    entropy_loss,
+    explained_variance,
+    kl_loss,
+    pg_loss,
+    ppo_clip_loss,
+    value_loss,
 )
 from covey.algos.objective import ObjectiveOptions, policy_objective
 from covey.algos.options import AdvantageInput, AdvantageOptions, PolicyInputs, PolicyLossOptions
 from covey.algos.returns import (
-    discounted_returns, gae, gae_advantages, reinforce_pp, reinforce_pp_baseline, token_rewards,
+    discounted_returns,
+    gae,
+    gae_advantages,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    token_rewards,
 )
-from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
 from covey.algos.router import load_balancing_loss, step_share
 from covey.algos.soft_losses import gmpo_loss, sapo_loss, vespo_loss
 from covey.algos.tis import TIS_DEVICES, TIS_MODES, importance_weights, sampler_mismatch, truncated_is_weights
 from covey.algos.token_select import (
-    COV_CONTROLS, CovOptions, high_entropy_mask, select_cov_tokens, token_covariance,
+    COV_CONTROLS,
+    CovOptions,
+    high_entropy_mask,
+    select_cov_tokens,
+    token_covariance,
 )
 
 __all__ = [

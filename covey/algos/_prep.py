@@ -10,6 +10,7 @@ from torch import Tensor
 from covey.algos._stats import GroupStats, as_bool_mask, compute_dtype, masked_fill_zero, masked_mean, masked_summary
 from covey.algos.options import AdvantageInput, AdvantageOptions
 
+
 @dataclass
 class Prepared:
     """Checked, dtype-normalised view of an AdvantageInput."""

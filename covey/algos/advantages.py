@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from covey.algos._prep import Prepared, advantage_metrics, normalize_mode, prepare, resolve_normalize
-from covey.algos._stats import GroupStats, as_bool_mask, group_stats, masked_fill_zero, whiten, plain_std
+from covey.algos._stats import GroupStats, as_bool_mask, group_stats, masked_fill_zero, plain_std, whiten
 from covey.algos.options import AdvantageInput, AdvantageOptions
 from covey.algos.returns import gae, reinforce_pp, reinforce_pp_baseline
 

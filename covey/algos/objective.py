@@ -8,7 +8,7 @@ arXiv:1602.01783.) Every input is set to 0 on masked positions before any estima
 k1..k3) reads it, so NaN or inf in padding never reaches the loss, the metrics or a gradient. The token
 devices reach the policy loss as weights of their own (PolicyInputs.kept, .is_weights; Clip-Cov's tokens
 leave `kept` here), read as the loss's `token_weights` trait says; the KL and entropy terms are not weighted.
-The trainer (covey.train.update.micro_policy_loss) calls this function and composes nothing itself.
+The trainer (covey.training.update.micro_policy_loss) calls this function and composes nothing itself.
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ from torch import Tensor
 from covey.algos._stats import as_bool_mask, masked_fill_zero, masked_mean
 from covey.algos.losses import LOG_RATIO_CLAMP
 
-
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 TIS_DEVICES = {mode: "tis_sequence" if mode.startswith("sequence") else "tis_token" for mode in TIS_MODES}
 """The token device (covey.algos.loss_registry.TOKEN_DEVICES) of each mode: one weight per token or per sequence."""

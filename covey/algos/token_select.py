@@ -18,7 +18,7 @@ KL-Cov picks the max(floor(k * T), 1) tokens of largest cov_t and adds coef * |l
 log pi_old(y_t)| to their loss. verl's defaults: r = 2e-4, lb = 1, ub = 5, k = 2e-4, coef = 0.1.
 
 Every selection is a function of whole-batch tensors: the trainer calls it once per rollout on every
-rank's tokens (covey.train.token_weights), so it never depends on the micro-batch size or the process
+rank's tokens (covey.training.token_weights), so it never depends on the micro-batch size or the process
 count.
 """
 

@@ -61,8 +61,8 @@ def run_eval_command(cfg, pass_k: int = 0, replies_path: str = "") -> dict:
     from covey.rollout.hf import HFEngine
     from covey.tasks.data import format_prompts, load_run_data
     from covey.tasks.verifiers import resolve_verifier
-    from covey.train.evaluate import HeldOutOptions, Judge, evaluate, reply_breakdown
-    from covey.train.plan import make_plan
+    from covey.training.evaluate import HeldOutOptions, Judge, evaluate, reply_breakdown
+    from covey.training.plan import make_plan
     if replies_path:
         Path(replies_path).parent.mkdir(parents=True, exist_ok=True)
         Path(replies_path).write_text("")  # an unwritable path fails here, before the model loads
@@ -101,7 +101,7 @@ def with_tools(plan, engine, tokenizer, examples, system_prompt: str) -> tuple:
     """The engine of whole episodes with rollout.tools / rollout.environment (the run's `plan`), and the prompts
     that show the tools."""
     from covey.rollout.agents import EpisodeEngine
-    from covey.train.inputs import make_agent
+    from covey.training.inputs import make_agent
     agent = make_agent(plan.tools, tokenizer)
     prompts = agent.prompts(examples, system_prompt)
     return EpisodeEngine(engine, agent.episodes, plan.episodes, agent.metrics), prompts

@@ -27,7 +27,7 @@ def run(args) -> int:
     from covey.rewards.build import build_rewarder
     from covey.rewards.server import MiB, RewardServer, RewardService, ServeError, ServerLimits
     from covey.tasks.verifiers import resolve_verifier
-    from covey.train.plan import make_plan
+    from covey.training.plan import make_plan
 
     token = os.environ.get(args.token_env, "")
     if not token:

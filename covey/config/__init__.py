@@ -1,5 +1,5 @@
 """The one typed config, with no torch and no covey.algos: the algorithm names and what an estimator
-needs are checked from the registries' traits when the run's plan is made (covey/train/plan_checks.py).
+needs are checked from the registries' traits when the run's plan is made (covey/training/plan_checks.py).
 
 - schema: the config's shape, one dataclass per section, every field with its docstring;
   schema_algo: the `algo` section (estimator, policy loss, KL, update, token devices);
@@ -11,12 +11,44 @@ needs are checked from the registries' traits when the run's plan is made (covey
 - errors: ConfigError, the one-line error of a bad setting.
 """
 
-from covey.config.checks import (CHOICES, CORRUPTION_KINDS, MULTISTEP_OPS, POSITIVE, WORD_MAX_STEPS,  # noqa: F401
-                                 check_choices, parse_corruptions, validate, validate_template,
-                                 validate_world, value_of)
-from covey.config.load import (as_dict, config_yaml, from_dict, load_config, preset_file, preset_names,  # noqa: F401
-                               preset_path, read_preset, set_value, split_config)
+from covey.config.checks import (  # noqa: F401
+                                 CHOICES,
+                                 CORRUPTION_KINDS,
+                                 MULTISTEP_OPS,
+                                 POSITIVE,
+                                 WORD_MAX_STEPS,
+                                 check_choices,
+                                 parse_corruptions,
+                                 validate,
+                                 validate_template,
+                                 validate_world,
+                                 value_of,
+)
 from covey.config.describe import describe_keys, field_docs  # noqa: F401
-from covey.config.schema import (SECTIONS, AlgoConfig, Config, ConfigError, EvalConfig, ModelConfig,  # noqa: F401
-                                 OptimConfig, RewardConfig, RMConfig, RolloutConfig, TaskConfig, TrainConfig,
-                                 leaf_keys)
+from covey.config.load import (  # noqa: F401
+                                 as_dict,
+                                 config_yaml,
+                                 from_dict,
+                                 load_config,
+                                 preset_file,
+                                 preset_names,
+                                 preset_path,
+                                 read_preset,
+                                 set_value,
+                                 split_config,
+)
+from covey.config.schema import (  # noqa: F401
+                                 SECTIONS,
+                                 AlgoConfig,
+                                 Config,
+                                 ConfigError,
+                                 EvalConfig,
+                                 ModelConfig,
+                                 OptimConfig,
+                                 RewardConfig,
+                                 RMConfig,
+                                 RolloutConfig,
+                                 TaskConfig,
+                                 TrainConfig,
+                                 leaf_keys,
+)

@@ -3,7 +3,7 @@ that cannot work, and what a run on several processes needs; then the sizes a co
 
 covey.config imports no torch and no covey.algos: the names of estimators, policy losses and
 KL estimators, and what an estimator needs (groups of at least two samples, per-token rewards,
-step scores), are checked by the plan from the registries' traits (covey/train/plan_checks.py).
+step scores), are checked by the plan from the registries' traits (covey/training/plan_checks.py).
 Every error is one line naming the key.
 """
 
@@ -322,7 +322,7 @@ def validate_router_aux(cfg: Config) -> None:
 
 def validate_optimizer(cfg: Config) -> None:
     """optim.name against the weights' dtype and optim.offload (the device and the packages are checked when
-    the run opens: covey/train/optim.py)."""
+    the run opens: covey/training/optim.py)."""
     o = cfg.optim
     if o.name == "adamw_bf16" and cfg.model.dtype != "bfloat16":
         raise ConfigError(f"optim.name=adamw_bf16 updates bf16 weights with stochastic rounding: set "

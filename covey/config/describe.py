@@ -10,7 +10,6 @@ import textwrap
 
 from covey.config.schema import Config, is_group
 
-
 GPU_ONLY = ("model.fused_kernels", "model.load_in_4bit", "optim.name=paged_adamw_8bit", "optim.offload",
             "rollout.engine=vllm", "rollout.decode=graphs", "rollout.decode=compile", "train.device=cuda",
             "train.gpu_memory_gib")

@@ -13,7 +13,6 @@ from dataclasses import fields
 
 import torch
 from torch import Tensor
-
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 CACHE_KEY = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"

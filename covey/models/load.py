@@ -12,7 +12,7 @@ A model spec is one string (see `resolve_model_path`):
 - a local HF folder; a ``.gguf`` file (converted once, cached); a hub id.
 
 The critic and the reward model (`ValueModel`) live in `covey.models.critic`. `ModelOptions` is what a
-run loads and trains (model.*), the plan's model section (covey/train/plan_setup.py builds it).
+run loads and trains (model.*), the plan's model section (covey/training/plan_setup.py builds it).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ modules whose output `output_router_logits=True` collects). `router_modules` fin
 `RouterTap` hooks them and the decoder, so a pass that covey's passes run (padded or packed) leaves,
 per decoder forward, its inputs' attention mask and positions and every router's logits, without the
 passes passing `output_router_logits` (whose own loss would read a packed pass's 4-D mask as a 2-D one).
-What rows of those logits are which tokens is the trainer's business (covey/train/router_aux.py).
+What rows of those logits are which tokens is the trainer's business (covey/training/router_aux.py).
 
 `router_aux_coef` resolves `model.router_aux_coef` against the model's config, read before the model
 loads: unset, the model's own setting (its `router_aux_loss_coef` when its config turns

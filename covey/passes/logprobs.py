@@ -21,10 +21,7 @@ from torch import Tensor
 
 from covey import algos
 from covey.algos.logits import DEFAULT_CHUNK
-
-from covey.runtime import dist
-
-from covey.runtime.precision import autocast_context, model_device, resolve_autocast
+from covey.batch import Rollout
 from covey.models.attention import attention_implementation, fastest_attention, half_precision
 from covey.models.critic import response_values
 from covey.models.families import Family, family_of
@@ -33,8 +30,8 @@ from covey.models.kernels import FusedHead, fused_head
 from covey.models.load import checkpoints_activations
 from covey.passes.packing import layer_masks, pack, row_capacity, unpack
 from covey.passes.prompt_cache import EncodedPrompts, PromptView, run_prompts
-from covey.batch import Rollout
-
+from covey.runtime import dist
+from covey.runtime.precision import autocast_context, model_device, resolve_autocast
 
 BF16_WIDTH_MULTIPLE = 16  # packed widths under bf16 autocast: few distinct shapes (covey/passes/packing.py)
 GPU_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of logits on a GPU (covey/algos/logits.py)

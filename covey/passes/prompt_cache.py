@@ -19,8 +19,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from covey.models.hf_compat import (cache_from, cache_of, cache_tensors, last_positions, position_ids, whole_cache,
-                                    with_cache)
+from covey.models.hf_compat import (
+    cache_from,
+    cache_of,
+    cache_tensors,
+    last_positions,
+    position_ids,
+    whole_cache,
+    with_cache,
+)
 
 
 def run_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor):

@@ -131,7 +131,7 @@ def accuracy_gain(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
 
 
 def update_variance(d: dict[str, AlgoData], a: str, b: str) -> Verdict:
-    """Trace of the covariance of the mini-batch policy gradient (covey/train/gradvar.py); the noise
+    """Trace of the covariance of the mini-batch policy gradient (covey/training/gradvar.py); the noise
     fraction is shown beside it (near 1 means the mini-batch gradient is almost all noise)."""
     va, vb = d[a].pooled("policy/grad_var"), d[b].pooled("policy/grad_var")
     if va.n == 0 and vb.n == 0:

@@ -36,7 +36,7 @@ from covey.config import ConfigError, load_config, preset_names
 from covey.report.data import read_jsonl
 from covey.report.report import build_report
 from covey.report.spec import Budget, CompareSpec
-from covey.train.plan import make_plan
+from covey.training.plan import make_plan
 
 # Applied to every run before the user's key=value overrides: small batches so that
 # 4 algorithms x 2 seeds fit in about an hour on 2 CPU cores (docs/compare.md).

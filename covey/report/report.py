@@ -283,7 +283,7 @@ METHOD_NOTES = """## How the numbers are measured
   normalises its advantages, so this is near 1 by construction and says little about the update.
 - Policy-gradient variance: every `train.grad_var_every` steps the step's rollout is split into
   `train.grad_var_batches` disjoint mini-batches before the update; the gradient of the
-  algorithm's own loss is taken on each (covey/train/gradvar.py). tr(Cov) of these gradients is the
+  algorithm's own loss is taken on each (covey/training/gradvar.py). tr(Cov) of these gradients is the
   variance (claim 3); tr(Cov)/E|g|^2 is the noise fraction (near 1: almost all noise). Not
   defined for iterative DPO.
 - Verdicts: covey/report/claims.py. Claims with a stated size use the stated range with a tolerance;

@@ -1,4 +1,4 @@
-"""From the plan's reward section (`RewardOptions`, built from reward.* by covey/train/plan_setup.py) to a
+"""From the plan's reward section (`RewardOptions`, built from reward.* by covey/training/plan_setup.py) to a
 Rewarder: rule terms with weights plus user callables, the user's functions loaded and checked before any
 model loads (`check_user_rewards`)."""
 
@@ -20,8 +20,13 @@ from covey.config import RMConfig
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.remote import RemoteReward, check_reachable
-from covey.rewards.rules import (correctness_reward, format_reward, language_consistency, overlong_penalty,
-                                 tool_use_reward)
+from covey.rewards.rules import (
+    correctness_reward,
+    format_reward,
+    language_consistency,
+    overlong_penalty,
+    tool_use_reward,
+)
 from covey.rewards.scoring import placeholder_inputs
 from covey.runtime.errors import first_line
 

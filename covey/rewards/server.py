@@ -34,7 +34,6 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-
 MiB = 2**20
 ALLOWED = {"/score": "POST", "/health": "GET"}
 """The method each path answers; the Allow header of a 405."""

@@ -30,8 +30,7 @@ from covey.rollout.local import LOCAL_ENGINES, local_engine
 from covey.runtime.metrics import write_whole
 from covey.tasks.answers import NUMBER_RE, extract_answer, math_equal, normalize_number
 from covey.tasks.data import format_prompts, load_task_data
-from covey.tasks.multistep import (corrupt_solution, label_steps, parse_corruptions, reference_steps,
-                                   split_steps)
+from covey.tasks.multistep import corrupt_solution, label_steps, parse_corruptions, reference_steps, split_steps
 
 
 class RewardDataError(ValueError):

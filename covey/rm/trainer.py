@@ -21,10 +21,25 @@ from covey.algos.rm_losses import bt_loss, prm_loss
 from covey.config import ModelConfig, RMConfig, RolloutConfig, TaskConfig
 from covey.models.critic import ValueModel
 from covey.models.load import load_tokenizer, resolve_model_path
-from covey.rewards.learned import (RM_META_FILE, OutcomeRewardModel, ProcessRewardModel, decode_separator,
-                                   encode, end_marker_text, read_rm_meta, read_values)
-from covey.rm.data import (RewardDataError, StepExample, counterfactual_examples, generate_rm_data, load_rm_data,
-                           save_rm_data, split_by_prompt)
+from covey.rewards.learned import (
+    RM_META_FILE,
+    OutcomeRewardModel,
+    ProcessRewardModel,
+    decode_separator,
+    encode,
+    end_marker_text,
+    read_rm_meta,
+    read_values,
+)
+from covey.rm.data import (
+    RewardDataError,
+    StepExample,
+    counterfactual_examples,
+    generate_rm_data,
+    load_rm_data,
+    save_rm_data,
+    split_by_prompt,
+)
 from covey.runtime.precision import autocast_context
 from covey.tasks.data import load_task_data
 from covey.tasks.multistep import step_categories

@@ -25,12 +25,22 @@ import torch
 from covey.batch import Rollout
 from covey.rewards.combine import describe_exception, run_to_end
 from covey.rollout.base import Engine, EngineWrapper, Prompt
-from covey.rollout.episodes import EpisodeOptions, row_seed, run_episodes
-from covey.rollout.tools import (ToolError, Toolbox, ToolStats, add_tool_system_prompt, append_to_last_user,
-                                 chat_template_supports_tools, find_tool_calls, run_tool_calls, start_episode,
-                                 tool_call_format, tool_messages_ids)
-from covey.tasks.base import Example, build_messages
 from covey.rollout.environments import Environments, construct, episode_row
+from covey.rollout.episodes import EpisodeOptions, row_seed, run_episodes
+from covey.rollout.tools import (
+    Toolbox,
+    ToolError,
+    ToolStats,
+    add_tool_system_prompt,
+    append_to_last_user,
+    chat_template_supports_tools,
+    find_tool_calls,
+    run_tool_calls,
+    start_episode,
+    tool_call_format,
+    tool_messages_ids,
+)
+from covey.tasks.base import Example, build_messages
 from covey.tasks.tools import CALCULATOR_DEMO
 
 BUILTIN_DEMOS = {"calculator": CALCULATOR_DEMO}
@@ -246,7 +256,7 @@ class EpisodeEngine(EngineWrapper):
     def take_metrics(self, total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
         """The episode and tool metrics since the last call: `episode/*` over every batch's episodes
         (`env_token_frac` over their tokens), `tools/*` counted. `total` sums a vector over processes
-        (under torchrun, every rank's: covey/train/global_batch.py); every rank must then call it."""
+        (under torchrun, every rank's: covey/training/global_batch.py); every rank must then call it."""
         batches, self.pending = self.pending, []
         tools = self.tool_metrics()
         weight = {k: "tokens" if k == "episode/env_token_frac" else "episodes" for k in METRIC_KEYS}

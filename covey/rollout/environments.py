@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 from covey.rewards.build import load_callable
 from covey.rewards.combine import describe_exception, run_to_end
-from covey.rollout.tools import ToolError, Toolbox
+from covey.rollout.tools import Toolbox, ToolError
 from covey.tasks.tools import calculator
 
 BUILTIN_TOOLS = {"calculator": calculator}

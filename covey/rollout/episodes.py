@@ -33,7 +33,6 @@ from covey.batch import Rollout
 from covey.rewards.rules import tool_turn_score
 from covey.rollout.base import Prompt
 
-
 MAX_EPISODES_AT_ONCE = 64
 """Episodes whose tool calls run at the same time (each call in a thread of its own)."""
 

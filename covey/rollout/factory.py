@@ -4,7 +4,7 @@ hf and fast generate with the policy module of this process (fast from a bf16 co
 rollout.precision resolves to it); vllm holds its own copy of the weights, started here. Held-out
 evaluation runs in the policy's own precision (what `covey eval` of the saved model measures): the
 sampling engine itself, or, when that samples from a bf16 copy, a local engine on the policy
-module (no second copy). `EngineOptions` is the plan's engine section (covey/train/plan_setup.py
+module (no second copy). `EngineOptions` is the plan's engine section (covey/training/plan_setup.py
 builds it from rollout.*).
 """
 

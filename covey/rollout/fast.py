@@ -34,18 +34,19 @@ from torch import Tensor
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache
 
-from covey.models.attention import sampling_attention
-from covey.runtime.signals import check_abort
-from covey.models.hf_compat import last_positions, with_cache
 from covey.batch import Rollout
+from covey.models.attention import sampling_attention
+from covey.models.hf_compat import last_positions, with_cache
 from covey.rollout.base import Engine, Prompt, encode_prompts
-from covey.rollout.decode_cache import BufferLayer as BufferLayer, buffer_cache, cache_plan, held_bytes
+from covey.rollout.decode_cache import BufferLayer as BufferLayer
+from covey.rollout.decode_cache import buffer_cache, cache_plan, held_bytes
 from covey.rollout.fast_episodes import EpisodeDecoder, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
-from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.slots import SlotDecoder, SlotStats
+from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.static_step import supports_static_decode
+from covey.runtime.signals import check_abort
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
 

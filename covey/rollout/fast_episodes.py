@@ -46,14 +46,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from covey.runtime.signals import check_abort
 from covey.batch import Rollout
 from covey.models.families import family_of
 from covey.rollout.base import Prompt, encode_prompts
 from covey.rollout.decode_cache import column_layers, rows_held
-from covey.rollout.episodes import (MAX_EPISODES_AT_ONCE, Episode, EpisodeHost, EpisodeOptions, append_replies,
-                                    end_turn, episode_metrics, episode_rollout)
+from covey.rollout.episodes import (
+    MAX_EPISODES_AT_ONCE,
+    Episode,
+    EpisodeHost,
+    EpisodeOptions,
+    append_replies,
+    end_turn,
+    episode_metrics,
+    episode_rollout,
+)
 from covey.rollout.lean_decode import supports_lean_step
+from covey.runtime.signals import check_abort
 
 SAMPLE, WAIT, FEED, DONE = range(4)
 SLACK = 64

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from covey.models.attention import sampling_attention
 from covey.batch import Rollout, concat_rollouts
+from covey.models.attention import sampling_attention
 from covey.rollout.base import Engine, Prompt, encode_prompts
 
 

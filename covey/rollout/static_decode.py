@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from covey.runtime.signals import check_abort
 from covey.models.hf_compat import cache_tensors, last_positions, position_ids, with_cache
 from covey.rollout.static_step import DecodeWeights, StaticState, decode_step, gather_weights
+from covey.runtime.signals import check_abort
 
 LENGTH_STEP = 64      # attended columns rounded up to this: one graph per LENGTH_STEP steps
 CAPACITY_STEP = 128   # cache positions rounded up to this, so prompts a little longer reuse the buffers

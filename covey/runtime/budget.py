@@ -3,7 +3,7 @@ step, the check that it fits, and the bytes one sequence takes in each phase.
 
 Arithmetic on plain numbers only (parameter counts, bytes, a model config's sizes), so every figure is
 tested on a CPU with made-up cards. covey/runtime/memory.py sizes the batches from these figures at run
-time; covey/train/memory_fit.py reads a run's numbers off its models and config.
+time; covey/training/memory_fit.py reads a run's numbers off its models and config.
 
 What a run holds on the GPU from its first step to its last (the static memory):
   - weights: the policy's parameters and buffers in their dtype (the critic's too);

@@ -7,7 +7,7 @@ Here: the `World` of a process, collectives that are a no-op in one process
 (all-reduce, gathers of per-row tensors, broadcast of an object, agreement on a flag),
 each rank's share of a list, and how rank metrics and held-out results are pooled.
 FSDP2 sharding lives in `covey.runtime.fsdp`; what makes W ranks compute one global
-batch in `covey.train.global_batch`.
+batch in `covey.training.global_batch`.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def graceful_stop():
         restore()
 
 
-# Fault injection for tests/train/test_resume_kill.py only; inert unless these variables are set.
+# Fault injection for tests/training/test_resume_kill.py only; inert unless these variables are set.
 KILL_AT_ENV = "COVEY_TEST_KILL_AT"          # "point@step[,point@step...]": SIGKILL self there
 DELAY_ENV = "COVEY_TEST_CHECKPOINT_DELAY"   # seconds to sleep at each checkpoint point
 

@@ -14,7 +14,6 @@ file and the row, or be skipped and counted when the user asks for that.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 from typing import Any, Iterable

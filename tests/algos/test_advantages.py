@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from covey.algos import (
-    AdvantageInput, AdvantageOptions, ESTIMATORS, Estimator, compute_advantages, grpo, spread_over_tokens, whiten,
+    ESTIMATORS,
+    AdvantageInput,
+    AdvantageOptions,
+    Estimator,
+    compute_advantages,
+    grpo,
+    spread_over_tokens,
+    whiten,
 )
 
 F64 = torch.float64

@@ -4,8 +4,18 @@ import pytest
 import torch
 
 from covey.algos import (
-    AGGREGATIONS, Normalizer, PolicyInputs, PolicyLossOptions, aggregate, entropy_from_logits, kl_loss, make_normalizer,
-    policy_loss, selective_log_softmax, step_totals, value_loss,
+    AGGREGATIONS,
+    Normalizer,
+    PolicyInputs,
+    PolicyLossOptions,
+    aggregate,
+    entropy_from_logits,
+    kl_loss,
+    make_normalizer,
+    policy_loss,
+    selective_log_softmax,
+    step_totals,
+    value_loss,
 )
 
 F64 = torch.float64

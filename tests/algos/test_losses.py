@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from covey.algos import (
-    POLICY_LOSSES, Normalizer, PolicyInputs, PolicyLossOptions, entropy_loss, explained_variance, kl_loss, policy_loss,
+    POLICY_LOSSES,
+    Normalizer,
+    PolicyInputs,
+    PolicyLossOptions,
+    entropy_loss,
+    explained_variance,
+    kl_loss,
+    policy_loss,
     value_loss,
 )
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from covey.algos import (
-    Normalizer, ObjectiveOptions, PolicyInputs, PolicyLossOptions, entropy_loss, kl_loss, policy_loss, policy_objective,
+    Normalizer,
+    ObjectiveOptions,
+    PolicyInputs,
+    PolicyLossOptions,
+    entropy_loss,
+    kl_loss,
+    policy_loss,
+    policy_objective,
 )
 
 F64 = torch.float64

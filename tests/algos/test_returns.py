@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from covey.algos import (
-    AdvantageInput, AdvantageOptions, compute_advantages, discounted_returns, gae_advantages, token_rewards,
+    AdvantageInput,
+    AdvantageOptions,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    token_rewards,
 )
 
 F64 = torch.float64

@@ -4,8 +4,18 @@ import pytest
 import torch
 
 from covey.algos import (
-    AGGREGATIONS, ESTIMATORS, AdvantageInput, AdvantageOptions, PolicyInputs, PolicyLossOptions, compute_advantages,
-    entropy_loss, kl_loss, make_normalizer, policy_loss, value_loss,
+    AGGREGATIONS,
+    ESTIMATORS,
+    AdvantageInput,
+    AdvantageOptions,
+    PolicyInputs,
+    PolicyLossOptions,
+    compute_advantages,
+    entropy_loss,
+    kl_loss,
+    make_normalizer,
+    policy_loss,
+    value_loss,
 )
 
 F64 = torch.float64

@@ -9,7 +9,7 @@ import torch
 from covey.algos import TIS_MODES, importance_weights
 from covey.config import ConfigError
 from covey.config.load import load_config
-from covey.train.plan import make_plan, print_plan
+from covey.training.plan import make_plan, print_plan
 
 # log r_t = log pi_train - log mu per token, cap C = 2:
 #   row 0: r = [2, 0.5, (masked: e^5)]   sequence ratio R = 2 * 0.5 = 1 (the masked token never counts)
@@ -121,7 +121,7 @@ def test_the_loop_passes_the_lower_bound_on():
     EXPECTED_MIN["token_mask"]."""
     from types import SimpleNamespace
 
-    from covey.train.token_weights import correct_sampler_mismatch
+    from covey.training.token_weights import correct_sampler_mismatch
     plan = make_plan(load_config(None, ["algo.tis.cap=2", "algo.tis.min=0.4", "algo.tis.mode=token_mask"]))
     sampler = torch.full_like(LOG_R_MIN, -1.0)
     rollout = SimpleNamespace(old_logp=sampler + LOG_R_MIN, sample_logp=sampler, response_mask=MASK_MIN,

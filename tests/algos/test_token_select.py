@@ -7,10 +7,16 @@ import torch
 
 from covey import algos
 from covey.algos import (
-    CovOptions, Normalizer, ObjectiveOptions, PolicyInputs, high_entropy_mask, select_cov_tokens, token_covariance,
+    CovOptions,
+    Normalizer,
+    ObjectiveOptions,
+    PolicyInputs,
+    high_entropy_mask,
+    select_cov_tokens,
+    token_covariance,
 )
-from covey.config.schema_algo import ClipCovOptions, KLCovOptions
 from covey.algos.token_select import clip_cov_select, kl_cov_select
+from covey.config.schema_algo import ClipCovOptions, KLCovOptions
 
 # Entropies of two rows, L = 4; the masked 9.0 must not count.
 #   valid values sorted: 0.1, 0.5, 1.0, 2.0, 3.0 (5 tokens)

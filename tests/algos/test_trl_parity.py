@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from covey.algos import (
-    TIS_MODES, Normalizer, ObjectiveOptions, PolicyInputs, PolicyLossOptions, importance_weights, policy_objective,
+    TIS_MODES,
+    Normalizer,
+    ObjectiveOptions,
+    PolicyInputs,
+    PolicyLossOptions,
+    importance_weights,
+    policy_objective,
 )
 from covey.config.schema_algo import GmpoOptions, SapoOptions, VespoOptions
 

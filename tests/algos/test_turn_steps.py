@@ -27,7 +27,7 @@ from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
 from covey.rollout.agents import ToolHost
 from covey.rollout.episodes import Episode, EpisodeOptions, append_replies, end_turn, episode_rollout
 from covey.rollout.tools import Toolbox, ToolError, environment_tools
-from covey.train.plan import make_plan
+from covey.training.plan import make_plan
 
 F64 = torch.float64
 OPTIONS = EpisodeOptions(max_turns=2, max_turn_tokens=8, max_episode_tokens=32)

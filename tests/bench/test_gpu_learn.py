@@ -16,7 +16,7 @@ import yaml
 from bench import gpu_learn
 from covey.config import load_config, preset_path
 from covey.models import default
-from covey.train.plan import make_plan
+from covey.training.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_learn.sh"

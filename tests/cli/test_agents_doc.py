@@ -1,6 +1,6 @@
 """docs/agents.md: the commands of "Training with tools" run as written, on the tiny model (whose random
 replies call no tool: the episode machinery, the prompts with the tools shown, the calculator and the
-environment's reset and reward all run; tests/train/test_agents.py scripts the calls themselves)."""
+environment's reset and reward all run; tests/training/test_agents.py scripts the calls themselves)."""
 
 import json
 import re

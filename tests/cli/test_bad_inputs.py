@@ -119,7 +119,7 @@ MODEL_CASES = {
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_checks_that_need_the_tokenizer_or_a_socket_come_before_the_model_loads(case, tiny_model_dir, tmp_path,
                                                                                 capsys, monkeypatch):
-    from covey.train import setup
+    from covey.training import setup
     monkeypatch.setattr(setup, "load_policy", lambda *a, **k: pytest.fail("the model was loaded"))
     items, model, expected = MODEL_CASES[case]
     model_dir = model(tiny_model_dir, tmp_path) if model else tiny_model_dir

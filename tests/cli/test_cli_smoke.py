@@ -1,5 +1,5 @@
 """The real CLI, end to end, on a tiny random Llama (seconds per run). Every preset's two steps
-through `covey train PRESET` are in tests/train/test_presets_pinned.py (one run per preset)."""
+through `covey train PRESET` are in tests/training/test_presets_pinned.py (one run per preset)."""
 
 import json
 import subprocess
@@ -11,7 +11,6 @@ import yaml
 from covey.cli.main import main
 from covey.config import as_dict, load_config, preset_names
 from tests.helpers import tiny_overrides
-
 
 
 def test_console_script_and_eval_of_saved_model(tiny_model_dir, tmp_path):
@@ -38,7 +37,7 @@ try:
     code = main(sys.argv[1:])
 except SystemExit as stop:  # --help ends by raising it
     code = stop.code
-heavy = [m for m in ("torch", "transformers", "covey.algos", "covey.train.loop", "covey.models.load",
+heavy = [m for m in ("torch", "transformers", "covey.algos", "covey.training.loop", "covey.models.load",
                      "covey.rollout.hf") if m in sys.modules]
 print("# loaded:", ",".join(heavy))
 sys.exit(code)
@@ -132,6 +131,7 @@ def test_unknown_option_is_still_an_argparse_error(capsys):
 def test_quiet_progress_bars_leaves_a_users_own_setting(environ, enabled_after):
     """Bars off unless the user set HF_HUB_DISABLE_PROGRESS_BARS (then theirs decides: untouched here)."""
     from transformers.utils import logging as hf_logging
+
     from covey.cli.common import quiet_progress_bars
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()

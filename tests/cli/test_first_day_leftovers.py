@@ -42,7 +42,7 @@ def test_a_hub_id_as_data_path_says_data_are_read_from_files(tmp_path, capsys):
 @pytest.mark.parametrize("value, hint", [("ppo", "PPO's advantages are algo.estimator=gae"),
                                          ("dapo", "the preset: covey train dapo")])
 def test_a_preset_name_as_estimator_names_the_estimator(value, hint):
-    from covey.train.plan import make_plan  # the registries' names are checked by the plan
+    from covey.training.plan import make_plan  # the registries' names are checked by the plan
     with pytest.raises(ConfigError, match=hint):
         make_plan(load_config(None, [f"algo.estimator={value}"]))
 

@@ -6,7 +6,6 @@ import re
 import shlex
 from pathlib import Path
 
-
 from covey.cli.main import main
 from tests.helpers import tiny_overrides
 

@@ -4,7 +4,7 @@ import pytest
 
 from covey.algos import ESTIMATORS
 from covey.config import ConfigError, as_dict, config_yaml, load_config, preset_names, preset_path, split_config
-from covey.train.plan import make_plan
+from covey.training.plan import make_plan
 
 
 def plan_of(*overrides: str):

@@ -106,7 +106,7 @@ def test_a_run_ended_by_its_time_budget_says_so(tiny_model_dir, tmp_path, capsys
 ])
 def test_a_missing_optional_package_is_one_line_naming_its_extra(override, package, extra, monkeypatch, capsys,
                                                                   tmp_path):
-    from covey.train import setup
+    from covey.training import setup
     real = setup.importlib.util.find_spec
     monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
     code = main(["train", *tiny_overrides("no-such-model", tmp_path), override])

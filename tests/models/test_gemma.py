@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from covey.models import gemma
-from covey.models import load
+from covey.models import gemma, load
 from covey.models.errors import ModelError
 
 HAVE_PACKAGES = importlib.util.find_spec(gemma.ASSEMBLER) is not None

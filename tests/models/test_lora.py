@@ -5,17 +5,17 @@ import torch
 
 pytest.importorskip("peft")
 
-from covey.train.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
 from covey.config import ConfigError, as_dict, load_config  # noqa: E402
-from covey.passes.logprobs import batched_logprobs  # noqa: E402
-from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
 from covey.models.load import ModelError, load_policy, param_memory_mb  # noqa: E402
-from covey.train.loop import open_run, steps  # noqa: E402
-from covey.train.plan import make_plan  # noqa: E402
-from covey.train.setup import build_run  # noqa: E402
+from covey.models.lora import BaseModelView, add_adapters, frozen_reference, load_adapted, trainable_names  # noqa: E402
+from covey.passes.logprobs import batched_logprobs  # noqa: E402
+from covey.training.checkpoint import load_checkpoint, save_checkpoint, save_final  # noqa: E402
+from covey.training.loop import open_run, steps  # noqa: E402
+from covey.training.plan import make_plan  # noqa: E402
+from covey.training.setup import build_run  # noqa: E402
 from tests.helpers import tiny_overrides  # noqa: E402
 
-DIGITS = "tests.train.test_torchrun:digit_share:1.0"  # a reward the random model earns unevenly
+DIGITS = "tests.training.test_torchrun:digit_share:1.0"  # a reward the random model earns unevenly
 
 
 def lora_config(model_dir, out_dir, **extra):

@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("peft")
 
-from covey.models.lora import add_adapters, frozen_reference, load_adapted, lora_targets  # noqa: E402
 from covey.models.load import load_policy  # noqa: E402
+from covey.models.lora import add_adapters, frozen_reference, load_adapted, lora_targets  # noqa: E402
 from covey.models.tiny import build_tiny_family, tiny_family_model  # noqa: E402
 
 ROUTER = {"qwen3_moe": "mlp.gate.", "gpt_oss": "mlp.router."}

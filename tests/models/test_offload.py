@@ -9,10 +9,16 @@ from safetensors.torch import load_file, save_file
 
 from covey.config import ModelConfig
 from covey.models.load import load_policy, load_reference
+from covey.models.offload import (
+    hold_linear_weights_in,
+    maybe_hold_reference_in_bf16,
+    maybe_offload_reference,
+    offload_reference,
+    read_safetensors,
+    release_weights,
+)
 from covey.passes.logprobs import batched_logprobs
-from covey.models.offload import (hold_linear_weights_in, maybe_hold_reference_in_bf16, maybe_offload_reference,
-                           offload_reference, read_safetensors, release_weights)
-from covey.train.plan_setup import model_options
+from covey.training.plan_setup import model_options
 from tests.helpers import grouped_rollout
 
 

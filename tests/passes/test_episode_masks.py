@@ -12,11 +12,10 @@ from covey.batch import Rollout, concat_rollouts
 from covey.config import Config
 from covey.models.critic import ValueModel
 from covey.models.load import load_policy
-from covey.passes import logprobs
-from covey.passes import packing
-from covey.train import update
-from covey.train.global_batch import global_normalizer
-from covey.train.plan import make_plan
+from covey.passes import logprobs, packing
+from covey.training import update
+from covey.training.global_batch import global_normalizer
+from covey.training.plan import make_plan
 
 M, E = 1, 0  # a model token, an environment token
 # Four rows, two prompts (two rows each, so the packed pass shares a prompt between rows). Row 0: a model
@@ -189,7 +188,7 @@ def test_select_and_concat_carry_the_attention(tiny):
 
 
 def test_environment_tokens_carry_no_loss_and_no_gradient(tiny_model_dir):
-    """The trainer's micro-batch loss (covey.train.update.micro_policy_loss) over an episode: advantages of
+    """The trainer's micro-batch loss (covey.training.update.micro_policy_loss) over an episode: advantages of
     1000 put on the environment's tokens change neither the loss nor any gradient, and the loss is the
     objective of the single-turn pass's log-probs on the model's tokens under token_mean over those tokens."""
     model, tokenizer = load_policy(tiny_model_dir)

@@ -5,10 +5,8 @@ import torch
 
 from covey.models.attention import attention_implementation
 from covey.models.load import load_policy
-from covey.passes import logprobs
-from covey.passes import packing
+from covey.passes import logprobs, packing
 from tests.helpers import grouped_rollout
-
 
 
 @pytest.fixture(scope="module")

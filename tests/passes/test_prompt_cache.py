@@ -8,16 +8,15 @@ import copy
 import pytest
 import torch
 
-from covey.passes import logprobs
-
-from covey.train import update
 from covey.config import Config
 from covey.models.load import load_policy
+from covey.passes import logprobs
 from covey.passes.prompt_cache import EncodedPrompts
 from covey.runtime.precision import shared_weight_casts
-from covey.train.global_batch import global_normalizer
-from covey.train.plan import make_plan
-from covey.train.update import Optimized, UpdateState, update_policy
+from covey.training import update
+from covey.training.global_batch import global_normalizer
+from covey.training.plan import make_plan
+from covey.training.update import Optimized, UpdateState, update_policy
 from tests.helpers import grouped_rollout
 
 

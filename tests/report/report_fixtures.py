@@ -14,7 +14,7 @@ def write_run(root: Path, algo: str, seed: int, *, steps: int = 6, acc: tuple[fl
               sec_per_step: float = 10.0, rewards: list[float] | None = None, roles: dict | None = None,
               peak_rss: float = 2000.0, grad_noise: float | None = 0.5, adv_std: float = 1.0,
               finished: bool = True, jitter: float = 0.0, entropy: float = 1.0, clipfrac: float = 0.02) -> Path:
-    """One run folder <algo>-s<seed> with metrics.jsonl rows shaped like covey.train.loop writes them.
+    """One run folder <algo>-s<seed> with metrics.jsonl rows shaped like covey.training.loop writes them.
 
     time/step alternates sec_per_step +- jitter so pooled tests see a known spread.
     """

@@ -1,16 +1,15 @@
 """The policy-gradient variance measurement on the tiny model. Iterative DPO in the loop and a run
 measuring the variance (which must not change the training) share the one run per preset of
-tests/train/test_presets_pinned.py."""
+tests/training/test_presets_pinned.py."""
 
 import pytest
 import torch
 
 from covey.config import load_config
-from covey.train.gradvar import add_minibatch_gradient, measure_grad_variance
-from covey.train.plan import make_plan
 from covey.models.load import load_policy
 from covey.rollout.hf import HFEngine
-
+from covey.training.gradvar import add_minibatch_gradient, measure_grad_variance
+from covey.training.plan import make_plan
 
 
 def scored_rollout(model_dir):

@@ -4,11 +4,10 @@ import math
 
 import pytest
 
-from covey.report.claims import (INCONCLUSIVE, NOT_MEASURED, NOT_SUPPORTED, SUPPORTED, evaluate_claims, t_critical,
-                          welch)
 from covey.cli.main import main
-from covey.report.report import FIGURES, build_report
+from covey.report.claims import INCONCLUSIVE, NOT_MEASURED, NOT_SUPPORTED, SUPPORTED, evaluate_claims, t_critical, welch
 from covey.report.data import Stat, group_by_algo, load_runs, run_summary
+from covey.report.report import FIGURES, build_report
 from tests.report.report_fixtures import assert_valid_png, write_run
 
 PPO_ROLES = {"actor": 500.0, "reference": 500.0, "critic": 480.0, "optimizer": 1960.0}

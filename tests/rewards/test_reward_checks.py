@@ -21,11 +21,14 @@ import covey
 from covey.cli.main import main
 from covey.config import load_config
 from covey.rewards.build import RewardOptions, build_rewarder, check_user_rewards, user_terms
-from covey.train import inputs, setup
-from covey.train import loop  # noqa: F401 - imported before timing a run: the check is timed, not torch's import
-from covey.train.plan import make_plan
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
 from covey.tasks.base import Example
+from covey.training import (
+    inputs,
+    loop,  # noqa: F401 - imported before timing a run: the check is timed, not torch's import
+    setup,
+)
+from covey.training.plan import make_plan
 from tests.helpers import tiny_overrides
 
 math_verify = pytest.importorskip("math_verify")

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from covey.tasks import answers
 from covey.rewards.rules import (
     RULE_REWARDS,
     completion_text,
@@ -24,6 +23,7 @@ from covey.rewards.rules import (
     normalize_number,
     overlong_penalty,
 )
+from covey.tasks import answers
 
 
 @pytest.mark.parametrize("raw,expected", [

@@ -8,8 +8,14 @@ import time
 
 import pytest
 
-from covey.rewards.sandbox import (SandboxLimits, code_execution_reward, extract_code, isolation, passed_tests,
-                                   run_python)
+from covey.rewards.sandbox import (
+    SandboxLimits,
+    code_execution_reward,
+    extract_code,
+    isolation,
+    passed_tests,
+    run_python,
+)
 from covey.tasks.code import generate_code_tasks
 
 FAST = SandboxLimits(timeout_s=2.0)

@@ -17,8 +17,8 @@ import pytest
 
 import covey
 from covey.rewards.combine import Rewarder, RewardTerm, TrainerState
-from covey.tasks.files import load_file
 from covey.rewards.scoring import reward_inputs
+from covey.tasks.files import load_file
 from tests.helpers import grouped_rollout, tiny_overrides
 
 CALLS: list[dict] = []

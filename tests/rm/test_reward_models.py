@@ -7,18 +7,36 @@ import pytest
 import torch
 
 from covey import algos
+from covey.batch import Rollout
 from covey.cli.main import main
 from covey.config import load_config
 from covey.models.tiny import tiny_tokenizer
+from covey.rewards.learned import (
+    OutcomeRewardModel,
+    ProcessRewardModel,
+    RewardModelError,
+    decode_separator,
+    encode,
+    end_marker_text,
+    step_spans,
+    step_token_ends,
+)
 from covey.rewards.steps import process_step_inputs
-from covey.rm.data import (PreferencePair, RewardDataError, StepExample, corrupted_solutions, counterfactual_pairs,
-                           counterfactual_steps, load_rm_data, pairs_from_group, save_rm_data, split_by_prompt,
-                           swap_final_answer)
+from covey.rm.data import (
+    PreferencePair,
+    RewardDataError,
+    StepExample,
+    corrupted_solutions,
+    counterfactual_pairs,
+    counterfactual_steps,
+    load_rm_data,
+    pairs_from_group,
+    save_rm_data,
+    split_by_prompt,
+    swap_final_answer,
+)
 from covey.rm.refresh import ReplayBuffer, pairwise_agreement, replay_count
 from covey.rm.trainer import RMRun, train_reward_model
-from covey.rewards.learned import (OutcomeRewardModel, ProcessRewardModel, RewardModelError, decode_separator,
-                                 encode, end_marker_text, step_spans, step_token_ends)
-from covey.batch import Rollout
 from covey.tasks.multistep import generate_multistep, label_steps, reference_steps, split_steps
 from tests.helpers import tiny_overrides
 
@@ -377,7 +395,7 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
 
 
 def test_process_supervision_with_the_outcome_on_the_last_step_runs_in_the_loop(tiny_model_dir, tmp_path, monkeypatch):
-    from covey.train import loop
+    from covey.training import loop
     seen = []
     real = loop.add_outcome_to_last_step
 
@@ -434,7 +452,7 @@ def test_prm_data_without_the_policy_is_reference_plus_corruptions(tmp_path):
 
 def test_rewarder_composes_language_rm_and_monitors_the_verifier(tiny_rm):
     from covey.rewards.build import build_rewarder
-    from covey.train.plan import make_plan
+    from covey.training.plan import make_plan
     folder, _ = tiny_rm
     cfg = load_config(None, ["reward.correctness=0", f"reward.model_path={folder}", "reward.language=0.5",
                              "reward.language_target=zh"])

@@ -54,8 +54,8 @@ def test_concat_keeps_groups_distinct(tiny_model_dir):
 
 
 def test_informative_groups_keeps_only_groups_with_reward_spread():
-    from covey.train.rollout_phase import informative_groups
     from covey.batch import Rollout
+    from covey.training.rollout_phase import informative_groups
     r = Rollout(prompt_ids=torch.zeros(6, 1, dtype=torch.long), prompt_mask=torch.ones(6, 1, dtype=torch.long),
                 response_ids=torch.zeros(6, 1, dtype=torch.long), response_mask=torch.ones(6, 1),
                 group_ids=torch.tensor([7, 7, 3, 3, 9, 9]), truncated=torch.zeros(6, dtype=torch.bool),

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from covey.rollout.base import EngineWrapper
 from covey.rollout.agents import EpisodeEngine
+from covey.rollout.base import EngineWrapper
 from covey.rollout.episodes import EpisodeOptions, row_seed, turn_seed
 from covey.rollout.fast import FastEngine
 

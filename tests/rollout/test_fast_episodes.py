@@ -162,8 +162,9 @@ def test_packing_the_cache_keeps_the_greedy_episodes(tiny, monkeypatch):
 def test_pack_cache_moves_each_rows_valid_columns_to_the_right_in_order():
     """Two rows, 5 filled columns: row 0 valid at 0, 2, 3; row 1 at 1, 4. Width 3: row 0 -> [0, 2, 3],
     row 1 -> [pad, 1, 4] (its slot 0 reads column 0 and is masked)."""
-    from covey.rollout.fast import BufferLayer
     from transformers.cache_utils import Cache
+
+    from covey.rollout.fast import BufferLayer
 
     layer = BufferLayer(capacity=6)
     keys = torch.arange(2 * 5, dtype=torch.float).view(2, 1, 5, 1)  # row r, column c: 5r + c

@@ -8,8 +8,8 @@ from covey.models.load import load_policy
 from covey.rollout.fast import FastEngine
 from covey.rollout.local import local_engine
 from covey.rollout.precision import LowPrecisionEngine, copy_weights, low_precision_copy
-from covey.train import loop
-from covey.train.loop import open_run, steps
+from covey.training import rl
+from covey.training.loop import open_run, steps
 from tests.helpers import tiny_overrides
 
 
@@ -98,8 +98,8 @@ def test_training_samples_from_the_copy_and_evaluates_the_policy(tiny_model_dir,
     assert isinstance(engine.inner, LowPrecisionEngine)
     assert eval_engine.inner.model is run.policy  # held-out accuracy in the policy's own precision
     held = []  # bf16 weights the copy holds while the policy updates: none, it was released after sampling
-    update = loop.update
-    monkeypatch.setattr(loop, "update", lambda *a: held.append(
+    update = rl.update
+    monkeypatch.setattr(rl, "update", lambda *a: held.append(
         sum(p.numel() for p in engine.inner.copy.parameters())) or update(*a))
     metrics = next(steps(session))
     session.close()

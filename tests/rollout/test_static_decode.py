@@ -17,7 +17,7 @@ from covey.rollout.hf import HFEngine
 from covey.rollout.local import DecodeOptions, local_engine
 from covey.rollout.precision import LowPrecisionEngine, low_precision_copy
 from covey.rollout.static_step import supports_static_decode, views_of
-from covey.train.loop import open_run, steps
+from covey.training.loop import open_run, steps
 from tests.helpers import tiny_overrides
 
 PROMPTS = ["What is 2 + 3?", "hello there, how are you doing today", "x"]

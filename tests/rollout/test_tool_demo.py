@@ -14,7 +14,7 @@ from covey.rollout.agents import Agent, load_demo
 from covey.rollout.tools import ToolError
 from covey.tasks.base import Example
 from covey.tasks.tools import CALCULATOR_DEMO, calculator
-from covey.train.plan import make_plan
+from covey.training.plan import make_plan
 
 
 def test_tool_use_pays_for_an_episode_with_a_call_answered_without_an_error():

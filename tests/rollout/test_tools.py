@@ -13,9 +13,9 @@ import pytest
 from covey.models import default
 from covey.models.tiny import tiny_tokenizer as build_tiny_tokenizer
 from covey.rollout.tools import (
+    Toolbox,
     ToolCall,
     ToolError,
-    Toolbox,
     ToolStats,
     add_tool_system_prompt,
     append_to_last_user,

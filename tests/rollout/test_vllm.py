@@ -6,9 +6,9 @@ and exercise the real `vllm.LLM` on a GPU machine.
 
 import subprocess
 import sys
-from pathlib import Path
 import time
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,10 +17,17 @@ import torch
 from covey.config import load_config
 from covey.models.load import load_policy
 from covey.rollout.factory import start_vllm
-from covey.rollout.vllm import (SampledRollout, VLLMEngine, WeightSyncTimeout, lora_rank_for_vllm,
-                                outputs_to_rollout, run_with_timeout, weight_buckets)
-from covey.train.loop import correct_sampler_mismatch
-from covey.train.plan import make_plan
+from covey.rollout.vllm import (
+    SampledRollout,
+    VLLMEngine,
+    WeightSyncTimeout,
+    lora_rank_for_vllm,
+    outputs_to_rollout,
+    run_with_timeout,
+    weight_buckets,
+)
+from covey.training.loop import correct_sampler_mismatch
+from covey.training.plan import make_plan
 from tests.helpers import tiny_overrides
 
 
@@ -42,7 +49,7 @@ def test_no_module_imports_vllm_unless_the_engine_is_built():
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name == 'vllm' or name.startswith('vllm.'): raise ImportError('vllm imported')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import covey.cli.main, covey.train.loop, covey.runtime.dist, covey.models.lora, covey.rollout.vllm\n")
+            "import covey.cli.main, covey.training.loop, covey.runtime.dist, covey.models.lora, covey.rollout.vllm\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -1,5 +1,5 @@
 """Out-of-memory that halves the micro-batch: the retry loop on its own (the run-level test is
-tests/train/test_out_of_memory.py; a real CUDA one is in tests/train/test_device_gpu.py)."""
+tests/training/test_out_of_memory.py; a real CUDA one is in tests/training/test_device_gpu.py)."""
 
 import pytest
 import torch

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from covey.runtime import precision
-from covey.runtime.precision import autocast_context, resolve_autocast
-from covey.runtime.precision import cpu_has_native_bf16
 from covey.rollout.precision import resolve_precision
+from covey.runtime import precision
+from covey.runtime.precision import autocast_context, cpu_has_native_bf16, resolve_autocast
 
 
 def write_cpuinfo(path, flags: str) -> str:
@@ -58,11 +57,10 @@ def test_autocast_context_runs_linear_layers_in_the_resolved_precision(monkeypat
 def test_bf16_autocast_reaches_the_policy_passes_and_a_training_step(tiny_model_dir, tmp_path):
     import json
 
-    from covey.passes import logprobs
     from covey.cli.main import main
     from covey.models.load import load_policy
-    from tests.helpers import grouped_rollout
-    from tests.helpers import tiny_overrides
+    from covey.passes import logprobs
+    from tests.helpers import grouped_rollout, tiny_overrides
 
     model, tokenizer = load_policy(tiny_model_dir)
     part = grouped_rollout(tokenizer, groups=2, group_size=2)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from covey.tasks.verifiers import (answer_text, normalize_text, resolve_verifier, unreadable_answers, verify)
+from covey.tasks.verifiers import answer_text, normalize_text, resolve_verifier, unreadable_answers, verify
 
 
 @pytest.mark.parametrize("text, normalized", [
