@@ -12,11 +12,12 @@ test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -ra $(ARGS)
 
-# The fast tier, under a minute on two cores: the maths, the config, the rewards and the house rules.
+# The fast tier, under a minute on two cores: the maths, the config, the rewards and the house rules; no test
+# that loads a model (marked `model` by tests/conftest.py).
 FAST_TESTS := tests/algos tests/config tests/training/test_presets_maths.py tests/rewards tests/test_layers.py
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -ra -m "not slow and not gpu" $(FAST_TESTS) $(ARGS)
+	$(PY) -m pytest -q -ra -m "not slow and not gpu and not model" $(FAST_TESTS) $(ARGS)
 
 install: $(VENV)/.installed
 

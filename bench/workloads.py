@@ -79,9 +79,12 @@ def build_model(size: str, model_dir: str, tokenizer_dir: str, workload: str) ->
                          rms_norm_eps=1e-6, max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
                          eos_token_id=len(tok), pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    before, _ = torch.get_default_dtype(), torch.set_default_dtype(torch.bfloat16)  # made in bf16: 7B fits
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    finally:
+        torch.set_default_dtype(before)
     tok.add_special_tokens({"eos_token": "<|bench_end_of_response|>"})  # id len(tok) before it
     tok.save_pretrained(model_dir)
     data = load_task_data(load_config("grpo", []).task, WORKLOADS[workload]["seed"])

@@ -22,7 +22,7 @@ The packages, lowest layer first (imports point down only; docs/design.md):
 - tasks: prompts and their verifiers; models: weights into modules;
 - passes: one batch through one model at train time;
 - rollout: the sampling engines; rewards: scoring completions;
-- rm: training reward models;
+- rm: training reward models; serve: the policy server (OpenAI-compatible, token-faithful);
 - training: the run's code (plan, loop, update);
 - report: reading run folders back;
 - cli: the command line.

@@ -42,8 +42,13 @@ def tiny_tokenizer(tiny_model_dir):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines without it."""
+    """A test that takes the tiny model's folder loads (and most often trains) a model: marked `model`, which
+    `make test-fast` leaves out. Tests marked `gpu` need CUDA: skipped (with the reason shown) on machines
+    without it."""
     import torch
+    for item in items:
+        if "tiny_model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

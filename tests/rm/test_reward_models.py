@@ -395,14 +395,14 @@ def test_process_supervision_with_iterative_prm_and_resume(tiny_prm, tiny_model_
 
 
 def test_process_supervision_with_the_outcome_on_the_last_step_runs_in_the_loop(tiny_model_dir, tmp_path, monkeypatch):
-    from covey.training import loop
+    from covey.training import rl
     seen = []
-    real = loop.add_outcome_to_last_step
+    real = rl.add_outcome_to_last_step
 
     def spy(scores, mask, outcome, weight):
         seen.append(weight)
         return real(scores, mask, outcome, weight)
-    monkeypatch.setattr(loop, "add_outcome_to_last_step", spy)
+    monkeypatch.setattr(rl, "add_outcome_to_last_step", spy)
     extra = {"task.name": "multistep", "algo.estimator": "grpo_process", "reward.step_source": "exact",
              "reward.process_outcome_weight": 0.5, "task.eval_size": 2}
     assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **extra)]) == 0

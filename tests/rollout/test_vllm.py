@@ -26,8 +26,8 @@ from covey.rollout.vllm import (
     run_with_timeout,
     weight_buckets,
 )
-from covey.training.loop import correct_sampler_mismatch
 from covey.training.plan import make_plan
+from covey.training.token_weights import correct_sampler_mismatch
 from tests.helpers import tiny_overrides
 
 
