@@ -40,10 +40,10 @@ from covey.models.hf_compat import last_positions, with_cache
 from covey.rollout.base import Engine, Prompt, encode_prompts
 from covey.rollout.decode_cache import BufferLayer as BufferLayer
 from covey.rollout.decode_cache import buffer_cache, cache_plan, held_bytes
-from covey.rollout.fast_episodes import EpisodeDecoder, loop_refusal
+from covey.rollout.fast_episodes import EpisodeRows, episodes_in_slots, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
-from covey.rollout.slots import SlotDecoder, SlotStats
+from covey.rollout.slots import AnswerRows, SlotDecoder, SlotStats
 from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.static_step import supports_static_decode
 from covey.runtime.signals import check_abort
@@ -158,7 +158,8 @@ class FastEngine(Engine):
         try:
             with sampling_attention(self.model):
                 uniforms = Uniforms(len(prompts) * group_size, group_size, seeds)
-                return EpisodeDecoder(self, hosts, options, greedy).run(prompts, group_size, uniforms)
+                rows = EpisodeRows(self, hosts, options, greedy)
+                return episodes_in_slots(self, prompts, group_size, rows, uniforms)
         finally:
             self.model.train(was_training)
 
@@ -195,8 +196,8 @@ class FastEngine(Engine):
             with sampling_attention(self.model):
                 uniforms = Uniforms(len(index), group_size, seeds)
                 if self.uses_slots():
-                    slots = SlotDecoder(self, self.slots, greedy)
-                    out = slots.run(enc["input_ids"], enc["attention_mask"], index, limits, uniforms)
+                    slots = SlotDecoder(self, self.slots, AnswerRows(self, limits, greedy))
+                    out = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
                     self.slot_stats = slots.stats
                 elif self.static is not None and supports_static_decode(self.model):
                     if budgets is not None:

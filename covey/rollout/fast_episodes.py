@@ -1,5 +1,6 @@
-"""Whole episodes in one decoding loop of the fast engine: a row that waits for its tools stands aside
-while the other rows keep decoding, and the tools' reply is fed into the row's own KV cache.
+"""Whole episodes in the fast engine's one decode loop (covey/rollout/slots.py, whose rows `EpisodeRows`
+makes episodes): a row that waits for its tools stands aside while the other rows keep decoding, the tools'
+reply is fed into the row's own KV cache, and with rollout.slots a finished episode's slot takes the next.
 
 The turn-by-turn runner (covey/rollout/episodes.py, `run_episodes`) samples a turn for every active
 episode, waits for all their tool calls, and starts the next turn from every id so far, encoding the
@@ -49,7 +50,6 @@ from torch import Tensor
 from covey.batch import Rollout
 from covey.models.families import family_of
 from covey.rollout.base import Prompt, encode_prompts
-from covey.rollout.decode_cache import column_layers, rows_held
 from covey.rollout.episodes import (
     MAX_EPISODES_AT_ONCE,
     Episode,
@@ -60,8 +60,7 @@ from covey.rollout.episodes import (
     episode_metrics,
     episode_rollout,
 )
-from covey.rollout.lean_decode import supports_lean_step
-from covey.runtime.signals import check_abort
+from covey.rollout.slots import SlotDecoder
 
 SAMPLE, WAIT, FEED, DONE = range(4)
 SLACK = 64
@@ -90,98 +89,69 @@ def loop_refusal(model) -> str | None:
     return None
 
 
-def draw_uniforms(uniforms, length: int) -> Tensor:
-    """(N, length): row r's k-th uniform at [r, k], drawn up front from the engine's `Uniforms` (torch's
-    global generator, or one generator per prompt from its seed: covey/rollout/fast.py)."""
-    return torch.stack([uniforms.draw() for _ in range(length)], dim=1)
+def episodes_in_slots(engine, prompts: list[Prompt], group_size: int, rows: EpisodeRows,
+                      uniforms) -> tuple[Rollout, dict]:
+    """The episodes of `prompts` x `group_size` through the engine's slots (`rows`: their hosts and options;
+    `uniforms`: the engine's per-row draws, fast.Uniforms): the Rollout of the whole episodes and their metrics."""
+    tok = engine.tokenizer
+    enc = encode_prompts(tok, prompts)
+    index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    prompt_ids, prompt_mask = enc["input_ids"][index], enc["attention_mask"][index]
+    rows.start(prompt_ids, prompt_mask)
+    try:
+        SlotDecoder(engine, engine.slots, rows).run(enc["input_ids"], enc["attention_mask"], index, uniforms)
+    finally:
+        rows.close()
+    first = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=prompt_ids[:, :0],
+                    response_mask=prompt_mask[:, :0].float(), group_ids=index.clone(),
+                    truncated=torch.zeros(len(index), dtype=torch.bool), completions=[""] * len(index),
+                    example_index=index.tolist())
+    episodes = [row.episode for row in rows.rows]
+    return episode_rollout(first, episodes, tok), episode_metrics(episodes)
 
 
-def pack_cache(cache, key_mask: Tensor) -> Tensor:
-    """Move each row's valid cache columns to the right end of the smallest width that holds them all
-    (left padding, as after a prefill); returns the new key mask (n, capacity). Linear-attention states
-    have no columns: they stay."""
-    valid = key_mask.bool()
-    counts = valid.sum(1)
-    width = int(counts.max())
-    # source column of each destination slot: the row's valid columns in order, column 0 where padding
-    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid columns first, in order
-    slot = torch.arange(width, device=key_mask.device)[None, :] - (width - counts)[:, None]
-    source = torch.where(slot >= 0, order.gather(1, slot.clamp(min=0)), torch.zeros_like(slot))
-    for layer in column_layers(cache):
-        layer.take_columns(source, width)
-    packed = torch.zeros_like(key_mask)
-    packed[:, :width] = (slot >= 0).to(key_mask.dtype)
-    return packed
-
-
-class EpisodeDecoder:
-    """One call's episodes: the rows, the cache and the tool threads."""
+class EpisodeRows:
+    """Whole tool episodes as the slot loop's rows (covey/rollout/slots.py): the rows, the hosts and the tool
+    threads of one call."""
 
     def __init__(self, engine, hosts: list[EpisodeHost], options: EpisodeOptions, greedy: bool):
         self.engine, self.options, self.greedy = engine, options, greedy
         self.hosts = hosts
         self.pool = ThreadPoolExecutor(max_workers=min(max(len(hosts), 1), MAX_EPISODES_AT_ONCE))
+        self.columns, self.slack = options.max_episode_tokens, SLACK
+        self.upfront = options.max_episode_tokens + 1  # every uniform an episode may use, drawn first
+        self.sampled = 0
 
-    def run(self, prompts: list[Prompt], group_size: int, uniforms) -> tuple[Rollout, dict]:
-        """The episodes of `prompts` x `group_size`; `uniforms`: the engine's per-row draws (fast.Uniforms)."""
-        tok = self.engine.tokenizer
-        enc = encode_prompts(tok, prompts)
-        index = torch.arange(len(prompts)).repeat_interleave(group_size)
-        if len(self.hosts) != len(index):
-            raise ValueError(f"decode_episodes: {len(self.hosts)} hosts for {len(index)} episodes")
-        prompt_ids, prompt_mask = enc["input_ids"][index], enc["attention_mask"][index]
+    def start(self, prompt_ids: Tensor, prompt_mask: Tensor) -> None:
+        """One Row per episode (`prompt_ids` (N, P): each row's prompt, left-padded)."""
+        if len(self.hosts) != len(prompt_ids):
+            raise ValueError(f"decode_episodes: {len(self.hosts)} hosts for {len(prompt_ids)} episodes")
         self.rows = [Row(Episode(prompt=prompt_ids[i][prompt_mask[i].bool()].tolist(), host=h))
                      for i, h in enumerate(self.hosts)]
-        self.uniforms = draw_uniforms(uniforms, self.options.max_episode_tokens + 1)
-        try:
-            self.loop(enc["input_ids"], enc["attention_mask"], index)
-        finally:
-            self.pool.shutdown(wait=True)
-        first = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=prompt_ids[:, :0],
-                        response_mask=prompt_mask[:, :0].float(), group_ids=index.clone(),
-                        truncated=torch.zeros(len(index), dtype=torch.bool), completions=[""] * len(index),
-                        example_index=index.tolist())
-        episodes = [row.episode for row in self.rows]
-        return episode_rollout(first, episodes, tok), episode_metrics(episodes)
 
-    def loop(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor) -> None:
-        engine = self.engine
-        device = next(engine.model.parameters()).device
-        width = prompt_ids.shape[1]
-        capacity = width + self.options.max_episode_tokens + SLACK
-        cache, logits = engine.prefill(prompt_ids.to(device), prompt_mask.to(device), index.to(device), capacity)
-        key_mask = torch.zeros((len(index), capacity), dtype=torch.long, device=device)
-        key_mask[:, :width] = prompt_mask[index].to(device)
-        position = prompt_mask[index].sum(-1).to(device)
-        rows = torch.arange(len(index), device=device)  # episode of each cache row, in cache order
-        lean = engine.lean and supports_lean_step(engine.model)
-        column = width  # cache columns written (the next step writes this one)
-        while True:
-            check_abort()  # a stop signal during the evaluation before training (covey/runtime/signals.py)
-            self.take_replies(block=False)
-            modes = [self.rows[r].mode for r in rows.tolist()]
-            keep = [j for j, m in enumerate(modes) if m != DONE]
-            if not keep:
-                return
-            if len(keep) < len(modes):
-                keep_t = torch.tensor(keep, device=device)
-                cache.batch_select_indices(keep_t)
-                rows, key_mask, position, logits = rows[keep_t], key_mask[keep_t], position[keep_t], logits[keep_t]
-            if all(self.rows[r].mode == WAIT for r in rows.tolist()):
-                self.take_replies(block=True)
-                continue
-            tokens, valid = self.next_inputs(rows, logits)
-            if column == capacity:
-                key_mask = pack_cache(cache, key_mask)
-                column = int(key_mask.sum(1).max())
-            key_mask[:, column] = valid.long()
-            with rows_held(cache, ~valid):
-                logits = engine.step_logits(tokens, position, key_mask[:, :column + 1], cache, lean)
-            position, column = position + valid.long(), column + 1
+    def result(self) -> list[Row]:
+        return self.rows
 
-    def next_inputs(self, rows: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def poll(self) -> None:
+        self.take_replies(block=False)
+
+    def all_waiting(self, rows: list[int]) -> bool:
+        return all(self.rows[r].mode == WAIT for r in rows)
+
+    def wait(self) -> None:
+        self.take_replies(block=True)
+
+    def inputs(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
+        """Each row's token for this step, whether it is real (a waiting row's is not) and whether its episode
+        ended."""
+        feed, valid = self.next_inputs(ids, logits)
+        return feed, valid, [self.rows[r].mode == DONE for r in ids]
+
+    def next_inputs(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[bool]]:
         """Each cache row's token for this step and whether it is real (a waiting row's is not)."""
-        ids = rows.tolist()
         sampling = [j for j, r in enumerate(ids) if self.rows[r].mode == SAMPLE]
         feed = [self.engine.tokenizer.pad_token_id] * len(ids)
         valid = [False] * len(ids)
@@ -195,16 +165,16 @@ class EpisodeDecoder:
                 feed[j], valid[j] = row.queue.pop(0), True
                 if not row.queue:
                     row.mode = SAMPLE
-        device = rows.device
-        return torch.tensor(feed, device=device), torch.tensor(valid, device=device)
+        return feed, valid
 
     def sample(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[float]]:
         """The next token of each sampling row and its log-prob under logits / temperature."""
-        drawn = torch.tensor([self.uniforms[r, self.rows[r].drawn].item() for r in ids])
+        drawn = self.uniforms.take(ids, [self.rows[r].drawn for r in ids])
         picked = self.engine.pick(logits, drawn.to(logits.device), self.greedy)
         logp = torch.log_softmax(logits / self.engine.temperature, -1).gather(1, picked[:, None]).squeeze(1)
         for r in ids:
             self.rows[r].drawn += 1
+        self.sampled += len(ids)
         return picked.tolist(), logp.tolist()
 
     def take_token(self, row: Row, token: int, logp: float) -> bool:

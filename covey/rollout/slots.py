@@ -1,28 +1,30 @@
-"""Rows through slots: a step's N rows decode in S slots, and a row that finishes gives its slot to the
-next waiting row at once (rollout.slots).
+"""Rows through slots: the fast engine's one decode loop, for single answers and for whole tool episodes.
 
-The batch loop of `FastEngine` starts every row together and drops rows as they finish, so its batch
-thins out while the longest answer runs on: with reasoning-length answers, whose lengths are long-tailed,
-most of a call's steps decode a handful of rows. Here S slots stay busy until the queue of rows is empty:
+A call's N rows decode in S slots (rollout.slots; every row at once when S = 0 or S >= N), and a row that
+ends gives its slot to the next waiting row at once:
 
 - every prompt is encoded once (one prefill of the B prompts); its keys and values (or, for a linear-
   attention layer, its states) and its last logits are kept, and each of its G rows starts from them;
-- a slot whose row ends (end of sequence, or the row's token budget) takes the next waiting row in the
-  same step: the prompt's columns are written just left of the current cache column, the slot's earlier
-  columns are masked out, and the row's first token is drawn from the prompt's logits at once, so every
-  slot feeds a real token to every decode step;
-- columns are written one per step for every slot, as in the episode loop (covey/rollout/fast_episodes.py);
-  when the buffer is full, each slot's valid columns are packed to the left (`pack_cache`).
+- a slot whose row ends (end of sequence, its token budget, or an episode's last turn) takes the next
+  waiting row in the same step: the prompt's columns are written just left of the current cache column,
+  the slot's earlier columns are masked out, and the row's first token is drawn from the prompt's logits
+  at once, so a slot feeds a real token to the next decode step;
+- columns are written one per step for every slot; when the buffer is full, each slot's valid columns are
+  packed to the left (`pack_cache`: rotary positions travel inside the keys, position ids are per row).
 
-Sampling is independent of slots: row r's k-th token uses the k-th uniform of row r, from torch's global
-generator (drawn step by step, N per draw, as the batch loop draws them, so the global stream advances by
-the same draws) or from its prompt's seed. So a row's tokens do not depend on the slot it ran in or when it
-started (up to the float rounding of a batch's composition, as when the batch loop drops finished rows),
-and greedy tokens are the batch loop's (tests/rollout/test_slots.py).
+What a row feeds at a step is its kind's (the `rows` object): a single answer samples until its end
+(`AnswerRows`, here); an episode samples its turn, waits while its tools run (a hole: the step's column
+is masked out for it and a linear-attention state is held still) and then feeds the tools' reply as
+forced tokens through the same decode step (`EpisodeRows`, covey/rollout/fast_episodes.py). So tool
+episodes and long answers share one loop, one cache and one refill.
 
-Memory: S rows of prompt + longest budget + slack columns, where the batch loop holds N rows of prompt +
+Sampling is independent of slots: row r's k-th sampled token uses the k-th uniform of row r (`RowUniforms`:
+from torch's global generator, N per draw as the batch loop draws them, or from its prompt's seed). So a
+row's tokens do not depend on the slot it ran in or when it started (up to the float rounding of a batch's
+composition), and greedy tokens are the batch loop's (tests/rollout/test_slots.py).
+
+Memory: S rows of prompt + the longest row's columns + slack, where the batch loop holds N rows of prompt +
 max_new_tokens. The buffers are per slot, not per token in flight (no paged blocks yet).
-Families whose episode loop is refused (sliding windows: `loop_refusal`) decode in the batch loop.
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ import torch
 from torch import Tensor
 
 from covey.models.hf_compat import last_positions, with_cache
-from covey.rollout.decode_cache import buffer_cache, column_layers, held_bytes
-from covey.rollout.fast_episodes import pack_cache
+from covey.rollout.decode_cache import buffer_cache, column_layers, held_bytes, rows_held
 from covey.rollout.lean_decode import supports_lean_step
 from covey.runtime.signals import check_abort
 
@@ -59,32 +60,86 @@ class SlotStats:
         return self.cache_bytes / max(self.token_columns / max(self.steps, 1), 1.0)
 
 
-class SlotDecoder:
-    """One `generate` call's rows through `slots` slots of `engine`'s model (a `FastEngine`)."""
+class RowUniforms:
+    """Row r's k-th uniform, drawn N at a time from the engine's `Uniforms` (fast.py) as rows first need them:
+    the draws, and so the global stream after the call, are the batch loop's."""
 
-    def __init__(self, engine, slots: int, greedy: bool):
-        self.engine, self.slots, self.greedy = engine, slots, greedy
+    def __init__(self, uniforms, n: int, upfront: int = 0):
+        self.uniforms, self.table = uniforms, torch.zeros((0, n))
+        self.reserve(upfront)
+
+    def reserve(self, count: int) -> None:
+        while len(self.table) < count:
+            self.table = torch.cat([self.table, self.uniforms.draw()[None]])
+
+    def take(self, rows: list[int], ks: list[int]) -> Tensor:
+        self.reserve(max(ks, default=-1) + 1)
+        return self.table[ks, rows]
+
+
+class AnswerRows:
+    """Single answers: each row samples until an end-of-sequence token or its budget; (N, L) tokens and log-probs."""
+
+    def __init__(self, engine, budgets: Tensor, greedy: bool):
+        self.engine, self.budgets, self.greedy = engine, budgets.tolist(), greedy
+        n, longest = len(self.budgets), max(self.budgets, default=1)
+        self.columns, self.slack = longest, max(64, longest // 4)
+        self.tokens = torch.full((n, max(longest, 1)), engine.tokenizer.pad_token_id, dtype=torch.long)
+        self.logps = torch.zeros((n, max(longest, 1)), dtype=torch.float32)
+        self.count = [0] * n
+        self.eos = set(engine.eos)
+        self.upfront = 0
+        self.sampled = 0
+
+    def poll(self) -> None:
+        """Nothing runs beside the decode steps."""
+
+    def all_waiting(self, rows: list[int]) -> bool:
+        return False
+
+    def wait(self) -> None:
+        """Never called: an answer never waits."""
+
+    def inputs(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
+        """Each row's token for this step, whether it is fed (its answer goes on) and whether the row ended."""
+        picked, logp = self.sample(rows, logits)
+        done = []
+        for r, token, lp in zip(rows, picked, logp):
+            self.tokens[r, self.count[r]], self.logps[r, self.count[r]] = token, lp
+            self.count[r] += 1
+            done.append(token in self.eos or self.count[r] >= self.budgets[r])
+        return picked, [not d for d in done], done
+
+    def sample(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[float]]:
+        drawn = self.uniforms.take(rows, [self.count[r] for r in rows]).to(logits.device)
+        picked = self.engine.pick(logits, drawn, self.greedy)
+        logp = torch.log_softmax(logits / self.engine.temperature, -1).gather(1, picked[:, None]).squeeze(1)
+        self.sampled += len(rows)
+        return picked.tolist(), logp.tolist()
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        steps = max(max(self.count, default=1), 1)
+        return self.tokens[:, :steps], self.logps[:, :steps]
+
+
+class SlotDecoder:
+    """One call's rows through `slots` slots of `engine`'s model (a `FastEngine`); `rows`: what each row feeds
+    (`AnswerRows`, or fast_episodes' `EpisodeRows`)."""
+
+    def __init__(self, engine, slots: int, rows):
+        self.engine, self.slots, self.policy = engine, slots, rows
         self.stats = SlotStats()
 
     @torch.inference_mode()
-    def run(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, budgets: Tensor,
-            uniforms) -> tuple[Tensor, Tensor]:
-        """(N, steps) new tokens of rows `index` (each row's prompt), pad after a row's end, and each token's
-        log-prob under the sampler's logits / temperature; row r samples at most budgets[r] tokens."""
-        engine = self.engine
-        device = next(engine.model.parameters()).device
-        self.prompt_ids, self.prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        self.index, self.budgets, self.uniforms = index.to(device), budgets.to(device), uniforms
-        n, width = len(index), prompt_ids.shape[1]
-        longest = int(budgets.max()) if n else 0
-        self.tokens = torch.full((n, max(longest, 1)), engine.tokenizer.pad_token_id, dtype=torch.long, device=device)
-        self.logps = torch.zeros((n, max(longest, 1)), dtype=torch.float32, device=device)
-        self.count = torch.zeros(n, dtype=torch.long, device=device)
-        self.drawn = torch.zeros((0, n))  # row r's k-th uniform at [k, r], drawn as rows need them
-        if n:
-            self.loop(width, width + longest + max(64, longest // 4), device)
-        steps = max(int(self.count.max()), 1) if n else 0
-        return self.tokens[:, :steps].cpu(), self.logps[:, :steps].cpu()
+    def run(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, uniforms):
+        """Decode rows `index` (each row's prompt among `prompt_ids`); the rows object holds what they gave."""
+        device = next(self.engine.model.parameters()).device
+        self.prompt_ids, self.prompt_mask, self.index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
+        self.policy.uniforms = RowUniforms(uniforms, len(index), self.policy.upfront)
+        if len(index):
+            width = prompt_ids.shape[1]
+            self.loop(width, width + self.policy.columns + self.policy.slack)
+        return self.policy.result()
 
     def prefill(self, capacity: int) -> None:
         """Encode every prompt once: its cache rows and last logits are what each of its rows starts from."""
@@ -99,12 +154,12 @@ class SlotDecoder:
         self.saved = [layer.save_rows(every) for layer in cache.layers]
         self.cache = cache
 
-    def loop(self, width: int, capacity: int, device) -> None:
-        engine = self.engine
+    def loop(self, width: int, capacity: int) -> None:
+        engine, device = self.engine, self.index.device
         self.prefill(capacity)
-        count = min(self.slots, len(self.index))
+        count = len(self.index) if self.slots <= 0 else min(self.slots, len(self.index))
         self.cache.batch_select_indices(self.index[:count])
-        self.rows = torch.arange(count, device=device)       # the row in each slot, in cache order
+        self.rows = list(range(count))  # the row in each slot, in cache order
         self.key_mask = torch.zeros((count, capacity), dtype=torch.long, device=device)
         self.key_mask[:, :width] = self.prompt_mask[self.index[:count]]
         self.position = self.prompt_mask[self.index[:count]].sum(-1)
@@ -113,19 +168,35 @@ class SlotDecoder:
         lean = engine.lean and supports_lean_step(engine.model)
         while True:
             check_abort()  # a stop signal during the evaluation before training (covey/runtime/signals.py)
-            step = self.sample(self.rows, logits)
-            step = self.turn_over(step)
-            if not len(self.rows):
+            self.policy.poll()
+            if self.rows and self.policy.all_waiting(self.rows):
+                self.policy.wait()
+                continue
+            tokens, valid = self.turn_over(*self.inputs(self.rows, logits))
+            if not self.rows:
                 return
             if self.column == capacity:
-                self.key_mask = pack_cache(self.cache, self.key_mask)
-                self.column = max(int(self.key_mask.sum(1).max()), self.width)  # a new row's prompt fits left of it
-                for layer in column_layers(self.cache):
-                    layer.skip_to(self.column)
-            self.key_mask[:, self.column] = 1
-            self.record(len(self.rows))
-            logits = engine.step_logits(step, self.position, self.key_mask[:, :self.column + 1], self.cache, lean)
-            self.position, self.column = self.position + 1, self.column + 1
+                self.pack()
+            valid_t = torch.tensor(valid, device=device)
+            self.key_mask[:, self.column] = valid_t.long()
+            self.record(sum(valid))
+            with rows_held(self.cache, ~valid_t):
+                logits = engine.step_logits(torch.tensor(tokens, device=device), self.position,
+                                            self.key_mask[:, :self.column + 1], self.cache, lean)
+            self.position, self.column = self.position + valid_t.long(), self.column + 1
+
+    def inputs(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
+        tokens, valid, done = self.policy.inputs(rows, logits)
+        self.stats.tokens = self.policy.sampled
+        return list(tokens), list(valid), list(done)
+
+    def pack(self) -> None:
+        """The buffer is full: each slot's valid columns move left; a new row's prompt still fits left of the
+        next column."""
+        self.key_mask = pack_cache(self.cache, self.key_mask)
+        self.column = max(int(self.key_mask.sum(1).max()), self.width)
+        for layer in column_layers(self.cache):
+            layer.skip_to(self.column)
 
     def record(self, busy: int) -> None:
         s = self.stats
@@ -133,50 +204,54 @@ class SlotDecoder:
         s.token_columns += int(self.key_mask.sum())
         s.cache_bytes = max(s.cache_bytes, held_bytes(self.cache))
 
-    def sample(self, rows: Tensor, logits: Tensor) -> Tensor:
-        """Each of `rows`' next token from its logits, with its own next uniform; recorded."""
-        need = self.count[rows]
-        while len(self.drawn) <= int(need.max()):  # the global stream advances as the batch loop's does
-            self.drawn = torch.cat([self.drawn, self.uniforms.draw()[None]])
-        drawn = self.drawn[need.cpu(), rows.cpu()].to(logits.device)
-        step = self.engine.pick(logits, drawn, self.greedy)
-        logp = torch.log_softmax(logits / self.engine.temperature, -1).gather(1, step[:, None]).squeeze(1)
-        self.tokens[rows, need], self.logps[rows, need] = step, logp
-        self.count[rows] += 1
-        self.stats.tokens += len(rows)
-        return step
-
-    def ended(self, rows: Tensor, step: Tensor) -> Tensor:
-        """Rows `rows` end with tokens `step`: an end of sequence, or their budget spent."""
-        eos = torch.tensor(self.engine.eos, device=step.device)
-        return torch.isin(step, eos) | (self.count[rows] >= self.budgets[rows])
-
-    def turn_over(self, step: Tensor) -> Tensor:
-        """Slots whose row ended take waiting rows (each row's first token drawn at once from its prompt's
-        logits, again while a new row ends at its first token); slots left without a row leave the batch.
-        Returns the token each remaining slot feeds."""
-        done = self.ended(self.rows, step)
-        while bool(done.any()) and self.waiting < len(self.index):
-            slots = done.nonzero().squeeze(1)[:len(self.index) - self.waiting]
-            new = torch.arange(self.waiting, self.waiting + len(slots), device=slots.device)
+    def turn_over(self, tokens: list[int], valid: list[bool], done: list[bool]) -> tuple[list[int], list[bool]]:
+        """Slots whose row ended take waiting rows (each new row's first input drawn at once from its prompt's
+        logits, again while a new row ends at its first); slots left without a row leave the batch. Returns
+        each remaining slot's token and whether it is fed."""
+        ended = [j for j, d in enumerate(done) if d]
+        while ended and self.waiting < len(self.index):
+            slots = ended[:len(self.index) - self.waiting]
+            new = list(range(self.waiting, self.waiting + len(slots)))
             self.waiting += len(slots)
             self.place(slots, new)
-            first = self.sample(new, self.first_logits[self.index[new]])
-            step[slots] = first
-            done[slots] = self.ended(new, first)
-        if bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)
-            self.cache.batch_select_indices(keep)
-            self.rows, self.key_mask, self.position, step = (self.rows[keep], self.key_mask[keep],
-                                                            self.position[keep], step[keep])
-        return step
+            first, fed, over = self.inputs(new, self.first_logits[self.index[new]])
+            for j, slot in enumerate(slots):
+                tokens[slot], valid[slot], done[slot] = first[j], fed[j], over[j]
+            ended = [slot for slot in slots if done[slot]]
+        if any(done):
+            keep = [j for j, d in enumerate(done) if not d]
+            keep_t = torch.tensor(keep, dtype=torch.long, device=self.index.device)
+            self.cache.batch_select_indices(keep_t)
+            self.key_mask, self.position = self.key_mask[keep_t], self.position[keep_t]
+            self.rows, tokens, valid = ([seq[j] for j in keep] for seq in (self.rows, tokens, valid))
+        return tokens, valid
 
-    def place(self, slots: Tensor, rows: Tensor) -> None:
+    def place(self, slots: list[int], rows: list[int]) -> None:
         """Slots `slots` start rows `rows`: their prompt's columns end at the current column."""
-        groups = self.index[rows]
+        device = self.index.device
+        slots_t, groups = torch.tensor(slots, device=device), self.index[rows]
         for layer, saved in zip(self.cache.layers, self.saved, strict=True):
-            layer.place_rows(slots, saved, groups, self.column)
-        self.key_mask[slots] = 0
-        self.key_mask[slots, self.column - self.width:self.column] = self.prompt_mask[groups]
-        self.position[slots] = self.prompt_mask[groups].sum(-1)
-        self.rows[slots] = rows
+            layer.place_rows(slots_t, saved, groups, self.column)
+        self.key_mask[slots_t] = 0
+        self.key_mask[slots_t, self.column - self.width:self.column] = self.prompt_mask[groups]
+        self.position[slots_t] = self.prompt_mask[groups].sum(-1)
+        for slot, row in zip(slots, rows):
+            self.rows[slot] = row
+
+
+def pack_cache(cache, key_mask: Tensor) -> Tensor:
+    """Move each row's valid cache columns to the right end of the smallest width that holds them all
+    (left padding, as after a prefill); returns the new key mask (n, capacity). Linear-attention states
+    have no columns: they stay."""
+    valid = key_mask.bool()
+    counts = valid.sum(1)
+    width = int(counts.max())
+    # source column of each destination slot: the row's valid columns in order, column 0 where padding
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # valid columns first, in order
+    slot = torch.arange(width, device=key_mask.device)[None, :] - (width - counts)[:, None]
+    source = torch.where(slot >= 0, order.gather(1, slot.clamp(min=0)), torch.zeros_like(slot))
+    for layer in column_layers(cache):
+        layer.take_columns(source, width)
+    packed = torch.zeros_like(key_mask)
+    packed[:, :width] = (slot >= 0).to(key_mask.dtype)
+    return packed

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from covey.models.load import load_policy
-from covey.rollout import fast_episodes
+from covey.rollout import fast_episodes, slots
 from covey.rollout.episodes import EpisodeOptions, run_episodes
 from covey.rollout.fast import FastEngine
 
@@ -146,6 +146,25 @@ def test_sampled_episodes_log_probs_equal_a_fresh_forward_and_do_not_depend_on_t
     assert torch.all(first.sample_logp[first.response_mask == 0] == 0)
 
 
+@pytest.mark.parametrize("slot_count", [1, 4])
+def test_episodes_through_fewer_slots_are_the_same_episodes(tiny, slot_count):
+    """Six sampled episodes (per-prompt seeds, tools that answer at different times) through 1 or 4 slots,
+    each slot taking the next episode when its own ends: the same tokens, replies and log-probs as all six
+    at once (one decode loop for answers and episodes: covey/rollout/slots.py)."""
+    model, tok = tiny
+    outs = []
+    for slots in (0, slot_count):
+        engine = FastEngine(model, tok, max_new_tokens=10, temperature=0.8, slots=slots)
+        engine.eos = sorted({tok.eos_token_id, *range(40, 90)})
+        host_list = hosts(6, before_reply=lambda: time.sleep(0.01))
+        outs.append(engine.decode_episodes(PROMPTS, 2, host_list, options(), seeds=[3, 4, 5])[0])
+    together, slotted = outs
+    assert torch.equal(together.response_ids, slotted.response_ids)
+    assert torch.equal(together.response_attention, slotted.response_attention)
+    torch.testing.assert_close(together.sample_logp, slotted.sample_logp, atol=1e-5, rtol=0)
+    assert (together.response_attention - together.response_mask).sum() > 0  # replies were appended
+
+
 def test_packing_the_cache_keeps_the_greedy_episodes(tiny, monkeypatch):
     """Slack 1: the buffer fills and is packed many times, with waiting rows' holes; same tokens."""
     model, tok = tiny
@@ -171,7 +190,7 @@ def test_pack_cache_moves_each_rows_valid_columns_to_the_right_in_order():
     layer.update(keys, keys.clone())
     cache = Cache(layers=[layer])
     mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 0, 0, 1, 0]])
-    packed = fast_episodes.pack_cache(cache, mask)
+    packed = slots.pack_cache(cache, mask)
     assert packed.tolist() == [[1, 1, 1, 0, 0, 0], [0, 1, 1, 0, 0, 0]]
     assert layer.filled == 3
     assert layer.keys[0, 0, :, 0].tolist() == [0.0, 2.0, 3.0]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from covey.rollout.fast_episodes import EpisodeDecoder
+from covey.rollout.fast_episodes import EpisodeRows
 from covey.tasks.tools import calculator  # noqa: F401 - the tool rollout.tools names
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 GUESS = '<tool_call>{"name": "guess", "arguments": {"number": 50}}</tool_call>'  # an environment's tool
-REAL_SAMPLE = EpisodeDecoder.sample
+REAL_SAMPLE = EpisodeRows.sample
 
 
 def scripted(row, first_token: int) -> bool:
@@ -46,4 +46,4 @@ def digit_share(completions, **kwargs):
     return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in texts]
 
 
-EpisodeDecoder.sample = sample
+EpisodeRows.sample = sample

@@ -13,13 +13,13 @@ import covey
 from covey.batch import Rollout
 from covey.config import load_config
 from covey.rollout.fast import FastEngine
-from covey.rollout.fast_episodes import EpisodeDecoder
+from covey.rollout.fast_episodes import EpisodeRows
 from tests.helpers import tiny_overrides
 
 SEEN: list = []
 SECRETS: list = []
 REAL_GENERATE = FastEngine.generate
-REAL_SAMPLE = EpisodeDecoder.sample
+REAL_SAMPLE = EpisodeRows.sample
 
 
 def get_weather(city: str) -> str:
@@ -64,7 +64,7 @@ def scripted_first_turn(real_generate, call: str):
 
 
 def scripted_first_sample(call: str):
-    """EpisodeDecoder.sample (the fast engine's episode loop) with every first turn's tokens those of `call`
+    """EpisodeRows.sample (the fast engine's episode loop) with every first turn's tokens those of `call`
     and EOS, their log-probs the model's own."""
 
     def sample(self, ids, logits):
@@ -84,7 +84,7 @@ def script_first_turn(monkeypatch, call: str) -> None:
     """Every episode's first turn is `call`, on both of the fast engine's paths (one episode loop, or turns
     through generate)."""
     monkeypatch.setattr(FastEngine, "generate", scripted_first_turn(REAL_GENERATE, call))
-    monkeypatch.setattr(EpisodeDecoder, "sample", scripted_first_sample(call))
+    monkeypatch.setattr(EpisodeRows, "sample", scripted_first_sample(call))
 
 
 def test_a_trl_tool_function_runs_unchanged_through_covey_train(tiny_model_dir, tmp_path, monkeypatch):
