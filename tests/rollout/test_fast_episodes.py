@@ -153,8 +153,8 @@ def test_episodes_through_fewer_slots_are_the_same_episodes(tiny, slot_count):
     at once (one decode loop for answers and episodes: covey/rollout/slots.py)."""
     model, tok = tiny
     outs = []
-    for slots in (0, slot_count):
-        engine = FastEngine(model, tok, max_new_tokens=10, temperature=0.8, slots=slots)
+    for count in (0, slot_count):
+        engine = FastEngine(model, tok, max_new_tokens=10, temperature=0.8, slots=count)
         engine.eos = sorted({tok.eos_token_id, *range(40, 90)})
         host_list = hosts(6, before_reply=lambda: time.sleep(0.01))
         outs.append(engine.decode_episodes(PROMPTS, 2, host_list, options(), seeds=[3, 4, 5])[0])
