@@ -15,7 +15,7 @@ LAYERS = {
     "tasks": 1, "models": 1,
     "passes": 2,
     "rollout": 3, "rewards": 3,
-    "rm": 4,
+    "rm": 4, "serve": 4,
     "training": 5,
     "report": 6,
     "cli": 7,

@@ -5,9 +5,10 @@
 - hf: Hugging Face `generate`; fast: covey's own decode loop, with its cache by layer kind
   (decode_cache), lean_decode (a Llama step in plain tensor ops) and slots (its one decode loop: a
   call's rows through S slots, each refilled as its row ends, for answers and tool episodes alike);
-  static_decode and static_step: the decode loop on a static KV cache, its step replayed as a CUDA graph; precision: sampling from a
-  bf16 copy of the policy; vllm: vLLM on the training GPUs;
+  static_decode and static_step: the decode loop on a static KV cache, its step replayed as a CUDA
+  graph; precision: sampling from a bf16 copy of the policy; vllm: vLLM on the training GPUs;
 - tool episodes: tools (TRL's conventions), environments (tools and environments checked before
   loading), agents (an engine whose `generate` runs whole episodes), episodes (turn by turn),
-  fast_episodes (the rows of whole episodes in the slot loop: sampled turns, waits, replies fed as tokens).
+  fast_episodes (the rows of whole episodes in the slot loop: sampled turns, waits, replies fed as
+  tokens).
 """
