@@ -27,12 +27,13 @@ it) and is compared in constant time. Plain HTTP: put TLS in front of it
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from covey.runtime.http import JsonHandler
 
 MiB = 2**20
 ALLOWED = {"/score": "POST", "/health": "GET"}
@@ -130,93 +131,75 @@ class RewardService:
 # --------------------------------------------------------------------------- HTTP
 
 
-class RewardHandler(BaseHTTPRequestHandler):
+class RewardHandler(JsonHandler):
     """One request; the server carries `service`, `token`, `limits` and `verbose`."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, so clients can pool connections
     server_version = "covey-reward/1"
+    realm = "covey-reward"
 
-    def setup(self) -> None:
-        self.timeout = self.server.limits.request_timeout_s
-        super().setup()
+    def request_timeout_s(self) -> float:
+        return self.server.limits.request_timeout_s
 
-    def log_message(self, fmt: str, *args) -> None:
-        if self.server.verbose:
-            super().log_message(fmt, *args)
-
-    def _send(self, code: int, payload: dict, close: bool = False, allow: str = "") -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if code == 401:
-            self.send_header("WWW-Authenticate", 'Bearer realm="covey-reward"')
-        if allow:
-            self.send_header("Allow", allow)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":  # a reply to HEAD has headers only
-            self.wfile.write(body)
+    def verbose(self) -> bool:
+        return self.server.verbose
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.rstrip("/") == "/health":
-            self._send(200, {"status": "ok", "terms": self.server.service.term_names})
+            self.send_json(200, {"status": "ok", "terms": self.server.service.term_names})
         else:
-            self._send(404, {"error": f"no such path {self.path}; use POST /score or GET /health"})
+            self.send_json(404, {"error": f"no such path {self.path}; use POST /score or GET /health"})
 
     def _authorised(self) -> bool:
-        given = self.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode())
+        return self.bearer_is(self.server.token)
 
     def _read_json(self):
         """The parsed body, or None after an error response was sent."""
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
-            self._send(411, {"error": "Content-Length required"}, close=True)
+            self.send_json(411, {"error": "Content-Length required"}, close=True)
             return None
         if int(length) > self.server.limits.max_body_bytes:  # refuse before reading a byte of it
-            self._send(413, {"error": f"body of {length} bytes exceeds the limit of "
+            self.send_json(413, {"error": f"body of {length} bytes exceeds the limit of "
                                       f"{self.server.limits.max_body_bytes}"}, close=True)
             return None
         try:
             raw = self.rfile.read(int(length))
         except TimeoutError:
-            self._send(408, {"error": "request body not received in time"}, close=True)
+            self.send_json(408, {"error": "request body not received in time"}, close=True)
             return None
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            self._send(400, {"error": f"malformed JSON: {e}"})
+            self.send_json(400, {"error": f"malformed JSON: {e}"})
             return None
         except RecursionError:  # the parser recurses once per level of nesting
-            self._send(400, {"error": "JSON nested too deeply"})
+            self.send_json(400, {"error": "JSON nested too deeply"})
             return None
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path.rstrip("/") != "/score":
-            self._send(404, {"error": f"no such path {self.path}; use POST /score"}, close=True)
+            self.send_json(404, {"error": f"no such path {self.path}; use POST /score"}, close=True)
             return
         if not self._authorised():
-            self._send(401, {"error": "missing or wrong bearer token"}, close=True)
+            self.send_json(401, {"error": "missing or wrong bearer token"}, close=True)
             return
         body = self._read_json()
         if body is None:
             return
         items = body.get("items") if isinstance(body, dict) else None
         if not isinstance(items, list):
-            self._send(400, {"error": "body must be an object with a list 'items'"})
+            self.send_json(400, {"error": "body must be an object with a list 'items'"})
             return
         if len(items) > self.server.limits.max_batch:
-            self._send(413, {"error": f"{len(items)} items exceed the batch limit of {self.server.limits.max_batch}"})
+            limit = self.server.limits.max_batch
+            self.send_json(413, {"error": f"{len(items)} items exceed the batch limit of {limit}"})
             return
         results = self.server.service.score(items)
-        self._send(200, {"results": results, "errors": sum("error" in r for r in results)})
+        self.send_json(200, {"results": results, "errors": sum("error" in r for r in results)})
 
     def _reject(self) -> None:
         allow = ALLOWED.get(self.path.rstrip("/"), ", ".join(sorted(set(ALLOWED.values()))))
-        self._send(405, {"error": f"method {self.command} not allowed; use {allow}"}, close=True, allow=allow)
+        self.send_json(405, {"error": f"method {self.command} not allowed; use {allow}"}, close=True, allow=allow)
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = _reject  # noqa: N815
 

@@ -23,16 +23,16 @@ put TLS in front of it (a reverse proxy) before exposing it beyond one machine.
 
 from __future__ import annotations
 
-import hmac
 import json
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import unquote, urlsplit
 
 from covey.rollout.base import Engine
 from covey.runtime.errors import first_line
+from covey.runtime.http import JsonHandler
 from covey.serve.options import EngineFault, RequestError, ServerOptions
 from covey.serve.requests import episode_of
 from covey.serve.service import PolicyService
@@ -57,35 +57,17 @@ def allowed(path: str) -> str | None:
     return None
 
 
-class PolicyHandler(BaseHTTPRequestHandler):
+class PolicyHandler(JsonHandler):
     """One request; the server carries `service` and `options`."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, so clients can pool connections
     server_version = "covey-policy/1"
+    realm = "covey-policy"
 
-    def setup(self) -> None:
-        self.timeout = self.server.options.request_timeout_s
-        super().setup()
+    def request_timeout_s(self) -> float:
+        return self.server.options.request_timeout_s
 
-    def log_message(self, fmt: str, *args) -> None:
-        if self.server.options.verbose:
-            super().log_message(fmt, *args)
-
-    def send_json(self, code: int, payload: dict, close: bool = False, allow: str = "") -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if code == 401:
-            self.send_header("WWW-Authenticate", 'Bearer realm="covey-policy"')
-        if allow:
-            self.send_header("Allow", allow)
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+    def verbose(self) -> bool:
+        return self.server.options.verbose
 
     def fail(self, code: int, message: str, close: bool = False, allow: str = "") -> None:
         error = {"message": message, "type": ERROR_TYPES.get(code, "error"), "code": code}
@@ -98,10 +80,7 @@ class PolicyHandler(BaseHTTPRequestHandler):
 
     def authorised(self) -> bool:
         token = self.server.options.token
-        if not token:
-            return True
-        given = self.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        return not token or self.bearer_is(token)
 
     def read_json(self) -> dict | None:
         """The parsed body, or None after an error response was sent."""
