@@ -143,6 +143,10 @@ class FastEngine(Engine):
         refusal = loop_refusal(model)
         episodes = ("tool episodes in one loop" if self.continues_episodes else
                     f"turn-by-turn episodes: {refusal or 'the static cache decodes their turns'}")
+        if self.uses_slots():
+            steps += f"; rows through {self.slots} slots, each taking the next row as its own ends"
+        elif self.slots:
+            steps += f"; every row at once (rollout.slots={self.slots}: {refusal or 'the static cache has no slots'})"
         return f"fast engine, {steps}; {episodes}"
 
     @torch.inference_mode()

@@ -171,6 +171,9 @@ def test_the_decode_path_line_names_the_cache_and_the_episode_runner(models, tok
     assert "3 linear-attention states" in hybrid.decode_path()
     assert "turn-by-turn episodes: gemma3_text has sliding-window layers" in sliding.decode_path()
     assert "3 sliding buffers of at most 16 positions" in sliding.decode_path()
+    assert "rows through 4 slots" in FastEngine(hybrid.model, tok, max_new_tokens=8, slots=4).decode_path()
+    assert "every row at once (rollout.slots=4: gemma3_text has sliding-window layers" in FastEngine(
+        sliding.model, tok, max_new_tokens=8, slots=4).decode_path()
 
 
 class Host:
