@@ -135,6 +135,10 @@ class EpisodeRows:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
+    def draw_from(self, uniforms) -> None:
+        """Where each row's k-th uniform comes from (slots.RowUniforms, set by the decoder at the start)."""
+        self.uniforms = uniforms
+
     def poll(self) -> None:
         self.take_replies(block=False)
 

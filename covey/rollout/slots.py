@@ -91,6 +91,10 @@ class AnswerRows:
         self.upfront = 0
         self.sampled = 0
 
+    def draw_from(self, uniforms: RowUniforms) -> None:
+        """Where each row's k-th uniform comes from (set by the decoder at the start of a call)."""
+        self.uniforms = uniforms
+
     def poll(self) -> None:
         """Nothing runs beside the decode steps."""
 
@@ -135,7 +139,7 @@ class SlotDecoder:
         """Decode rows `index` (each row's prompt among `prompt_ids`); the rows object holds what they gave."""
         device = next(self.engine.model.parameters()).device
         self.prompt_ids, self.prompt_mask, self.index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
-        self.policy.uniforms = RowUniforms(uniforms, len(index), self.policy.upfront)
+        self.policy.draw_from(RowUniforms(uniforms, len(index), self.policy.upfront))
         if len(index):
             width = prompt_ids.shape[1]
             self.loop(width, width + self.policy.columns + self.policy.slack)
