@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -220,9 +220,13 @@ class EpisodeEngine(EngineWrapper):
         self.pending: list[dict] = []
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
         """len(prompts) x group_size episodes. `max_new_tokens` (held-out evaluation's budget) is the
-        turn's budget, the episode's twice the turns' as by default; else the run's options."""
+        turn's budget, the episode's twice the turns' as by default; else the run's options. An episode's
+        budgets are its options' (per-row `budgets` are refused)."""
+        if budgets is not None:
+            raise ValueError("episodes take their budgets from their options (max turns, turn and episode tokens)")
         turns = self.options.max_turns
         options = self.options if max_new_tokens is None else replace(
             self.options, max_turn_tokens=max_new_tokens, max_episode_tokens=2 * turns * max_new_tokens)

@@ -54,9 +54,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
         """len(prompts) x group_size completions (prompt-major rows). `seeds`: one per prompt; each group's
-        samples then depend on its seed only, not on the rest of the batch (rollout.seeding=per_prompt)."""
+        samples then depend on its seed only, not on the rest of the batch (rollout.seeding=per_prompt).
+        `budgets`: each row's own token budget, at most max_new_tokens (a row cut at its budget is truncated);
+        an engine that cannot stop a row early samples on and cuts it (`cut_to_budgets`): the same tokens."""
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
@@ -78,6 +81,28 @@ class Engine(abc.ABC):
         """The engine's metrics since the last call (tool episodes: `episode/*`, `tools/*`); `total` sums a
         vector over processes, and every rank must call it then. {} by default."""
         return {}
+
+
+def cut_to_budgets(rollout: Rollout, budgets: Sequence[int] | None, tokenizer) -> Rollout:
+    """Each row of `rollout` cut at its own token budget (rows in prompt-major order): the tokens after it
+    padded out of the mask, the row truncated unless it ended within the budget, its text decoded again."""
+    if budgets is None:
+        return rollout
+    limits = torch.as_tensor(list(budgets))
+    if len(limits) != len(rollout):
+        raise ValueError(f"{len(limits)} budgets for {len(rollout)} rows")
+    within = torch.arange(rollout.response_ids.shape[1])[None, :] < limits[:, None]
+    cut = (rollout.response_mask.bool() & ~within).any(1)
+    if not bool(cut.any()):
+        return rollout
+    rollout.response_mask = rollout.response_mask * within
+    rollout.response_ids = torch.where(within, rollout.response_ids,
+                                       torch.full_like(rollout.response_ids, tokenizer.pad_token_id))
+    rollout.truncated = rollout.truncated | cut
+    if rollout.sample_logp is not None:
+        rollout.sample_logp = rollout.sample_logp * within
+    rollout.completions = tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+    return rollout
 
 
 class EngineWrapper(Engine):
@@ -104,8 +129,10 @@ class EngineWrapper(Engine):
         return self.inner.samples_a_copy
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
-        return self.inner.generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
+        return self.inner.generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds,
+                                   budgets=budgets)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

@@ -203,10 +203,9 @@ class FastEngine(Engine):
                     slots = SlotDecoder(self, self.slots, AnswerRows(self, limits, greedy))
                     out = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
                     self.slot_stats = slots.stats
-                elif self.static is not None and supports_static_decode(self.model):
-                    if budgets is not None:
-                        raise ValueError("budgets per row are not taken by the static decode path")
-                    out = self.static.decode(self, enc["input_ids"], enc["attention_mask"], index, max_new, greedy,
+                elif self.static is not None and supports_static_decode(self.model):  # cut at the budgets below
+                    longest = min(int(limits.max()), max_new) if len(limits) else max_new
+                    out = self.static.decode(self, enc["input_ids"], enc["attention_mask"], index, longest, greedy,
                                              uniforms)
                 else:
                     out = self._decode(enc["input_ids"], enc["attention_mask"], index, max_new, greedy, uniforms,

@@ -6,11 +6,13 @@ is always drawn from the current parameters.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from covey.batch import Rollout, concat_rollouts
 from covey.models.attention import sampling_attention
-from covey.rollout.base import Engine, Prompt, encode_prompts
+from covey.rollout.base import Engine, Prompt, cut_to_budgets, encode_prompts
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -69,11 +71,15 @@ class HFEngine(Engine):
         return "hf engine (transformers' generate)"
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
         """`seeds`: `generate` draws from torch's global generator, so each seeded group is one call inside a
-        forked generator seeded with its seed (the run's own stream is left untouched)."""
+        forked generator seeded with its seed (the run's own stream is left untouched). `budgets`: `generate`
+        samples every row to the longest budget, then each row is cut at its own (`cut_to_budgets`)."""
+        if budgets is not None:
+            max_new_tokens = min(max(budgets, default=1), max_new_tokens or self.max_new_tokens)
         if seeds is None:
-            return self.sample(prompts, group_size, greedy, max_new_tokens)
+            return cut_to_budgets(self.sample(prompts, group_size, greedy, max_new_tokens), budgets, self.tokenizer)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         parts = []
         for prompt, seed in zip(prompts, seeds, strict=True):
@@ -82,7 +88,7 @@ class HFEngine(Engine):
                 parts.append(self.sample([prompt], group_size, greedy, max_new_tokens))
         rollout = concat_rollouts(parts, self.tokenizer.pad_token_id)
         rollout.example_index = rollout.group_ids.tolist()  # the prompt's position in `prompts`
-        return rollout
+        return cut_to_budgets(rollout, budgets, self.tokenizer)
 
     @torch.inference_mode()
     def sample(self, prompts: list[Prompt], group_size: int, greedy: bool, max_new_tokens: int | None) -> Rollout:

@@ -19,6 +19,7 @@ from a distribution within bf16 rounding of it.
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -88,10 +89,12 @@ class LowPrecisionEngine(EngineWrapper):
         copy_weights(self.copy, model)
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
         if self.released:  # no update since the release (a step whose samples were all dropped)
             self.sync_weights(self.source)
-        return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
+        return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds,
+                                budgets=budgets)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

@@ -34,11 +34,12 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from covey.batch import Rollout
-from covey.rollout.base import Engine, Prompt, encode_prompts
+from covey.rollout.base import Engine, Prompt, cut_to_budgets, encode_prompts
 from covey.rollout.hf import eos_ids
 from covey.runtime.fsdp import full_state_dict
 
@@ -221,13 +222,17 @@ class VLLMEngine(Engine):
     # ----------------------------------------------------------------- generation
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> SampledRollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> SampledRollout:
+        """`budgets`: vLLM samples every row to the longest budget, then each row is cut at its own."""
         from vllm import SamplingParams
 
         enc = encode_prompts(self.tokenizer, prompts)
         token_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
                      for p in prompts]
-        base = dict(n=group_size, max_tokens=max_new_tokens or self.max_new_tokens, logprobs=0,
+        max_tokens = max_new_tokens or self.max_new_tokens
+        max_tokens = min(max(budgets, default=1), max_tokens) if budgets is not None else max_tokens
+        base = dict(n=group_size, max_tokens=max_tokens, logprobs=0,
                     stop_token_ids=self.eos, temperature=0.0 if greedy else self.temperature,
                     top_p=1.0 if greedy else self.top_p, top_k=-1 if greedy or self.top_k <= 0 else self.top_k)
         params = [SamplingParams(**base, seed=seed) for seed in (seeds or [None] * len(prompts))]
@@ -237,4 +242,4 @@ class VLLMEngine(Engine):
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], sampling_params=params,
                                     use_tqdm=False, lora_request=self.lora_request)
         self._sleep()
-        return outputs_to_rollout(outputs, enc, group_size, self.tokenizer)
+        return cut_to_budgets(outputs_to_rollout(outputs, enc, group_size, self.tokenizer), budgets, self.tokenizer)

@@ -2,8 +2,9 @@
 
 Request threads submit `Job`s (one prompt's ids, n, max_tokens, greedy, seed) and wait on their futures.
 The engine's thread takes the first job waiting, then whatever arrives within `window_s` and whatever
-queued while the engine was busy, groups them by their sampling settings (greedy, n, max_tokens: one
-engine call samples one way) and calls `engine.generate` once per group of at most `max_rows` rows.
+queued while the engine was busy, groups them by their sampling settings (greedy, n: one engine call
+samples one way; each row keeps its own max_tokens as its budget) and calls `engine.generate` once per group
+of at most `max_rows` rows.
 Each job carries its own seed, so its samples depend on its seed only, not on the batch it joined
 (`Engine.generate`'s per-prompt seeds). A group whose call raises is retried job by job, so that one bad
 request fails alone (its future gets the exception; the thread keeps serving).
@@ -48,7 +49,7 @@ class Job:
 
     @property
     def key(self) -> tuple:
-        return self.greedy, self.n, self.max_tokens
+        return self.greedy, self.n
 
 
 @dataclass(eq=False)
@@ -169,7 +170,8 @@ class Batcher:
         self.stats.largest_batch = max(self.stats.largest_batch, len(jobs))
         try:
             rollout = self.engine.generate([j.prompt_ids for j in jobs], first.n, greedy=first.greedy,
-                                           max_new_tokens=first.max_tokens, seeds=[j.seed for j in jobs])
+                                           max_new_tokens=max(j.max_tokens for j in jobs), seeds=[j.seed for j in jobs],
+                                           budgets=[j.max_tokens for j in jobs for _ in range(first.n)])
             answers = [samples_of(rollout, range(i * first.n, (i + 1) * first.n)) for i in range(len(jobs))]
         except BaseException as e:  # noqa: BLE001 - one request's fault must not stop the engine's thread
             if len(jobs) > 1:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from types import SimpleNamespace
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,10 +78,12 @@ class GatheredGeneration(EngineWrapper):
         self.policy = policy
 
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
-                 max_new_tokens: int | None = None, seeds: list[int] | None = None) -> Rollout:
+                 max_new_tokens: int | None = None, seeds: list[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> Rollout:
         """Under FSDP the parameters are gathered once for the whole call (every seeded group of it)."""
         with unsharded(self.policy):
-            return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds)
+            return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds,
+                                    budgets=budgets)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

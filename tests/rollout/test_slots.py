@@ -108,3 +108,37 @@ def test_families(family):
     batch, _ = run(engine(model, tok), greedy=True)
     slotted, _ = run(e, greedy=True)
     assert torch.equal(batch.response_ids, slotted.response_ids)
+
+
+def test_every_engine_keeps_each_rows_budget(tiny):
+    # the HF engine cannot stop one row early: it samples to the longest budget and cuts each row at its own,
+    # which gives the fast engine's tokens (greedy) and marks a row cut at its budget truncated
+    from covey.rollout.hf import HFEngine
+    model, tok = tiny
+    budgets = [5, 1, 9]  # greedy `generate` takes one row per prompt
+    fast = FastEngine(model, tok, max_new_tokens=12).generate(PROMPTS, 1, greedy=True, budgets=budgets)
+    hf = HFEngine(model, tok, max_new_tokens=12).generate(PROMPTS, 1, greedy=True, budgets=budgets)
+    width = fast.response_ids.shape[1]
+    assert torch.equal(hf.response_ids[:, :width], fast.response_ids) and not hf.response_mask[:, width:].any()
+    assert torch.equal(hf.response_mask[:, :width], fast.response_mask)
+    assert torch.equal(hf.truncated, fast.truncated) and hf.completions == fast.completions
+    assert fast.response_mask.sum(1).tolist() == budgets  # the tiny model's greedy rows never end by themselves
+
+
+def test_cut_to_budgets_by_hand(tiny):
+    from covey.batch import Rollout
+    from covey.rollout.base import cut_to_budgets
+    _, tok = tiny
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    # row 0: 4 tokens, no end, budget 2 -> 2 kept, truncated; row 1: ends at its 2nd token, budget 3 -> kept
+    ids = torch.tensor([[10, 11, 12, 13], [20, eos, pad, pad]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    rollout = Rollout(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+                      response_ids=ids, response_mask=mask, group_ids=torch.tensor([0, 0]),
+                      truncated=torch.tensor([True, False]), completions=["", ""], example_index=[0, 0],
+                      sample_logp=torch.full((2, 4), -1.0) * mask)
+    out = cut_to_budgets(rollout, [2, 3], tok)
+    assert out.response_ids.tolist() == [[10, 11, pad, pad], [20, eos, pad, pad]]
+    assert out.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+    assert out.truncated.tolist() == [True, False]
+    assert out.sample_logp.tolist() == [[-1, -1, 0, 0], [-1, -1, 0, 0]]

@@ -22,11 +22,14 @@ class ScriptedEngine(Engine):
         self.tokenizer, self.answer, self.fail_on = tokenizer, answer, fail_on
         self.calls: list[list[list[int]]] = []
 
-    def generate(self, prompts, group_size, *, greedy=False, max_new_tokens=None, seeds=None) -> Rollout:
+    def generate(self, prompts, group_size, *, greedy=False, max_new_tokens=None, seeds=None,
+                 budgets=None) -> Rollout:
         self.calls.append([list(p) for p in prompts])
         if self.fail_on is not None and any(self.fail_on in p for p in prompts):
             raise RuntimeError("scripted failure")
-        rows = [self.answer(list(p))[:max_new_tokens] for p in prompts for _ in range(group_size)]
+        limits = budgets or [max_new_tokens] * (len(prompts) * group_size)
+        rows = [self.answer(list(p))[:limits[i * group_size + g]] for i, p in enumerate(prompts)
+                for g in range(group_size)]
         width, eos = max(len(r) for r in rows), self.tokenizer.eos_token_id
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
         mask, logp = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
