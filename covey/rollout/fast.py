@@ -254,6 +254,7 @@ class FastEngine(Engine):
         has finished."""
         device = next(self.model.parameters()).device
         prompt_ids, prompt_mask, index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
+        budgets = budgets.to(device) if budgets is not None else None
         n, width = len(index), prompt_ids.shape[1]
         pad, eos = self.tokenizer.pad_token_id, torch.tensor(self.eos, device=device)
         cache, logits = self.prefill(prompt_ids, prompt_mask, index, width + max_new)
@@ -271,7 +272,7 @@ class FastEngine(Engine):
             logps[rows, t] = torch.log_softmax(logits / self.temperature, -1).gather(1, step[:, None]).squeeze(1)
             alive[rows] &= ~torch.isin(step, eos)
             if budgets is not None:
-                alive[rows] &= t + 1 < budgets.to(device)[rows]
+                alive[rows] &= t + 1 < budgets[rows]
             if t == max_new - 1 or not bool(alive.any()):
                 return tokens[:, :t + 1].cpu(), logps[:, :t + 1].cpu()
             done = ~alive[rows]

@@ -163,6 +163,7 @@ class SlotDecoder:
         self.prefill(capacity)
         count = len(self.index) if self.slots <= 0 else min(self.slots, len(self.index))
         self.cache.batch_select_indices(self.index[:count])
+        self.stats.cache_bytes = held_bytes(self.cache)  # its largest: the buffers never grow, slots only leave
         self.rows = list(range(count))  # the row in each slot, in cache order
         self.key_mask = torch.zeros((count, capacity), dtype=torch.long, device=device)
         self.key_mask[:, :width] = self.prompt_mask[self.index[:count]]
@@ -206,7 +207,6 @@ class SlotDecoder:
         s = self.stats
         s.steps, s.row_steps = s.steps + 1, s.row_steps + busy
         s.token_columns += int(self.key_mask.sum())
-        s.cache_bytes = max(s.cache_bytes, held_bytes(self.cache))
 
     def turn_over(self, tokens: list[int], valid: list[bool], done: list[bool]) -> tuple[list[int], list[bool]]:
         """Slots whose row ended take waiting rows (each new row's first input drawn at once from its prompt's
