@@ -22,7 +22,8 @@ The packages, lowest layer first (imports point down only; docs/design.md):
 - tasks: prompts and their verifiers; models: weights into modules;
 - passes: one batch through one model at train time;
 - rollout: the sampling engines; rewards: scoring completions;
-- rm: training reward models; serve: the policy server (OpenAI-compatible, token-faithful);
+- rm: training reward models; serve: the policy server (OpenAI-compatible, token-faithful); envs:
+  environments and agent harnesses from outside, their episodes as rows;
 - training: the run's code (plan, loop, update);
 - report: reading run folders back;
 - cli: the command line.

@@ -18,7 +18,8 @@ Modules:
 - kl: per-token KL estimators and controllers; logits: chunked log-probs, entropy, full KL;
   linear_logits: the same from hidden states and the output layer, no full logits;
 - dpo: the DPO loss on best-vs-worst pairs; rm_losses: reward-model losses (Bradley-Terry pairs,
-  labelled steps);
+  labelled steps); distill: the supervised token loss, on-policy distillation's reverse-KL advantages and
+  GKD's generalized JSD;
 - tis: importance weights of the four TIS modes, sampler vs trainer; token_select: high-entropy
   tokens, Clip-Cov / KL-Cov selections; entropy_control: fixed or adaptive entropy coefficient;
   router: the load-balancing loss of a mixture of experts' routers, its step share.
@@ -37,6 +38,7 @@ from covey.algos.advantages import (
     steps_to_tokens,
 )
 from covey.algos.aggregation import AGGREGATIONS, Normalizer, aggregate, make_normalizer, mask_truncated, step_totals
+from covey.algos.distill import generalized_jsd, jsd_loss, reverse_kl_advantages, token_nll, top_k_logits
 from covey.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprob
 from covey.algos.entropy_control import AdaptiveEntropyController, FixedEntropyController
 from covey.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty
@@ -97,5 +99,6 @@ __all__ = [
     "reinforce_pp",
     "reinforce_pp_baseline", "remax", "rloo", "selective_log_softmax", "sequence_logprob", "spread_over_tokens",
     "step_share", "step_totals",
-    "steps_to_tokens", "token_rewards", "sampler_mismatch", "truncated_is_weights", "value_loss", "whiten",
+    "steps_to_tokens", "token_rewards", "generalized_jsd", "jsd_loss", "reverse_kl_advantages", "token_nll",
+    "top_k_logits", "sampler_mismatch", "truncated_is_weights", "value_loss", "whiten",
 ]

@@ -1,4 +1,5 @@
-"""covey command line: train | eval | train-rm | eval-rm | serve-reward | serve-policy | plot | compare | advantages.
+"""covey command line: train | sft | eval | train-rm | eval-rm | serve-reward | serve-policy | export | plot | compare
+| advantages.
 
 This module builds the parser from one module per command (covey/cli/<command>.py), and holds
 the entry point and the error policy: a user error is one line and exit 2, a stopped run exits 130/143, a reader that
@@ -21,10 +22,10 @@ STDOUT_CLOSED_EXIT = 141  # 128 + SIGPIPE: what a shell reports for a writer who
 def build_parser() -> argparse.ArgumentParser:
     # Here, not at the top: entry() may restart the interpreter before any command module is needed.
     import covey.cli.eval  # by its full name: `eval` alone would hide the builtin
-    from covey.cli import advantages, compare, plot, rm, serve, serve_policy, train
+    from covey.cli import advantages, compare, export, plot, rm, serve, serve_policy, sft, train
     parser = argparse.ArgumentParser(prog="covey", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (train, covey.cli.eval, rm, serve, serve_policy, plot, compare, advantages):
+    for command in (train, sft, covey.cli.eval, rm, serve, serve_policy, export, plot, compare, advantages):
         command.add_parser(sub)
     for sub_parser in sub.choices.values():  # argument errors are reported by the command's own parser
         sub_parser.set_defaults(command_parser=sub_parser)

@@ -38,6 +38,7 @@ from covey.config.load import (  # noqa: F401
                                  split_config,
 )
 from covey.config.schema import (  # noqa: F401
+                                 LOGGERS,
                                  SECTIONS,
                                  AlgoConfig,
                                  Config,
@@ -51,4 +52,6 @@ from covey.config.schema import (  # noqa: F401
                                  TaskConfig,
                                  TrainConfig,
                                  leaf_keys,
+                                 parse_loggers,
+                                 parse_source,
 )

@@ -9,7 +9,7 @@ Every error is one line naming the key.
 
 from __future__ import annotations
 
-from covey.config.schema import Config, ConfigError, TaskConfig
+from covey.config.schema import REASONING_GYM, Config, ConfigError, TaskConfig, parse_loggers, parse_source
 
 MULTISTEP_OPS = ("+", "-", "*")
 """Operations a multistep problem may draw (task.ops is a subset)."""
@@ -28,7 +28,7 @@ CHOICES = {
     "model.autocast": ("none", "bfloat16", "auto"),
     "optim.name": ("adamw", "adamw_8bit", "adamw_4bit", "adamw_bf16", "paged_adamw_8bit"),
     "model.fused_kernels": ("auto", "on", "off"),
-    "task.name": ("arithmetic", "multistep", "wordproblems", "file", "jsonl", "hf"),
+    "task.name": ("arithmetic", "multistep", "wordproblems", "file", "jsonl", "hf", f"{REASONING_GYM}<dataset>"),
     "task.on_bad_row": ("raise", "skip"),
     "task.kind": ("add", "sub", "mul", "mixed"),
     "rollout.engine": ("hf", "fast", "vllm"),
@@ -39,11 +39,11 @@ CHOICES = {
     "reward.step_source": ("prm", "exact", "turns"),
     "reward.language_target": ("en", "fr", "de", "es", "it", "pt", "latin", "zh", "ja", "ko", "cjk"),
     "rm.objective": ("bt", "prm"),
-    "algo.learner": ("advantage", "dpo"),
+    "algo.learner": ("advantage", "dpo", "sft", "distill"),
+    "algo.distill.loss": ("reverse_kl", "jsd"),
     "algo.kl_in": ("loss", "reward", "none"),
-    "train.logger": ("jsonl", "tensorboard"),
     "train.device": ("auto", "cpu", "cuda"),
-    "eval.metric": ("auto", "math", "exact", "normalized", "contains", "reward"),
+    "eval.metric": ("auto", "math", "exact", "normalized", "contains", "reasoning_gym", "reward"),
 }
 
 POSITIVE = ("rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
@@ -65,13 +65,14 @@ AT_LEAST = {
     "algo.adaptive_kl.horizon": (1, True), "algo.entropy_coef": (0.0, True), "algo.gae.value_clip": (0.0, True),
     "algo.gae.value_coef": (0.0, True), "algo.adv_eps": (0.0, True), "algo.ddof": (0, True),
     "algo.dynamic_sampling.max_rounds": (0, True), "algo.ref_refresh_every": (0, True), "rollout.top_k": (0, True),
-    "rollout.slots": (0, True),
+    "rollout.slots": (0, True), "rollout.speculate": (0, True),
     "reward.timeout_s": (0.0, True), "rollout.max_turns": (1, True), "rollout.max_turn_tokens": (0, True),
     "rollout.max_episode_tokens": (0, True), "rollout.tool_timeout_s": (0.0, False),
     "reward.overlong_buffer": (0, True), "model.threads": (0, True),
     "train.eval_every": (0, True), "train.save_every": (0, True), "train.keep_checkpoints": (1, True),
     "train.samples_every": (0, True), "train.eval_pass_k": (0, True), "task.train_size": (1, True),
     "task.eval_size": (0, True),  # 0: every row trains, no held-out evaluation
+    "sft.num_steps": (0, True), "sft.batch_size": (0, False), "algo.distill.top_k": (0, True),
 }
 
 CLIP_HIGH_MAX = 10.0
@@ -123,7 +124,12 @@ def check_choices(cfg: Config, choices: dict) -> None:
 
 def validate_choices(cfg: Config) -> None:
     """Closed option sets and sizes that must be positive."""
-    check_choices(cfg, CHOICES)
+    check_choices(cfg, {k: v for k, v in CHOICES.items()  # reasoning_gym:<dataset>: the dataset is checked as it loads
+                        if k != "task.name" or not cfg.task.name.startswith(REASONING_GYM)})
+    try:
+        parse_loggers(cfg.train.logger)
+    except ValueError as err:
+        raise ConfigError(f"train.logger={cfg.train.logger!r}: {err}") from None
     for key, (least, allowed) in AT_LEAST.items():
         value = value_of(cfg, key)
         if value < least or (value == least and not allowed):
@@ -171,6 +177,10 @@ def validate_task(cfg: Config) -> None:
                           f"{WORD_MAX_STEPS} operations")
     if cfg.task.name in FILE_TASKS and not cfg.task.path:
         raise ConfigError(f"task.name={cfg.task.name} needs task.path")
+    try:
+        parse_source(cfg.task.source)
+    except ValueError as err:
+        raise ConfigError(f"task.source={cfg.task.source!r}: {err}") from None
 
 
 def validate_template(template: str, key: str = "task.template", **example: str) -> None:
@@ -299,6 +309,9 @@ def validate_scale(cfg: Config) -> None:
     if r.slots and r.engine != "fast":
         raise ConfigError(f"rollout.slots={r.slots} sets the fast engine's slots: rollout.engine={r.engine} does not "
                           "use them")
+    if r.speculate and (r.engine != "fast" or r.decode in ("static", "graphs", "compile") or r.speculate > 16):
+        raise ConfigError(f"rollout.speculate={r.speculate}: at most 16 draft tokens, verified in the fast engine's "
+                          f"plain steps (rollout.engine={r.engine}, rollout.decode={r.decode})")
     if r.slots and r.decode in ("static", "graphs", "compile"):
         raise ConfigError(f"rollout.slots={r.slots}: the slots decode with plain steps, not rollout.decode={r.decode}")
     if not 0 < r.vllm_gpu_memory_utilization < 1:
@@ -377,6 +390,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
     unsupported = [key for key, on in (("algo.learner=dpo", cfg.algo.learner == "dpo"),
                                        ("train.grad_var_every", cfg.train.grad_var_every),
                                        ("reward.iterative_every", cfg.reward.iterative_every),
+                                       ("task.source=" + cfg.task.source.split(":")[0] + ":...",  # a server each
+                                        parse_source(cfg.task.source)[0] in ("harness", "verifiers")),
                                        ("rollout.precision=bfloat16 (a copy of a sharded policy)",
                                         cfg.rollout.precision == "bfloat16" and cfg.rollout.engine != "vllm"))
                   if on]

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from covey.config.checks import validate
-from covey.config.schema import Config, ConfigError, group_keys, leaf_keys
+from covey.config.schema import MAPPING_KEYS, Config, ConfigError, group_keys, leaf_keys, mapping_entry
 from covey.config.schema_algo import MOVED_KEYS
 
 PRESET_SUFFIX = ".yaml"
@@ -324,6 +324,11 @@ def convert(key: str, raw, typ: str):
             if isinstance(raw, bool):
                 raise ValueError
             return float(raw)
+        if typ == "dict":  # a free-form mapping (MAPPING_KEYS): a YAML mapping, or its flow text '{a: 1}'
+            value = yaml.safe_load(raw) if isinstance(raw, str) else raw
+            if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+                raise ValueError
+            return dict(value or {})
         if isinstance(raw, (list, tuple)) and key in COMMA_LISTS:  # a YAML list: the comma form
             return ",".join(str(item).strip() for item in raw)
         if isinstance(raw, (list, tuple, dict)):
@@ -359,6 +364,11 @@ def field_type(cfg: Config, key: str) -> str:
 
 
 def set_value(cfg: Config, key: str, raw) -> None:
+    entry = mapping_entry(key)
+    if entry:  # task.reasoning_gym.min_terms=2: one entry of a mapping key
+        obj, name = owner(cfg, entry[0])
+        getattr(obj, name)[entry[1]] = raw
+        return
     full = resolve_key(key, raw)
     obj, name = owner(cfg, full)
     setattr(obj, name, convert(full, raw, field_type(cfg, full)))
@@ -367,8 +377,9 @@ def set_value(cfg: Config, key: str, raw) -> None:
 def parse_override(cfg: Config, key: str, text: str):
     """A command-line value: the text itself for a string field (a template such as
     'From {start}: {steps}' is not YAML), read as YAML otherwise ('1e-5', 'true', '0.2')."""
-    full = resolve_key(key, text)
-    if field_type(cfg, full) == "str":
+    entry = mapping_entry(key)  # an entry of a mapping key is read as YAML, whatever its type
+    full = key if entry else resolve_key(key, text)
+    if not entry and field_type(cfg, full) == "str":
         return text
     try:
         return yaml.safe_load(text) if text.strip() else ""
@@ -381,7 +392,7 @@ def flatten(data: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and key not in MAPPING_KEYS:  # a mapping key's value stays whole
             out.update(flatten(v, key + "."))
         else:
             out[key] = v

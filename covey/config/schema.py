@@ -45,10 +45,40 @@ class ModelConfig:
     """QLoRA (Dettmers et al. 2023, arXiv:2305.14314): the base weights frozen in 4-bit NF4 by bitsandbytes (pip install 'covey[qlora]'), the rest in bfloat16; needs CUDA and model.lora_rank > 0. Not yet run on a GPU."""
 
 
+SOURCE_KINDS = ("harness", "openenv", "verifiers")
+"""What task.source may name before its colon (covey/envs/)."""
+
+
+def parse_source(value: str) -> tuple[str, str]:
+    """task.source -> (kind, target): '' -> ('', ''); 'harness:python agent.py' -> ('harness', 'python agent.py');
+    ValueError for another kind or an empty target."""
+    if not value.strip():
+        return "", ""
+    kind, sep, target = value.partition(":")
+    kind, target = kind.strip(), target.strip()
+    if not sep or kind not in SOURCE_KINDS:
+        raise ValueError(f"write <kind>:<target> with a kind in {', '.join(SOURCE_KINDS)} (e.g. harness:python agent.py)")
+    if not target:
+        raise ValueError(f"{kind}: names nothing after the colon")
+    return kind, target
+
+
+@dataclass
+class HarnessConfig:
+    """task.source=harness:<command> or verifiers:<taskset>: how the outside episodes are played against covey's policy server (docs/environments.md)."""
+    concurrency: int = 8
+    """Episodes played at once: harness commands, or a verifiers environment's episodes (>= 1)."""
+    timeout_s: float = 300.0
+    """Seconds one episode may take (> 0); a slower one is stopped (a command killed with its process group) and scores 0 (harness/timeouts, verifiers/timeouts)."""
+
+
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source: arithmetic | multistep | wordproblems (generated) | file (task.path: .jsonl, .json, .csv, .parquet or a saved HF dataset folder; jsonl and hf are other names for it)."""
+    """Prompt source: arithmetic | multistep | wordproblems (generated) | file (task.path: .jsonl, .json, .csv, .parquet or a saved HF dataset folder; jsonl and hf are other names for it) | reasoning_gym:<dataset> (a reasoning-gym generator by name, e.g. reasoning_gym:chain_sum; pip install 'covey[reasoning-gym]')."""
+    source: str = ""
+    """Who plays the episodes: '' (covey's engine answers the task's prompts) | harness:<command> (an agent program per episode, given the row, talking to covey's policy server; task.harness.*) | verifiers:<taskset id or file.py> [JSON config] (a verifiers 0.4 environment's tasks, rollouts and rewards; pip install 'covey[verifiers]') | openenv:<module:Class or http://HOST:PORT> (an OpenEnv environment, in this process or on its server, played by covey's tool loop: its step is the model's tool, the task's rows its prompts and reset arguments, the sum of its step rewards the episode's reward; pip install 'covey[openenv]'). docs/environments.md."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
     path: str = ""
     """Training data: a .jsonl/.json/.csv/.parquet file or a folder saved with datasets' save_to_disk."""
     split: str = ""
@@ -94,6 +124,8 @@ class TaskConfig:
     """Optional system message prepended to every prompt."""
     template: str = "What is {a} {op} {b}?"
     """Arithmetic question text with {a}, {op}, {b} placeholders."""
+    reasoning_gym: dict = field(default_factory=dict)
+    """task.name=reasoning_gym:<dataset>: the generator's own options (its config dataclass's fields but seed and size), e.g. task.reasoning_gym.min_terms=2 or task.reasoning_gym='{min_terms: 2, max_terms: 3}'; empty = its defaults."""
 
 
 @dataclass
@@ -122,6 +154,8 @@ class RolloutConfig:
     """fast engine's decoding: auto (graphs on CUDA, plain elsewhere) | plain | static (a KV cache allocated once) | graphs (static, each step a CUDA graph replay) | compile (graphs of torch.compile's kernels)."""
     slots: int = 0
     """fast engine: decode a step's rows through this many slots, each taken by the next waiting row as soon as its row ends (covey/rollout/slots.py; the same tokens as without); 0 = every row at once, rows only leaving the batch."""
+    speculate: int = 0
+    """fast engine: draft up to this many tokens per row from n-grams of the row's group and of recent answers, and verify them in one forward while few rows remain (covey/rollout/speculate.py; the sampled distribution is unchanged, greedy tokens too), at most 16; 0 = off. Off by default until measured on more than one machine."""
     seeding: str = "global"
     """Sampling seeds: global (one RNG stream) | per_prompt (run seed + draw index: any process count, same samples)."""
     vllm_gpu_memory_utilization: float = 0.3
@@ -172,6 +206,27 @@ class OptimConfig:
     """Hold the optimizer state in CPU memory and step there (torchao's CPUOffloadOptimizer; CUDA only, one process): no GPU memory for the state, a host copy of weights and gradients each step. pip install 'covey[lowmem]'. Not yet run on a GPU."""
 
 
+LOGGERS = ("trackio", "wandb", "tensorboard")
+"""Experiment trackers train.logger may name, comma-separated; `none` names none (metrics.jsonl is always written)."""
+
+
+def parse_loggers(spec: str) -> tuple[str, ...]:
+    """'trackio, tensorboard' -> ('trackio', 'tensorboard'); 'none' -> () (so does 'jsonl', the name an older run's
+    config.yaml holds); ValueError for an unknown or repeated name, or none beside a tracker."""
+    names = [n.strip().lower() for n in spec.split(",") if n.strip()]
+    if names in (["none"], ["jsonl"]):
+        return ()
+    if {"none", "jsonl"} & set(names):
+        raise ValueError("none names no tracker: it stands alone")
+    wrong = [n for n in names if n not in LOGGERS]
+    if not names or wrong:
+        raise ValueError(f"{', '.join(wrong) or 'empty'}: choose none or one or more of {', '.join(LOGGERS)}, "
+                         "comma-separated (e.g. trackio,tensorboard)")
+    if len(set(names)) < len(names):
+        raise ValueError("a tracker is named twice")
+    return tuple(names)
+
+
 @dataclass
 class TrainConfig:
     steps: int = 60
@@ -198,8 +253,10 @@ class TrainConfig:
     """Parent folder of run folders."""
     run_name: str = ""
     """Run folder name (default: algorithm and time)."""
-    logger: str = "jsonl"
-    """jsonl | tensorboard (jsonl is always written)."""
+    logger: str = "none"
+    """Experiment trackers beside metrics.jsonl (always written), comma-separated (docs/tracking.md): none | trackio (a local dashboard: trackio show; pip install 'covey[trackio]') | wandb (offline, saved in the run folder, unless WANDB_MODE is set or an API key and the W&B server are reachable; pip install 'covey[wandb]') | tensorboard (runs/<name>/tb; pip install 'covey[tensorboard]'). Each gets metrics.jsonl's names; trackio and wandb get the sample completions as a table."""
+    logger_project: str = "covey"
+    """With train.logger=trackio or wandb: the project the run goes to (the run is named after its run folder)."""
     resume: str = ""
     """'' | auto | PATH of a checkpoint."""
     resume_force: bool = False
@@ -208,6 +265,8 @@ class TrainConfig:
     """Show a live progress bar."""
     dist_timeout_s: float = 1800.0
     """Under torchrun: seconds a collective waits for the other processes before raising."""
+    balance_ranks: bool = True
+    """Under torchrun: after the advantages, hand the step's rows out again so every rank trains about as many tokens (longest row first to the rank with the fewest, each rank keeping its number of rows; docs/scale.md). The same gradient, to float rounding: the loss normaliser is global."""
     max_minutes: float = 12.0
     """Stop after this many minutes spent in training steps, evaluation excluded (0 = no limit; 12 ends `covey train` in ~15)."""
     grad_var_every: int = 0
@@ -219,9 +278,21 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     metric: str = "auto"
-    """Held-out measure, and the correctness reward's verifier: auto (math when every answer is a number, else normalized) | math | exact | normalized | contains (covey/tasks/verifiers.py) | reward (the run's reward: reports eval/reward_mean and eval/reward_pass)."""
+    """Held-out measure, and the correctness reward's verifier: auto (math when every answer is a number, else normalized; reasoning_gym for task.name=reasoning_gym:<dataset>) | math | exact | normalized | contains | reasoning_gym (the dataset's own score_answer) (covey/tasks/verifiers.py) | reward (the run's reward: reports eval/reward_mean and eval/reward_pass)."""
     reward_threshold: float = 1.0
     """With eval.metric=reward: a held-out answer passes when its total reward is at least this."""
+
+
+@dataclass
+class SftConfig:
+    data: str = ""
+    """Demonstrations for supervised fine-tuning (docs/distillation.md): a .jsonl or .json file, or a folder saved with datasets' save_to_disk; each row is chat messages ("messages": tool calls and tool results included, with the tools' schemas in "tools") or a "prompt"/"completion" pair. The loss is on the assistant's tokens only. Read by algo.learner=sft (covey sft) and by the warm-up sft.num_steps."""
+    split: str = ""
+    """Split of a saved HF DatasetDict in sft.data (empty = the dataset itself, or its only split)."""
+    num_steps: int = 0
+    """Supervised warm-up before RL: the run's first sft.num_steps steps train on sft.data, then train.steps steps of the RL learner follow, in one run folder and one resume (0 = none; with algo.learner=sft every step is supervised and this stays 0)."""
+    batch_size: int = 8
+    """Conversations per supervised step: one optimizer step, in micro-batches of algo.micro_batch_size."""
 
 
 @dataclass
@@ -235,9 +306,23 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+REASONING_GYM = "reasoning_gym:"
+"""task.name=reasoning_gym:<dataset> names a reasoning-gym generator (covey/tasks/reasoning_gym.py)."""
+
+
+MAPPING_KEYS = ("task.reasoning_gym",)
+"""Keys that hold a free-form mapping (a generator's own options): KEY.NAME=value sets its entry NAME."""
+
+
+def mapping_entry(key: str) -> tuple[str, str] | None:
+    """'task.reasoning_gym.min_terms' -> ('task.reasoning_gym', 'min_terms'); None for any other key."""
+    return next(((m, key[len(m) + 1:]) for m in MAPPING_KEYS if key.startswith(m + ".")), None)
 
 
 def is_group(value) -> bool:

@@ -2,7 +2,7 @@
 
 A key that matters for one value of another is nested under its owner, declared once here with its
 default and docstring: the options of one loss (`algo.sapo.*`, `algo.gmpo.*`, `algo.vespo.*`), of one
-estimator (`algo.gae.*`), of one learner (`algo.dpo.*`) and of one token device (`algo.tis.*`,
+estimator (`algo.gae.*`), of one learner (`algo.dpo.*`, `algo.distill.*`) and of one token device (`algo.tis.*`,
 `algo.clip_cov.*`, `algo.kl_cov.*`, `algo.adaptive_entropy.*`), and the adaptive controllers
 (`algo.adaptive_kl.*`, `algo.dynamic_sampling.*`). covey.algos reads these same classes, so a loss's
 options and their defaults exist once. No torch.
@@ -60,6 +60,21 @@ class DpoOptions:
     """algo.learner=dpo: iterative DPO on each group's best-vs-worst pair (Rafailov et al. 2023, arXiv:2305.18290)."""
     beta: float = 0.1
     """beta of the loss -log sigmoid(beta * margin): the implicit KL strength (> 0)."""
+
+
+@dataclass
+class DistillOptions:
+    """algo.learner=distill: on-policy distillation from a teacher with the policy's tokenizer (docs/distillation.md)."""
+    teacher: str = ""
+    """The teacher: a local model folder whose tokenizer is the policy's (checked before any model loads)."""
+    loss: str = "reverse_kl"
+    """reverse_kl (each sampled token's advantage is log pi_teacher - log pi_student, through algo.policy_loss; Lu and Thinking Machines Lab 2025) | jsd (GKD's generalized JSD of the two next-token distributions on the student's samples; Agarwal et al. 2023, arXiv:2306.13649)."""
+    beta: float = 0.5
+    """loss=jsd: GKD's beta in [0, 1] (0 = forward KL(teacher || student), 1 = reverse KL, TRL's convention)."""
+    top_k: int = 0
+    """loss=jsd: the divergence over the teacher's top-k tokens of each position, both distributions renormalised over them (0 = the whole vocabulary)."""
+    reward_weight: float = 0.0
+    """loss=reverse_kl: the estimator's reward advantages times this are added to the distillation advantages (0 = distillation alone)."""
 
 
 @dataclass
@@ -127,7 +142,7 @@ class AdaptiveEntropyOptions:
 @dataclass
 class AlgoConfig:
     learner: str = "advantage"
-    """Update: advantage (the estimator's advantages through the policy loss) | dpo (iterative DPO on each group's best-vs-worst pair; algo.dpo.*)."""
+    """Update: advantage (the estimator's advantages through the policy loss) | dpo (iterative DPO on each group's best-vs-worst pair; algo.dpo.*) | sft (supervised fine-tuning on sft.data; covey sft) | distill (on-policy distillation from algo.distill.teacher)."""
     estimator: str = "grpo"
     """Advantage estimator (covey.algos.ESTIMATORS): grpo | grpo_process | rloo | remax | reinforce_pp | reinforce_pp_baseline | gae (algo.gae.*)."""
     policy_loss: str = "ppo_clip"
@@ -191,6 +206,7 @@ class AlgoConfig:
     clip_cov: ClipCovOptions = field(default_factory=ClipCovOptions)
     kl_cov: KLCovOptions = field(default_factory=KLCovOptions)
     dpo: DpoOptions = field(default_factory=DpoOptions)
+    distill: DistillOptions = field(default_factory=DistillOptions)
 
 
 # The flat keys the algo section had before its options were nested, and where each lives now. Named on the

@@ -5,7 +5,26 @@ module of its own for size; every field has a one-line docstring, as there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class JudgeConfig:
+    """A judge model scores each group's answers relative to each other in one prompt (RULER, OpenPipe 2025; docs/rewards.md, "Judge reward")."""
+    model: str = ""
+    """The judge: a model spec run locally, frozen (default, tiny, a folder, a hub id), or an OpenAI-compatible endpoint http(s)://host:port/v1 (`covey serve-policy`, vLLM, a provider); empty = no judge."""
+    weight: float = 1.0
+    """Weight of the judge's score (in [0, 1]) in the total reward."""
+    template: str = ""
+    """A rubric template file holding {prompt}, {answers} and optionally {count}; empty = the built-in rubric."""
+    max_new_tokens: int = 256
+    """Longest judgment in tokens (greedy)."""
+    endpoint_model: str = ""
+    """With an endpoint: the model name sent with each request; empty = the first of its /v1/models."""
+    token_env: str = "OPENAI_API_KEY"
+    """With an endpoint: the environment variable holding its bearer token (unset or empty: none is sent)."""
+    timeout_s: float = 60.0
+    """With an endpoint: seconds per request; a request that times out or fails is retried 3 times with backoff."""
 
 
 @dataclass
@@ -62,6 +81,7 @@ class RewardConfig:
     """Weight of the language-consistency reward (DeepSeek-AI 2025, arXiv:2501.12948: share of words in the target language)."""
     language_target: str = "en"
     """Target language of the language reward: en | fr | de | es | it | pt | latin | zh | ja | ko | cjk."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -11,5 +11,7 @@
   PEFT; offload: a frozen reference kept on disk between its passes;
 - critic: ValueModel (a backbone and a scalar head) for critics and reward models;
 - tiny: the tiny random test models of every family and their tokenizer;
+- export: a finished run's model as GGUF, merged LoRA weights or a plain HF folder, and the model card
+  of final/; gguf_writer: a Llama model and its BPE tokenizer as a llama.cpp GGUF file;
 - errors: ModelError, the one-line error of model loading.
 """

@@ -7,7 +7,8 @@
 - steps: the step rewards of process supervision, mapped to the tokens where steps end;
 - learned: learned reward sources, a Bradley-Terry outcome RM and a process RM;
 - remote: a reward served over HTTP, as a TRL-shaped reward function; server: `covey serve-reward`;
-- sandbox: a model's Python program run in a separate, limited process, and the code reward.
+- sandbox: a model's Python program run in a separate, limited process, and the code reward;
+- judge: LLM-as-judge over a group, a local model or an OpenAI-compatible endpoint scoring a group's answers.
 """
 
 from covey.rewards.rules import (

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 from covey.config import RMConfig
 from covey.rewards.combine import Rewarder, RewardError, RewardTerm
+from covey.rewards.judge import TERM_NAME, JudgeOptions, check_judge, load_judge
 from covey.rewards.learned import load_learned_rewards
 from covey.rewards.remote import RemoteReward, check_reachable
 from covey.rewards.rules import (
@@ -30,7 +31,7 @@ from covey.rewards.rules import (
 from covey.rewards.scoring import placeholder_inputs
 from covey.runtime.errors import first_line
 
-BUILT_IN_NAMES = ("correctness", "format", "overlong", "language", "rm", "prm", "remote")
+BUILT_IN_NAMES = ("correctness", "format", "overlong", "language", "rm", "prm", "remote", TERM_NAME)
 """Names of covey's own terms: a user function of one of these names is reported as reward/user:<name>."""
 NON_FINITE = ("returned nan", "returned inf", "returned -inf")
 """A reward function's faults that are values, not exceptions."""
@@ -77,6 +78,8 @@ class RewardOptions:
     """rollout.environment is set: its get_reward() is the term `environment`."""
     max_steps: int
     """train.steps: the trainer_state of the call that checks each user function."""
+    judge: JudgeOptions
+    """reward.judge.*: the judge over each group (covey/rewards/judge.py); its model '' = none."""
 
 
 def load_callable(spec: str, kind: str = "reward function") -> Callable:
@@ -252,12 +255,14 @@ def check_user_rewards(rewards: RewardOptions, extra, data, run_dir: Path | None
 def check_reward_sources(rewards: RewardOptions, user: list[RewardTerm], environment_reward: bool = False) -> None:
     """A run needs something that scores its samples: a rule term with a weight, a user function, a learned
     or remote scorer, or an environment with get_reward (`environment_reward`); else one line, before loading
-    (TRL refuses a trainer without reward source the same way). A remote scorer must accept a connection."""
+    (TRL refuses a trainer without reward source the same way). A remote scorer and a judge endpoint must accept a
+    connection."""
     r = rewards
     if r.remote_url:
         check_reachable(r.remote_url)
+    check_judge(r.judge, r.timeout_s)
     if (r.correctness or r.format or r.tool_use or r.overlong_buffer or r.language or user or r.model_path
-            or r.prm_path or r.remote_url or environment_reward):
+            or r.prm_path or r.remote_url or r.judge.model or environment_reward):
         return
     raise RewardError("no reward source: reward.correctness is 0 and no reward function, learned or remote scorer, "
                       "or environment with a get_reward() method scores the samples: the run could not learn; set "
@@ -327,6 +332,8 @@ def build_rewarder(rewards: RewardOptions, learned=None, extra: Iterable[Callabl
         remote = RemoteReward.from_env(r.remote_url, r.remote_token_env, timeout_s=r.remote_timeout_s,
                                        retries=r.remote_retries, batch_size=r.remote_batch_size)
         terms.append(RewardTerm("remote", remote, r.remote_weight))
+    if r.judge.model:
+        terms.append(RewardTerm(TERM_NAME, load_judge(r.judge), r.judge.weight))
     if environment or r.environment:
         terms.append(RewardTerm("environment", environment_reward, 1.0))
     if r.max_failed_steps < 0:

@@ -25,7 +25,7 @@ from covey.tasks.answers import (  # noqa: F401  (re-exported: the public rule A
     math_equal,
     normalize_number,
 )
-from covey.tasks.verifiers import verify
+from covey.tasks.verifiers import scores, verifier_column
 
 
 def completion_text(completion: Any) -> str:
@@ -52,14 +52,16 @@ def _per_sample(value: Any, n: int, name: str) -> list:
 def correctness_reward(prompts: Sequence, completions: Sequence, answer: Sequence | str | None = None,
                        verifier: str = "math", answer_column: str = "answer", **columns) -> list[float]:
     """1.0 if the completion gives the reference answer by `verifier` (covey/tasks/verifiers.py:
-    math | exact | normalized | contains), else 0.0. The references are the column
-    `answer_column` (task.answer_key), `answer` by default."""
+    math | exact | normalized | contains), else 0.0; a row verifier's own score in [0, 1]
+    (reasoning_gym: the dataset's score_answer, from the row's `reasoning_gym` column). The references
+    are the column `answer_column` (task.answer_key), `answer` by default."""
     refs = answer if answer_column == "answer" else columns.get(answer_column)
     if refs is None:
         raise ValueError(f"correctness needs the reference answers: no column '{answer_column}'")
     golds = _per_sample(refs, len(completions), answer_column)
-    return [1.0 if ok else 0.0 for ok in verify(verifier, [completion_text(c) for c in completions],
-                                                [str(g) for g in golds])]
+    column = verifier_column(verifier)
+    rows = _per_sample(columns[column], len(completions), column) if column in columns else None
+    return scores(verifier, [completion_text(c) for c in completions], [str(g) for g in golds], rows)
 
 
 def _last_nonempty_line(text: str) -> str:

@@ -6,6 +6,7 @@ import math
 
 from covey.batch import Rollout
 from covey.rewards.combine import TrainerState
+from covey.rewards.judge import judge_metrics
 
 
 def example_columns(picked: list) -> dict:
@@ -64,4 +65,4 @@ def score(rollout: Rollout, rewarder, examples, prompts, state: TrainerState | N
     if watch:
         rewarder.streaks.record(scores, (state or TrainerState()).global_step, rewarder)
     return {"reward/errors": scores.errors, "reward/dropped": int((~scores.valid).sum()),
-            "reward/unscored": scores.unscored}
+            "reward/unscored": scores.unscored, **judge_metrics(scores.parts)}

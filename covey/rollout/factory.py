@@ -41,6 +41,8 @@ class EngineOptions:
     vllm_sync_timeout_s: float
     slots: int = 0
     """The fast engine's slots (rollout.slots; 0: every row at once)."""
+    speculate: int = 0
+    """The fast engine's draft tokens per row (rollout.speculate; 0: off)."""
 
 
 def sampling_precision(engine: EngineOptions, world_size: int, device: str, load_in_4bit: bool = False) -> str:
@@ -53,7 +55,7 @@ def decode_options(engine: EngineOptions, persistent: bool = True, load_in_4bit:
     """The fast engine's static cache and CUDA graphs (rollout.decode); auto is plain for a 4-bit policy
     (bitsandbytes' kernels are not checked under CUDA graph capture)."""
     return DecodeOptions("plain" if load_in_4bit and engine.decode == "auto" else engine.decode, persistent,
-                         engine.slots)
+                         engine.slots, engine.speculate)
 
 
 def make_engine(engine: EngineOptions, model: ModelOptions, policy, tokenizer, *, world_size: int, device: str):

@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from covey.batch import Rollout
 from covey.models.attention import sampling_attention
+from covey.models.families import family_of
 from covey.models.hf_compat import last_positions, with_cache
 from covey.rollout.base import Engine, Prompt, encode_prompts
 from covey.rollout.decode_cache import BufferLayer as BufferLayer
@@ -44,6 +45,7 @@ from covey.rollout.fast_episodes import EpisodeRows, episodes_in_slots, loop_ref
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
 from covey.rollout.slots import AnswerRows, SlotDecoder, SlotStats
+from covey.rollout.speculate import SPECULATE_TOKENS, Drafter, RecentNgrams, residual_probs
 from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.static_step import supports_static_decode
 from covey.runtime.signals import check_abort
@@ -93,10 +95,12 @@ class FastEngine(Engine):
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True,
                  static_cache: bool = False, cuda_graphs: bool = False, compile_decode: bool = False,
-                 persistent: bool = True, slots: int = 0):
+                 persistent: bool = True, slots: int = 0, speculate: int = 0, ignore_eos: bool = False):
         """`static_cache`: decode on buffers allocated once (`cuda_graphs`: each step a graph replay,
         `compile_decode`: through torch.compile); `persistent`: keep them between calls; `slots` > 0: rows
-        decode in that many slots, refilled as rows finish (covey/rollout/slots.py)."""
+        decode in that many slots, refilled as rows finish (covey/rollout/slots.py); `speculate` > 0: draft
+        that many tokens per row and verify them while few rows remain (covey/rollout/speculate.py);
+        `ignore_eos`: rows end at their budgets only (vLLM's ignore_eos: for benchmarks of set lengths)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -104,10 +108,12 @@ class FastEngine(Engine):
         self.temperature = temperature
         self.share_prefix = share_prefix  # False: encode G copies like `generate` (for tests)
         self.lean = lean  # False: every step through the model's forward (for tests)
-        self.eos = eos_ids(model, tokenizer)
+        self.eos = [] if ignore_eos else eos_ids(model, tokenizer)
         self.static = StaticDecoder(cuda_graphs, compile_decode, persistent) if static_cache else None
         self.cache_bytes = 0  # of the last call's cache, after its prefill and expansion to every row
         self.slots = slots
+        self.speculate = speculate
+        self.recent = RecentNgrams(speculate)  # recent answers' n-grams: drafts across calls
         self.slot_stats = SlotStats()  # of the last call through slots
 
     @property
@@ -141,9 +147,13 @@ class FastEngine(Engine):
             steps = "lean steps (a plain Llama in eager attention)" if why is None else f"plain forward steps ({why})"
             steps += f"; cache: {cache_plan(model)}"
         refusal = loop_refusal(model)
+        if self.speculate:
+            steps += (f"; drafts of {self.speculate} n-gram tokens verified while a step has at most "
+                      f"{SPECULATE_TOKENS} tokens" if self.speculates() else
+                      f"; no drafts (rollout.speculate: {self.speculation_refusal()})")
         episodes = ("tool episodes in one loop" if self.continues_episodes else
                     f"turn-by-turn episodes: {refusal or 'the static cache decodes their turns'}")
-        if self.uses_slots():
+        if self.uses_slots() and self.slots:
             steps += f"; rows through {self.slots} slots, each taking the next row as its own ends"
         elif self.slots:
             steps += f"; every row at once (rollout.slots={self.slots}: {refusal or 'the static cache has no slots'})"
@@ -174,14 +184,39 @@ class FastEngine(Engine):
             scores = warp(None, scores)
         return torch.softmax(scores, dim=-1)
 
-    def pick(self, logits: Tensor, uniforms: Tensor, greedy: bool) -> Tensor:
+    def pick(self, logits: Tensor, uniforms: Tensor, greedy: bool, bans: list[int | None] | None = None) -> Tensor:
+        """Each row's token: argmax, or by inverse CDF from its uniform; `bans`: a token a row must not draw
+        (a rejected draft: the speculative residual, covey/rollout/speculate.py; greedy never draws one)."""
         if greedy:
             return logits.argmax(dim=-1)
-        return sample_inverse_cdf(self.next_token_probs(logits), uniforms)
+        probs = self.next_token_probs(logits)
+        if bans is not None:
+            probs = residual_probs(probs, bans)
+        return sample_inverse_cdf(probs, uniforms)
 
     def uses_slots(self) -> bool:
-        """Rows decode through slots: asked for, on a model the column loop decodes exactly, without a static cache."""
-        return bool(self.slots) and self.static is None and loop_refusal(self.model) is None
+        """Rows decode through slots (or, to speculate, all at once in the slot loop): asked for, on a model the
+        column loop decodes exactly, without a static cache."""
+        return bool(self.slots or self.speculate) and self.static is None and loop_refusal(self.model) is None
+
+    def speculation_refusal(self) -> str | None:
+        """Why this engine would not verify drafts (None: it does): a rejected draft's columns are masked out,
+        which undoes nothing in a recurrent state."""
+        if self.static is not None or loop_refusal(self.model) is not None:
+            return "the slot loop does not decode this engine's rows"
+        kinds = set(family_of(self.model.config).layer_types)
+        other = sorted(kinds - {"full_attention"})
+        return f"layers of kind {', '.join(other)}" if other else None
+
+    def speculates(self) -> bool:
+        return bool(self.speculate) and self.speculation_refusal() is None
+
+    def drafter(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor) -> Drafter | None:
+        """The n-gram drafter of one call's rows (None: no speculation)."""
+        if not self.speculates():
+            return None
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        return Drafter(self.speculate, self.recent, prompts, index.tolist())
 
     @torch.inference_mode()
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
@@ -200,7 +235,9 @@ class FastEngine(Engine):
             with sampling_attention(self.model):
                 uniforms = Uniforms(len(index), group_size, seeds)
                 if self.uses_slots():
-                    slots = SlotDecoder(self, self.slots, AnswerRows(self, limits, greedy))
+                    drafter = self.drafter(enc["input_ids"], enc["attention_mask"], index)
+                    rows = AnswerRows(self, limits, greedy, drafter)
+                    slots = SlotDecoder(self, self.slots, rows)
                     out = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
                     self.slot_stats = slots.stats
                 elif self.static is not None and supports_static_decode(self.model):  # cut at the budgets below
@@ -282,6 +319,12 @@ class FastEngine(Engine):
                 rows, mask, start, step = rows[keep], mask[keep], start[keep], step[keep]
             logits = self.step_logits(step, start + t, mask[:, :width + t + 1], cache, lean)
         return tokens.cpu(), logps.cpu()
+
+    def block_logits(self, tokens: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache) -> Tensor:
+        """(n, q, V) float32 logits after q new tokens per row (a speculative step's token and drafts)."""
+        out = self.model(input_ids=tokens, attention_mask=key_mask, position_ids=positions, **with_cache(cache),
+                         use_cache=True)
+        return out.logits.float()
 
     def step_logits(self, step: Tensor, positions: Tensor, key_mask: Tensor, cache: Cache, lean: bool) -> Tensor:
         """(n, V) float32 logits after one new token per row."""

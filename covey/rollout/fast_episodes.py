@@ -148,6 +148,10 @@ class EpisodeRows:
     def wait(self) -> None:
         self.take_replies(block=True)
 
+    def drafts(self, ids: list[int]) -> None:
+        """Episodes do not speculate: a rejected draft would have run past a turn's end into its tools."""
+        return None
+
     def inputs(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
         """Each row's token for this step, whether it is real (a waiting row's is not) and whether its episode
         ended."""

@@ -24,6 +24,8 @@ class DecodeOptions:
     persistent: bool = True  # keep buffers and graphs between calls (False for held-out evaluation)
     slots: int = 0
     """rollout.slots: rows through this many slots, refilled as rows end (covey/rollout/slots.py); 0: all at once."""
+    speculate: int = 0
+    """rollout.speculate: draft tokens per row, verified in the slot loop (covey/rollout/speculate.py); 0: off."""
 
     def resolve(self, device: torch.device | str) -> dict:
         """FastEngine keywords on `device`."""
@@ -32,9 +34,11 @@ class DecodeOptions:
         cuda = torch.device(device).type == "cuda"
         if self.mode == "graphs" and not cuda:
             raise ValueError(f"rollout.decode=graphs captures CUDA graphs: the engine runs on {device}")
-        mode = ("graphs" if cuda and not self.slots else "plain") if self.mode == "auto" else self.mode
+        loop = self.slots or self.speculate
+        mode = ("graphs" if cuda and not loop else "plain") if self.mode == "auto" else self.mode
         return {"static_cache": mode != "plain", "cuda_graphs": mode == "graphs" or (mode == "compile" and cuda),
-                "compile_decode": mode == "compile", "persistent": self.persistent, "slots": self.slots}
+                "compile_decode": mode == "compile", "persistent": self.persistent, "slots": self.slots,
+                "speculate": self.speculate}
 
 
 def local_engine(name: str, model, tokenizer, *, precision: str = "float32", decode: DecodeOptions | None = None,

@@ -37,6 +37,7 @@ from torch import Tensor
 from covey.models.hf_compat import last_positions, with_cache
 from covey.rollout.decode_cache import buffer_cache, column_layers, held_bytes, rows_held
 from covey.rollout.lean_decode import supports_lean_step
+from covey.rollout.speculate import SPECULATE_TOKENS, accepted_counts
 from covey.runtime.signals import check_abort
 
 
@@ -53,6 +54,10 @@ class SlotStats:
     """Sum over steps of the valid cache columns of every slot (prompt and response: the tokens in flight)."""
     cache_bytes: int = 0
     """Bytes the cache held (its buffers and states)."""
+    drafted: int = 0
+    """Draft tokens verified (rollout.speculate)."""
+    accepted: int = 0
+    """Draft tokens accepted."""
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -78,18 +83,21 @@ class RowUniforms:
 
 
 class AnswerRows:
-    """Single answers: each row samples until an end-of-sequence token or its budget; (N, L) tokens and log-probs."""
+    """Single answers: each row samples until an end-of-sequence token or its budget; (N, L) tokens and log-probs.
+    With a `drafter` (covey/rollout/speculate.py), small steps also verify n-gram drafts."""
 
-    def __init__(self, engine, budgets: Tensor, greedy: bool):
+    def __init__(self, engine, budgets: Tensor, greedy: bool, drafter=None):
         self.engine, self.budgets, self.greedy = engine, budgets.tolist(), greedy
         n, longest = len(self.budgets), max(self.budgets, default=1)
         self.columns, self.slack = longest, max(64, longest // 4)
         self.tokens = torch.full((n, max(longest, 1)), engine.tokenizer.pad_token_id, dtype=torch.long)
         self.logps = torch.zeros((n, max(longest, 1)), dtype=torch.float32)
         self.count = [0] * n
+        self.drawn = [0] * n  # uniforms used: a row's k-th token takes its k-th uniform unless it speculates
         self.eos = set(engine.eos)
         self.upfront = 0
         self.sampled = 0
+        self.drafter, self.ban, self.ended = drafter, {}, set()
 
     def draw_from(self, uniforms: RowUniforms) -> None:
         """Where each row's k-th uniform comes from (set by the decoder at the start of a call)."""
@@ -105,23 +113,71 @@ class AnswerRows:
         """Never called: an answer never waits."""
 
     def inputs(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
-        """Each row's token for this step, whether it is fed (its answer goes on) and whether the row ended."""
-        picked, logp = self.sample(rows, logits)
-        done = []
-        for r, token, lp in zip(rows, picked, logp):
-            self.tokens[r, self.count[r]], self.logps[r, self.count[r]] = token, lp
-            self.count[r] += 1
-            done.append(token in self.eos or self.count[r] >= self.budgets[r])
+        """Each row's token for this step, whether it is fed (its answer goes on) and whether the row ended
+        (a row that ended inside an accepted draft samples nothing)."""
+        live = [j for j, r in enumerate(rows) if r not in self.ended]
+        picked, done = [self.engine.tokenizer.pad_token_id] * len(rows), [True] * len(rows)
+        if live:
+            tokens, logp = self.sample([rows[j] for j in live], logits[live])
+            for j, token, lp in zip(live, tokens, logp):
+                picked[j], done[j] = token, not self.take(rows[j], token, lp)
         return picked, [not d for d in done], done
 
+    def take(self, r: int, token: int, logp: float) -> bool:
+        """Add a token to row r's answer; whether the answer goes on."""
+        self.tokens[r, self.count[r]], self.logps[r, self.count[r]] = token, logp
+        self.count[r] += 1
+        if self.drafter is not None:
+            self.drafter.add_row(r, [token])
+        return token not in self.eos and self.count[r] < self.budgets[r]
+
     def sample(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[float]]:
-        drawn = self.uniforms.take(rows, [self.count[r] for r in rows]).to(logits.device)
-        picked = self.engine.pick(logits, drawn, self.greedy)
+        drawn = self.uniforms.take(rows, [self.drawn[r] for r in rows]).to(logits.device)
+        picked = self.engine.pick(logits, drawn, self.greedy, [self.ban.pop(r, None) for r in rows])
         logp = torch.log_softmax(logits / self.engine.temperature, -1).gather(1, picked[:, None]).squeeze(1)
+        for r in rows:
+            self.drawn[r] += 1
         self.sampled += len(rows)
         return picked.tolist(), logp.tolist()
 
+    def drafts(self, rows: list[int]) -> list[list[int]] | None:
+        """Each row's draft for this step, or None: no drafter, a step too wide to pay, or no draft at all."""
+        if self.drafter is None or len(rows) * (self.drafter.k + 1) > SPECULATE_TOKENS:
+            return None
+        out = [self.drafter.draft(r, self.budgets[r] - self.count[r]) for r in rows]
+        return out if any(out) else None
+
+    def accept(self, rows: list[int], logits: Tensor, drafts: list[list[int]]) -> tuple[list[int], Tensor]:
+        """Verify each row's draft against the block's logits (n, m+1, V): the draft tokens each row keeps
+        (up to an end of sequence or its budget) and the logits its next token is drawn from."""
+        n, m = len(rows), max(len(d) for d in drafts)
+        lengths = torch.tensor([len(d) for d in drafts])
+        padded = torch.tensor([d + [0] * (m - len(d)) for d in drafts], dtype=torch.long)
+        probs = self.engine.next_token_probs(logits.reshape(n * (m + 1), -1)).view(n, m + 1, -1)
+        uniforms = self.uniforms.take([r for r in rows for _ in range(m)],
+                                      [self.drawn[r] + i for r in rows for i in range(m)]).view(n, m)
+        counts = accepted_counts(probs.cpu(), padded, lengths, uniforms, self.greedy).tolist()
+        logp = torch.log_softmax(logits[:, :m] / self.engine.temperature, -1)
+        logp = logp.gather(2, padded.to(logits.device)[..., None]).squeeze(2).tolist()
+        kept = []
+        for j, r in enumerate(rows):
+            self.drawn[r] += len(drafts[j])
+            a, going = 0, True
+            while going and a < counts[j]:
+                going = self.take(r, drafts[j][a], logp[j][a])
+                a += 1
+            if not going:
+                self.ended.add(r)
+            elif a < len(drafts[j]):
+                self.ban[r] = drafts[j][a]  # its next token comes from the residual
+            kept.append(a)
+        self.drafter.drafted += int(lengths.sum())
+        self.drafter.accepted += sum(kept)
+        return kept, logits[torch.arange(n, device=logits.device), torch.tensor(kept, device=logits.device)]
+
     def result(self) -> tuple[Tensor, Tensor]:
+        if self.drafter is not None:
+            self.drafter.close([self.tokens[r, :c].tolist() for r, c in enumerate(self.count)])
         steps = max(max(self.count, default=1), 1)
         return self.tokens[:, :steps], self.logps[:, :steps]
 
@@ -143,6 +199,9 @@ class SlotDecoder:
         if len(index):
             width = prompt_ids.shape[1]
             self.loop(width, width + self.policy.columns + self.policy.slack)
+        drafter = getattr(self.policy, "drafter", None)
+        if drafter is not None:
+            self.stats.drafted, self.stats.accepted = drafter.drafted, drafter.accepted
         return self.policy.result()
 
     def prefill(self, capacity: int) -> None:
@@ -171,6 +230,7 @@ class SlotDecoder:
         self.waiting, self.column, self.width = count, width, width
         logits = self.first_logits[self.index[:count]]
         lean = engine.lean and supports_lean_step(engine.model)
+        self.capacity = capacity
         while True:
             check_abort()  # a stop signal during the evaluation before training (covey/runtime/signals.py)
             self.policy.poll()
@@ -180,15 +240,41 @@ class SlotDecoder:
             tokens, valid = self.turn_over(*self.inputs(self.rows, logits))
             if not self.rows:
                 return
-            if self.column == capacity:
-                self.pack()
-            valid_t = torch.tensor(valid, device=device)
-            self.key_mask[:, self.column] = valid_t.long()
-            self.record(sum(valid))
-            with rows_held(self.cache, ~valid_t):
-                logits = engine.step_logits(torch.tensor(tokens, device=device), self.position,
-                                            self.key_mask[:, :self.column + 1], self.cache, lean)
-            self.position, self.column = self.position + valid_t.long(), self.column + 1
+            drafts = self.policy.drafts(self.rows)
+            logits = self.step(tokens, valid, lean) if drafts is None else self.speculate(tokens, drafts)
+
+    def step(self, tokens: list[int], valid: list[bool], lean: bool) -> Tensor:
+        """One column for every slot: its token, fed or (a hole) not; the logits after it."""
+        device = self.index.device
+        if self.column == self.capacity:
+            self.pack()
+        valid_t = torch.tensor(valid, device=device)
+        self.key_mask[:, self.column] = valid_t.long()
+        self.record(sum(valid))
+        with rows_held(self.cache, ~valid_t):
+            logits = self.engine.step_logits(torch.tensor(tokens, device=device), self.position,
+                                             self.key_mask[:, :self.column + 1], self.cache, lean)
+        self.position, self.column = self.position + valid_t.long(), self.column + 1
+        return logits
+
+    def speculate(self, tokens: list[int], drafts: list[list[int]]) -> Tensor:
+        """m + 1 columns for every slot: its token and its draft (covey/rollout/speculate.py), verified in one
+        forward; the columns of rejected drafts are masked out. The logits each row's next token comes from."""
+        device, m, pad = self.index.device, max(len(d) for d in drafts), self.engine.tokenizer.pad_token_id
+        if self.column + m + 1 > self.capacity:
+            self.pack()
+        block = torch.tensor([[t, *d] + [pad] * (m - len(d)) for t, d in zip(tokens, drafts)], device=device)
+        columns = slice(self.column, self.column + m + 1)
+        self.key_mask[:, columns] = torch.tensor([[1] * (1 + len(d)) + [0] * (m - len(d)) for d in drafts])
+        self.record(len(tokens))
+        steps = torch.arange(m + 1, device=device)
+        logits = self.engine.block_logits(block, self.position[:, None] + steps, self.key_mask[:, :columns.stop],
+                                          self.cache)
+        kept, logits = self.policy.accept(self.rows, logits, drafts)
+        kept_t = torch.tensor(kept, device=device)
+        self.key_mask[:, columns] = (steps[None, :] <= kept_t[:, None]).long()
+        self.position, self.column = self.position + 1 + kept_t, columns.stop
+        return logits
 
     def inputs(self, rows: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
         tokens, valid, done = self.policy.inputs(rows, logits)

@@ -5,6 +5,7 @@
 - memory: peak GPU memory per phase, batch sizes fitted to the budget, out-of-memory retries;
   budget: the arithmetic of the GPU memory budget;
 - signals: graceful stop on SIGINT / SIGTERM, and the fault tests' kill points;
-- metrics: metric files and loggers; errors: one-line error text;
+- metrics: metrics.jsonl and samples.jsonl; loggers: the experiment trackers of train.logger (trackio,
+  Weights & Biases, TensorBoard) that get the same lines; errors: one-line error text;
 - http: the common part of covey's JSON-over-HTTP servers (replies, timeouts, the bearer token).
 """

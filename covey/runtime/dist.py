@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 # Metrics combined across ranks by sum or max; every other number is averaged.
-SUMMED_METRICS = ("reward/errors", "reward/dropped", "groups/resampled", "eval/n", "throughput/tokens_per_s")
+SUMMED_METRICS = ("reward/errors", "reward/dropped", "reward/judge_unparsed", "groups/resampled", "eval/n",
+                  "throughput/tokens_per_s")
 MAXED_SUFFIXES = ("_max", "max_abs", "/len_max")
 MAXED_PREFIXES = ("time/", "memory/")
 

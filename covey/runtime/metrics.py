@@ -1,7 +1,8 @@
 """Metric logging: one JSON line per step, sample completions, progress bar, memory; files
-written whole or not at all.
+written whole or not at all. The experiment trackers of train.logger (covey/runtime/loggers.py)
+get the same lines.
 
-Metric names are fixed and documented in the README ("Metrics").
+Metric names are fixed and documented in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import resource
 import sys
 from pathlib import Path
+
+from covey.runtime.loggers import SAMPLES_TABLE, numbers
 
 # Fields that legitimately differ between two runs of the same seed.
 NONDETERMINISTIC_PREFIXES = ("time/", "memory/", "throughput/")
@@ -44,19 +47,14 @@ def _clean(value):
 
 
 class MetricsLogger:
-    """Appends to runs/<name>/metrics.jsonl; optionally mirrors to TensorBoard."""
+    """Appends to runs/<name>/metrics.jsonl and samples.jsonl; `trackers` (covey.runtime.loggers.open_trackers)
+    get the same metrics and samples."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, trackers: list | tuple = ()):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "samples.jsonl"
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise RuntimeError("logger=tensorboard needs `pip install covey[tensorboard]`") from e
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.trackers = list(trackers)
 
     def positions(self) -> dict:
         """Byte length of each log file, flushed to disk (a checkpoint stores it)."""
@@ -91,16 +89,21 @@ class MetricsLogger:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, numbers(metrics))
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         with self.samples_path.open("a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}) + "\n")
+        for tracker in self.trackers:
+            tracker.log_table(step, SAMPLES_TABLE, rows)
+
+    def close(self) -> None:
+        """The trackers' runs finished (the run's end); the files need no closing."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -41,11 +41,14 @@ class Call:
     prompt_text: str | None
     seed: int
     choices: list[Choice]
+    messages: list[dict] | None = None
+    """A chat call's messages, as the template rendered them (None: a completion call)."""
 
     def as_dict(self) -> dict:
         choices = [{"completion_ids": list(c.ids), "logprobs": None if c.logprobs is None else list(c.logprobs),
                     "finish_reason": c.finish_reason} for c in self.choices]
-        return {"route": self.route, "prompt_ids": list(self.prompt_ids), "seed": self.seed, "choices": choices}
+        out = {"route": self.route, "prompt_ids": list(self.prompt_ids), "seed": self.seed, "choices": choices}
+        return out if self.messages is None else {**out, "messages": [dict(m) for m in self.messages]}
 
 
 class Episodes:
@@ -67,6 +70,11 @@ class Episodes:
             self.calls.move_to_end(episode)
             while len(self.calls) > self.limit:
                 self.calls.popitem(last=False)
+
+    def count(self, episode: str) -> int:
+        """Calls recorded for the episode so far."""
+        with self.lock:
+            return len(self.calls.get(episode, ()))
 
     def trace(self, episode: str) -> list[dict] | None:
         """The episode's calls in order (None: no such episode)."""

@@ -246,9 +246,16 @@ class PolicyServer(ThreadingHTTPServer):
         """The episode's calls in order ({"route", "prompt_ids", "seed", "choices": [{"completion_ids",
         "logprobs", "finish_reason"}]}), and the episode forgotten; KeyError for an unknown episode."""
         calls = self.service.episodes.take(episode)
+        self.service.episode_seeds.pop(episode, None)
         if calls is None:
             raise KeyError(f"no episode {episode!r}")
         return calls
+
+    def seed_episode(self, episode: str, seed: int) -> None:
+        """Seed an episode before its first call: its call k that sends no `seed` samples from
+        `turn_seed(seed, k)` (covey/rollout/episodes.py), so its tokens depend on this seed alone, not on
+        the requests batched with it (a training run's harness episodes; forgotten by `take_episode`)."""
+        self.service.episode_seeds[episode] = seed
 
     def episode(self, episode: str) -> list[dict] | None:
         """The episode's calls so far (kept), None for an unknown episode."""

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from covey.rollout.base import Engine
+from covey.rollout.episodes import turn_seed
 from covey.runtime.errors import first_line
 from covey.serve.batcher import Batcher, Job, Sample
 from covey.serve.episodes import Call, Choice, Episodes, check_extends, text_prompt_ids
@@ -39,6 +40,7 @@ class PolicyService:
         self.batcher = Batcher(engine, options.batch_window_s, options.max_batch_rows)
         self.episodes = Episodes(options.max_episodes)
         self.seeds = random.SystemRandom()
+        self.episode_seeds: dict[str, int] = {}  # an episode's seed: its calls that send none derive theirs
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -51,9 +53,9 @@ class PolicyService:
         request = chat_request(body, self.options)
         text = self.texts.render(request.messages, request.tools)
         ids = text_prompt_ids(self.episodes.last(episode), text, self.texts, episode)
-        seed, answers = self.sample(ids, request.sampling)
+        seed, answers = self.sample(ids, request.sampling, episode)
         choices = [chat_choice(i, a, self.texts, request) for i, a in enumerate(answers)]
-        self.record(episode, Call("chat", ids, text, seed, self.choices_of(answers, choices)))
+        self.record(episode, Call("chat", ids, text, seed, self.choices_of(answers, choices), request.messages))
         return envelope("chat.completion", self.options.model_name, ids, choices, answers, request.sampling)
 
     def completion(self, body: dict, episode: str | None, route: str = "completions") -> dict:
@@ -67,7 +69,7 @@ class PolicyService:
         else:
             ids = request.prompt
             check_extends(previous, ids, episode, self.texts)
-        seed, answers = self.sample(ids, request.sampling)
+        seed, answers = self.sample(ids, request.sampling, episode)
         choices = [completion_choice(i, a, self.texts, request.sampling, ids) for i, a in enumerate(answers)]
         self.record(episode, Call(route, ids, text, seed, self.choices_of(answers, choices)))
         return envelope("text_completion", self.options.model_name, ids, choices, answers, request.sampling)
@@ -99,7 +101,15 @@ class PolicyService:
 
     # ----------------------------------------------------------------------- the engine
 
-    def sample(self, ids: list[int], sampling: Sampling) -> tuple[int, list[Answer]]:
+    def seed_of(self, sampling: Sampling, episode: str | None) -> int:
+        """The request's own seed; else, in an episode given a seed (`PolicyServer.seed_episode`), call k's
+        `turn_seed(episode seed, k)`; else one drawn at random (recorded in the trace)."""
+        if sampling.seed is not None:
+            return sampling.seed
+        base = self.episode_seeds.get(episode) if episode is not None else None
+        return self.seeds.randrange(2**31) if base is None else turn_seed(base, self.episodes.count(episode))
+
+    def sample(self, ids: list[int], sampling: Sampling, episode: str | None = None) -> tuple[int, list[Answer]]:
         """The request's seed and its n answers: context checked, one job on the engine's thread."""
         context, max_tokens = self.options.context_length, sampling.max_tokens or self.options.max_new_tokens
         if not ids:
@@ -107,7 +117,7 @@ class PolicyService:
         if len(ids) + max_tokens > context:
             raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens {max_tokens} exceed the model's "
                                f"context of {context} tokens")
-        seed = sampling.seed if sampling.seed is not None else self.seeds.randrange(2**31)
+        seed = self.seed_of(sampling, episode)
         future = self.batcher.submit(Job(ids, sampling.n, max_tokens, sampling.greedy, seed))
         try:
             samples: list[Sample] = future.result(self.options.generate_timeout_s)

@@ -4,6 +4,10 @@
 - synthetic generators: arithmetic (the default task), multistep (checkable steps, for process
   supervision), wordproblems (short stories), code (programs for the sandboxed code reward);
 - files: prompts from JSONL, JSON, CSV and Parquet files and saved Hugging Face datasets;
+- sft_data: demonstrations for supervised fine-tuning, rendered to token ids with the assistant's tokens marked;
+- reasoning_gym: reasoning-gym's generators by name (task.name=reasoning_gym:<dataset>), their options
+  checked against the generator's config, the held-out split drawn as the built-in generators draw it,
+  and the dataset's own score_answer as the verifier;
 - data: from the task config to chat-formatted prompts, and a resumable prompt stream;
 - answers: final-answer extraction, number normalisation and answer equivalence; verifiers: is a
   completion's answer the reference answer, one verifier per kind of answer;

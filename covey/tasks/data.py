@@ -12,11 +12,13 @@ import torch
 
 from covey.config import Config, ConfigError, TaskConfig
 from covey.config.checks import FILE_TASKS
+from covey.config.schema import REASONING_GYM
 from covey.tasks.arithmetic import arithmetic_splits
 from covey.tasks.base import Example, build_messages
 from covey.tasks.files import ANSWER_COLUMNS, key_hint, load_examples
 from covey.tasks.multistep import multistep_splits
-from covey.tasks.verifiers import VERIFIERS, resolve_verifier
+from covey.tasks.reasoning_gym import check_keys, reasoning_gym_splits, settled_metric
+from covey.tasks.verifiers import ROW_VERIFIERS, VERIFIERS, resolve_verifier
 from covey.tasks.wordproblems import wordproblem_splits
 
 HELD_OUT_WARN_SHARE = 0.2
@@ -36,6 +38,7 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
     """Train and held-out examples for the configured task (errors before any model loads); `seed`
     (train.seed) draws the synthetic tasks and the held-out rows of a file without held-out data."""
     t = task
+    check_keys(t.name, t.reasoning_gym, "")
     if t.name == "arithmetic":
         data = TaskData(*arithmetic_splits(t.train_size, t.eval_size, seed, kind=t.kind, digits_a=t.digits_a,
                                            digits_b=t.digits_b, template=t.template))
@@ -46,6 +49,8 @@ def load_task_data(task: TaskConfig, seed: int) -> TaskData:
                                           template=t.multistep_template))
     elif t.name == "wordproblems":
         data = TaskData(*wordproblem_splits(t.train_size, t.eval_size, seed, steps=t.word_steps))
+    elif t.name.startswith(REASONING_GYM):
+        data = TaskData(*reasoning_gym_splits(t.name, t.reasoning_gym, t.train_size, t.eval_size, seed))
     else:
         data = load_file_task(t, seed)
     if not data.eval:
@@ -91,21 +96,24 @@ def load_run_data(cfg: Config, extra_rewards: bool = False) -> tuple[Config, Tas
 def settle_config(cfg: Config, data: TaskData, extra_rewards: bool = False) -> Config:
     """A copy of `cfg` with what the data decides written out, as a run stores it in config.yaml
     (compared on resume; read back by `covey eval RUN_DIR`, from any folder): the data files, reward
-    model folders and reward-function files absolute; eval.metric=auto resolved to the verifier the
-    answers call for; for data without reference answers (prompt-only) eval.metric=reward and the
-    correctness reward off (an error when no other reward is configured)."""
+    model folders, the judge's model folder and template and reward-function files absolute; eval.metric=auto
+    resolved to the verifier the answers call for (reasoning_gym, the dataset's own scorer, for
+    task.name=reasoning_gym:<dataset>); for data without reference answers (prompt-only) eval.metric=reward
+    and the correctness reward off (an error when no other reward is configured)."""
     cfg = copy.deepcopy(cfg)
     t, r = cfg.task, cfg.reward
     if t.name in FILE_TASKS:
         t.path, t.eval_path = (os.path.abspath(p) if p else p for p in (t.path, t.eval_path))
     r.model_path, r.prm_path = (os.path.abspath(p) if p and Path(p).exists() else p for p in (r.model_path, r.prm_path))
+    r.judge.model, r.judge.template = (os.path.abspath(p) if p and Path(p).exists() else p
+                                       for p in (r.judge.model, r.judge.template))
     r.functions = ",".join(absolute_reward_file(item) for item in r.functions.split(",")) if r.functions else ""
     ro = cfg.rollout  # tools and an environment given as file.py:name, found from any folder too
     ro.tools = ",".join(absolute_reward_file(item) for item in ro.tools.split(",")) if ro.tools else ""
     ro.environment = absolute_reward_file(ro.environment) if ro.environment else ""
     examples = [*data.train, *data.eval]
-    missing = sum(ex.answer is None for ex in examples)
-    metric = cfg.eval.metric
+    metric = cfg.eval.metric = settled_metric(t.name, t.reasoning_gym, cfg.eval.metric)
+    missing = 0 if metric in ROW_VERIFIERS else sum(ex.answer is None for ex in examples)  # a row verifier reads rows
     if not missing:
         cfg.eval.metric = resolve_verifier(metric, [ex.answer for ex in examples]) if metric == "auto" else metric
         return cfg
@@ -125,7 +133,7 @@ def settle_config(cfg: Config, data: TaskData, extra_rewards: bool = False) -> C
         raise ConfigError(f"eval.metric={metric} compares answers with the reference, but in {where} {why}: "
                           f"set eval.metric=reward to judge held-out answers by your reward functions{hint}")
     others = extra_rewards or any((r.functions, r.format, r.overlong_buffer, r.language, r.model_path, r.prm_path,
-                                   r.remote_url))
+                                   r.remote_url, r.judge.model))
     if not others:
         raise ConfigError(f"{where}: {why}, so the correctness reward cannot score and no other reward is set: "
                           f"give reward functions (reward.functions=file.py:function){hint}")

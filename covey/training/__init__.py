@@ -11,8 +11,11 @@ drives loop's open_run -> steps -> finish.
   fitted to it
 - rollout_phase: sampling and scoring a step; rl: the advantage learner's stages (step scores, log-probs,
   advantages, token devices, the update); token_weights: what acts on single tokens before the update;
-  update: one optimizer_steps for every learner; dpo: iterative DPO; global_batch: one global batch over
-  torchrun's processes; gradvar: gradient variance; signal_watch: steps without learning signal;
+  update: one optimizer_steps for every learner; dpo: iterative DPO; sft: supervised fine-tuning and its
+  packed pass of whole conversations; distill: on-policy distillation's teacher and update; phases: which steps
+  are supervised, the teacher's options; global_batch: one global batch over
+  torchrun's processes; balance: the update's rows spread over the processes by tokens; gradvar: gradient
+  variance; signal_watch: steps without learning signal;
   router_aux: the routers' load-balancing loss of mixtures of experts; step_metrics: a step's metrics
 - checkpoint: checkpoints, resume and the final model; evaluate: held-out evaluation
 

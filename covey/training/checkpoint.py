@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from covey.config import Config, as_dict
+from covey.models.export import write_model_card
 from covey.models.lora import load_adapter_weights
 from covey.runtime.errors import first_line
 from covey.runtime.signals import fault_point
@@ -44,7 +45,7 @@ from covey.training.optim import state_tensors
 # is what runs before train.gpu_memory_gib recorded.
 RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing", "algo.update_memory_share", "train.gpu_memory_gib",
     "train.steps", "train.resume", "train.progress", "train.save_every", "train.keep_checkpoints",
-    "train.logger", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
+    "train.logger", "train.logger_project", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",
     "rollout.vllm_gpu_memory_utilization", "rollout.vllm_sleep", "rollout.vllm_sync_bucket_mb",
     "rollout.vllm_sync_timeout_s", "train.eval_before_cache",
@@ -377,7 +378,7 @@ def load_checkpoint(run, path: Path) -> Resumed:
 
 
 def save_final(run) -> Path:
-    """The trained policy as a Hugging Face folder: runs/<name>/final."""
+    """The trained policy as a Hugging Face folder, with its model card (README.md): runs/<name>/final."""
     bad = _first_nonfinite(run.policy.state_dict().items())
     if bad is not None:
         raise CheckpointError(f"refusing to save the final model: policy parameter {bad} is not finite")
@@ -386,6 +387,7 @@ def save_final(run) -> Path:
     def write(tmp: Path) -> None:
         run.policy.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, run.run_dir, run.config_record)  # after PEFT's save, which writes a README of its own
         if run.critic is not None:
             torch.save(run.critic.state_dict(), tmp / "critic.pt")
 

@@ -3,8 +3,8 @@ verifier or by the run's own reward.
 
 The metric names say what was measured (docs/metrics.md):
 
-- a verifier (eval.metric=math | exact | normalized | contains, covey/tasks/verifiers.py):
-  `eval/accuracy`, the share of greedy answers the verifier accepts, and `eval/pass@k`;
+- a verifier (eval.metric=math | exact | normalized | contains | reasoning_gym, covey/tasks/verifiers.py):
+  `eval/accuracy`, the share of greedy answers the verifier accepts (scores 1), and `eval/pass@k`;
 - the reward (eval.metric=reward): `eval/reward_mean`, the mean total reward of the greedy
   answers, and `eval/reward_pass` (`eval/reward_pass@k`), the share whose reward reaches
   eval.reward_threshold.
@@ -26,7 +26,7 @@ from covey.runtime.metrics import write_whole
 from covey.runtime.signals import DecodeAborted, TrainingStopped, abortable
 from covey.tasks.answers import extract_answer, find_marked_answer
 from covey.tasks.base import Example
-from covey.tasks.verifiers import verify
+from covey.tasks.verifiers import scores, verifier_column
 
 
 @dataclass
@@ -44,9 +44,11 @@ class Judge:
 
     def __call__(self, out, examples: list[Example], prompts: list[str]) -> tuple[list[bool], list[float]]:
         """(passed, value) per generated answer; `out.example_index` indexes `examples` and `prompts`."""
-        if not self.by_reward:
-            hits = verify(self.metric, out.completions, [examples[i].answer for i in out.example_index])
-            return hits, [float(h) for h in hits]
+        if not self.by_reward:  # a verifier's score per answer (a row verifier's may lie between 0 and 1): right at 1
+            picked, column = [examples[i] for i in out.example_index], verifier_column(self.metric)
+            values = scores(self.metric, out.completions, [ex.answer for ex in picked],
+                            [ex.meta.get(column) for ex in picked] if column else None)
+            return [v >= 1.0 for v in values], values
         score(out, self.rewarder, examples, prompts, self.state)
         values = out.scores.tolist()
         return [v >= self.threshold for v in values], values

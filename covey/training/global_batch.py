@@ -16,7 +16,9 @@ tests/training/test_torchrun.py and, with tool episodes, tests/training/test_tor
    optimizer steps see exactly the global batch, with more they see other (equally
    valid) splits than a single process would;
 6. tool episodes: each rank runs its own groups' episodes (tools, environments); their metrics
-   come from sums over every rank (`global_episode_metrics`).
+   come from sums over every rank (`global_episode_metrics`);
+7. the update's rows: after the advantages, handed out again so each rank trains about as many
+   tokens (covey.training.balance, train.balance_ranks); the gradient is a sum over rows.
 
 Generation with a local engine, tool episodes included, reads the sharded policy on whole
 parameters (`GatheredGeneration`); checkpoints are written by rank 0 from whole tensors (`save_on_main`).

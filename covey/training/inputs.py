@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from covey.envs.openenv import openenv_factory
 from covey.models.families import Family, check_model_family
 from covey.models.load import load_tokenizer, resolve_model_path
 from covey.rewards.build import check_reward_sources, check_user_rewards, load_callable
@@ -55,20 +56,23 @@ def check_inputs(plan: Plan, data, run_dir: Path, given: CallerInputs) -> Checke
     agent = (prepare_agent(plan.tools, given.tools, given.environment_factory, data.train)
              if plan.episodes is not None else None)
     environments = agent.environments if agent is not None else None
+    harness = plan.tools.outside is not None  # task.source=harness: / verifiers:: messages; a reward source
     user_rewards = check_user_rewards(plan.rewards, given.reward_funcs, data, run_dir,
-                                      episodes=plan.episodes is not None,
+                                      episodes=plan.episodes is not None or harness,
                                       environments=list(environments.probes.values()) if environments else None)
     check_reward_sources(plan.rewards, user_rewards,
-                         environment_reward=bool(environments and environments.owns_reward()))
+                         environment_reward=bool(environments and environments.owns_reward()) or harness)
     return CheckedInputs(agent, user_rewards, check_model_inputs(plan, data, agent))
 
 
 def prepare_agent(options: ToolOptions, tools=None, environment_factory=None, rows=()) -> AgentInputs:
     """rollout.tools plus the caller's `tools` (a list or one function), and its `environment_factory` (one
-    callable or a dict by name) or else rollout.environment; each checked on the training `rows`
-    (covey/rollout/environments.py: schemas, one instance, reset on a row, each row's environment name)."""
+    callable or a dict by name) or else task.source=openenv:... (covey/envs/openenv.py) or rollout.environment;
+    each checked on the training `rows` (covey/rollout/environments.py: schemas, one instance, reset on a row,
+    each row's environment name)."""
     factory = environment_factory or (
-        load_callable(options.environment, kind="environment") if options.environment else None)
+        openenv_factory(options.openenv) if options.openenv
+        else load_callable(options.environment, kind="environment") if options.environment else None)
     inputs = AgentInputs(load_tools(options.tools, tools), environments_of(factory))
     check_agent(inputs.tools, inputs.environments, rows)
     return inputs

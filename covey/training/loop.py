@@ -11,6 +11,8 @@ a critic exist, and where the KL goes (loss term or per-token reward penalty).
         result = finish(session)         checkpoint -> evaluate -> save the final model
     step:  sample -> score -> log-probs -> advantages -> update      (algo.learner=advantage)
            sample -> score -> best-vs-worst pairs -> DPO update       (algo.learner=dpo)
+           sample -> score -> teacher's log-probs -> update           (algo.learner=distill)
+           demonstrations -> supervised update                        (algo.learner=sft; the first sft.num_steps)
 
 Deviations from the papers, on purpose:
 - the importance ratio is taken against the sampling policy (pi_old), as in PPO
@@ -33,6 +35,7 @@ from tqdm import tqdm
 
 from covey.batch import Rollout
 from covey.config import Config, as_dict, validate_world
+from covey.envs.verifiers import verifiers_data
 from covey.passes.logprobs import training_pass
 from covey.rewards.build import build_rewarder, user_terms
 from covey.rewards.combine import TrainerState
@@ -49,8 +52,9 @@ from covey.runtime.dist import (
 )
 from covey.runtime.memory import record_gpu_peak, take_gpu_peak_mb
 from covey.runtime.signals import StopFlag, TrainingStopped, fault_point, graceful_stop
-from covey.tasks.data import load_run_data
+from covey.tasks.data import load_run_data, settle_config
 from covey.training.checkpoint import check_resume_request, load_checkpoint, resolve_resume, save_checkpoint, save_final
+from covey.training.distill import check_teacher, learn_from_teacher, load_teacher
 from covey.training.dpo import learn_from_pairs
 from covey.training.evaluate import (
     HeldOutOptions,
@@ -69,7 +73,9 @@ from covey.training.global_batch import (
     whole_tensors,
 )
 from covey.training.inputs import CallerInputs, check_inputs
+from covey.training.phases import supervised
 from covey.training.plan import Plan, make_plan, print_plan
+from covey.training.plan_setup import openenv_target, outside_source
 from covey.training.rl import learn_from_advantages
 from covey.training.rollout_phase import collect_rollout, release_sampling_copy
 from covey.training.setup import (
@@ -87,6 +93,7 @@ from covey.training.setup import (
     print_precision,
     seed_everything,
 )
+from covey.training.sft import demo_stream, prepare_demos, sft_step
 from covey.training.step_metrics import memory_metrics, rollout_metrics, sample_rows
 from covey.training.update import record_skip
 
@@ -101,10 +108,12 @@ def open_run(config: Config, *, reward_funcs=None, reward_weights=None, tools=No
         raise TypeError(f"covey.train and covey.open_run take the Config of covey.load_config(...), not "
                         f"{type(config).__name__}")
     given = CallerInputs(user_terms(reward_funcs, reward_weights), tools, environment_factory)
-    scorers = bool(given.reward_funcs or config.rollout.environment or environment_factory)
+    scorers = bool(given.reward_funcs or config.rollout.environment or environment_factory
+                   or openenv_target(config.task) or outside_source(config.task))  # an environment's reward scores
     # the data first: bad data fails before a model loads, and what it decides (eval.metric, reward.correctness)
-    # is in the config the plan is made from and the run records
-    config, data = load_run_data(config, scorers)
+    # is in the config the plan is made from and the run records; task.source=verifiers: its taskset's tasks
+    tasks = verifiers_data(config.task.source, config.task.train_size, config.task.eval_size)
+    config, data = load_run_data(config, scorers) if tasks is None else (settle_config(config, tasks, True), tasks)
     plan = make_plan(config, with_tools=bool(tools or environment_factory))  # every option checked once, here
     check_resume_request(plan.run.resume, plan.run.run_name)
     world = open_world(plan)
@@ -119,6 +128,8 @@ def start_run(plan: Plan, data, given: CallerInputs, world: World, record: dict,
     run_dir = prepare_run_dir(plan.run, plan.label)
     resume_from = resolve_resume(plan.run.resume, run_dir)  # a resume that cannot work fails before loading too
     inputs = check_inputs(plan, data, run_dir, given)  # tools, environments, reward functions, model and prompts
+    demos = prepare_demos(plan.sft, plan.model)  # sft.data rendered, and the teacher's tokenizer checked, before
+    check_teacher(plan.distill, plan.model)      # any model loads
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run has a folder
     print(f"covey: device {describe_device(world.device)}")
     print(f"covey: model {inputs.family.describe()}; training pass {training_pass(inputs.family)}")
@@ -131,9 +142,11 @@ def start_run(plan: Plan, data, given: CallerInputs, world: World, record: dict,
     rewarder = build_rewarder(r, learned, verifier=verifier, user=inputs.user_rewards, run_dir=run_dir,
                               environment=inputs.agent is not None and inputs.agent.environments is not None)
     run = build_run(plan, run_dir, len(data.train), world, record)
+    run.teacher, run.sft_stream = load_teacher(plan, world), demo_stream(demos, plan.schedule.seed)
     attach_reward_models(run, learned)
     print_precision(run)
     feed = open_feed(run, data, rewarder, inputs.agent)
+    feed.demos = demos
     feed.judge = Judge("reward" if plan.run.eval_metric == "reward" else verifier, rewarder, plan.run.reward_threshold)
     cache = plan.run.eval_before_cache
     session = Session(run=run, feed=feed, before={}, eval_cache=(cache, eval_settings(record)) if cache else None)
@@ -201,14 +214,13 @@ def steps(session: Session) -> Iterator[dict]:
     bar = tqdm(total=schedule.steps, initial=run.step, disable=not schedule.progress, unit="step")
     try:
         while run.step < schedule.steps and not out_of_time(run) and not session.stop.agreed():
-            metrics = train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts)
+            metrics = (sft_step(run, feed.demos, feed.engine) if supervised(run.plan.sft, run.step)
+                       else train_step(run, feed.engine, feed.rewarder, feed.data, feed.prompts))
             if schedule.eval_every and run.step % schedule.eval_every == 0 and run.step < schedule.steps:
                 metrics.update(run_eval(run, feed))
             run.logger.log(run.step, metrics)
             fault_point("step-logged", run.step)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}",
-                            **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
-                            kl=f"{metrics.get('kl/ref', 0.0):.3f}", s_step=f"{metrics['time/step']:.1f}")
+            bar.set_postfix(**progress_fields(metrics))
             bar.update(1)
             note = session.watch.observe(run.step, metrics)
             if note and run.world.is_main:
@@ -224,6 +236,15 @@ def steps(session: Session) -> Iterator[dict]:
         save_unsaved(session)
         raise TrainingStopped(session.stop.signum, run.step,
                               run.run_dir / "checkpoints" / f"step-{run.step:06d}")
+
+
+def progress_fields(metrics: dict) -> dict:
+    """The progress bar's figures of a step: its reward, accuracy and KL, or a supervised step's loss."""
+    if "sft/loss" in metrics:
+        return {"sft_loss": f"{metrics['sft/loss']:.3f}", "s_step": f"{metrics['time/step']:.1f}"}
+    return {"reward": f"{metrics['reward/mean']:.2f}",
+            **({"acc": f"{metrics['accuracy']:.2f}"} if "accuracy" in metrics else {}),
+            "kl": f"{metrics.get('kl/ref', 0.0):.3f}", "s_step": f"{metrics['time/step']:.1f}"}
 
 
 def save_unsaved(session: Session) -> None:
@@ -252,6 +273,8 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
         return skip_empty_step(run, metrics, t0)
     if run.plan.learner == "dpo":  # the one learner without advantages
         metrics.update(learn_from_pairs(run, rollout))
+    elif run.plan.learner == "distill":  # the teacher's advantages, or GKD's loss
+        metrics.update(learn_from_teacher(run, rollout))
     else:
         metrics.update(learn_from_advantages(run, rollout, data.train, prompts))
     metrics.update(sync_engine(run, engine))
@@ -347,6 +370,7 @@ def finish(session: Session, *, evaluate: bool = True, save: bool = True) -> Tra
     by_budget = run.step < schedule.steps and out_of_time(run)
     after = run_eval(run, feed) if evaluate else {}
     run.logger.log(run.step, {**after, "final": 1, "train/stopped_by_budget": int(by_budget)})
+    run.logger.close()  # the trackers' runs (train.logger) finish
     final_dir = (save_on_main(run, save_final) or run.run_dir / "final") if save else None  # rank 0 writes it
     result = TrainResult(run_dir=run.run_dir, final_model=final_dir, steps=run.step, metrics=session.last,
                          accuracy_before=before.get("eval/accuracy"), accuracy_after=after.get("eval/accuracy"),

@@ -23,13 +23,14 @@ from covey.config import (
     TrainConfig,
     validate,
 )
-from covey.config.schema_algo import AdaptiveEntropyOptions, AlgoConfig, TisOptions
+from covey.config.schema_algo import AdaptiveEntropyOptions, AlgoConfig, DistillOptions, TisOptions
 from covey.models.load import ModelOptions
 from covey.rewards.build import RewardOptions
 from covey.rollout.episodes import EpisodeOptions
 from covey.rollout.factory import EngineOptions
+from covey.training.phases import SftOptions, distill_options, phase_lines, sft_options
 from covey.training.plan_checks import LOSS_KEYS, check_against_registries
-from covey.training.plan_setup import OptimizerOptions, RunOptions, ToolOptions, setup_sections
+from covey.training.plan_setup import OptimizerOptions, RunOptions, ToolOptions, openenv_target, setup_sections
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,13 @@ class ReferenceOptions:
     """How the reference model moves (algo.ref_refresh_every, algo.ref_ema); both 0: it stays the initial policy."""
     refresh_every: int
     ema: float
+    reset_at: int = 0
+    """After this many steps the reference becomes the policy: the end of a supervised warm-up (0 = never)."""
 
     @property
     def moves(self) -> bool:
         """The reference changes during the run (so checkpoints hold it)."""
-        return bool(self.refresh_every or self.ema)
+        return bool(self.refresh_every or self.ema or self.reset_at)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,10 @@ class Plan:
     """The process, the run folder, resume and the held-out judge (train.*, task.*, eval.*)."""
     tools: ToolOptions = field(kw_only=True)
     """The tools and the environment of episodes (rollout.tools, rollout.environment)."""
+    sft: SftOptions | None = field(kw_only=True, default=None)
+    """Supervised fine-tuning: every step (algo.learner=sft) or a warm-up before RL (sft.num_steps); None: none."""
+    distill: DistillOptions | None = field(kw_only=True, default=None)
+    """The teacher and the loss of algo.learner=distill; None for another learner."""
 
 
 def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
@@ -239,7 +246,8 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     code gets them too); then the option objects check themselves.
     """
     validate(cfg)
-    a, r, episodes = cfg.algo, cfg.rollout, bool(cfg.rollout.tools or cfg.rollout.environment or with_tools)
+    a, r = cfg.algo, cfg.rollout
+    episodes = bool(r.tools or r.environment or with_tools or openenv_target(cfg.task))
     check_against_registries(cfg, episodes=episodes)
     traits = algos.ESTIMATORS[a.estimator]
     sizes = step_sizes(r, a)
@@ -247,19 +255,21 @@ def make_plan(cfg: Config, with_tools: bool = False) -> Plan:
     tokens = token_options(a)
     plan = Plan(
         **setup_sections(cfg),  # model, engine, optimizer, rewards, run, tools (covey/training/plan_setup.py)
-        label="dpo" if a.learner == "dpo" else a.estimator, learner=a.learner, estimator=a.estimator,
-        traits=traits, sizes=sizes,
-        needs_reference=(a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref" or a.learner == "dpo",
+        label=a.learner if a.learner in ("dpo", "sft", "distill") else a.estimator, learner=a.learner,
+        estimator=a.estimator, traits=traits, sizes=sizes, sft=sft_options(cfg.sft, a), distill=distill_options(a),
+        needs_reference=a.learner != "sft" and ((a.beta > 0 and a.kl_in != "none") or a.ratio_against == "ref"
+                                                or a.learner == "dpo"),
         needs_critic=learns_advantages and traits.needs_values,
-        needs_old_logprobs=learns_advantages and (sizes.optimizer_steps_per_rollout > 1 or a.kl_in == "reward"
-                                                  or a.tis.cap > 0 or tokens.needs_old_logprobs),
+        needs_old_logprobs=(a.learner, a.distill.loss) == ("distill", "reverse_kl") or learns_advantages and (
+            sizes.optimizer_steps_per_rollout > 1 or a.kl_in == "reward" or a.tis.cap > 0 or tokens.needs_old_logprobs),
         advantage=algos.AdvantageOptions(gamma=a.gamma, lam=a.gae.lam, eps=a.adv_eps, std_normalize=a.std_normalize,
                                          ddof=a.ddof, token_credit=a.token_credit, normalize=a.normalize),
         update=update_options(a, cfg.optim, r, cfg.model, episodes),
         kl=KLOptions(beta=a.beta, target=a.adaptive_kl.target, horizon=a.adaptive_kl.horizon, estimator=a.kl_estimator,
                      placement=a.kl_in),
-        sampling=sampling_options(r, a), reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema),
-        schedule=schedule(cfg.train), gpu_memory_gib=cfg.train.gpu_memory_gib,
+        sampling=sampling_options(r, a), schedule=schedule(cfg.train, cfg.sft.num_steps),
+        reference=ReferenceOptions(a.ref_refresh_every, a.ref_ema, 0 if cfg.model.lora_rank else cfg.sft.num_steps),
+        gpu_memory_gib=cfg.train.gpu_memory_gib,
         step_scoring=StepScoring(enabled=traits.step_scores, source=cfg.reward.step_source,
                                  separator=cfg.reward.step_separator,
                                  outcome_weight=cfg.reward.process_outcome_weight),
@@ -314,8 +324,8 @@ def episode_options(r: RolloutConfig, reward: RewardConfig, episodes: bool) -> E
                           max_episode_tokens=r.max_episode_tokens or 2 * r.max_turns * turn)
 
 
-def schedule(t: TrainConfig) -> Schedule:
-    return Schedule(steps=t.steps, max_minutes=t.max_minutes, seed=t.seed, eval_every=t.eval_every,
+def schedule(t: TrainConfig, supervised_first: int = 0) -> Schedule:
+    return Schedule(steps=t.steps + supervised_first, max_minutes=t.max_minutes, seed=t.seed, eval_every=t.eval_every,
                     eval_pass_k=t.eval_pass_k, save_every=t.save_every, keep_checkpoints=t.keep_checkpoints,
                     samples_every=t.samples_every, progress=t.progress, grad_var_every=t.grad_var_every,
                     grad_var_batches=t.grad_var_batches, resume_force=t.resume_force)
@@ -357,9 +367,11 @@ def token_summary(t: TokenOptions) -> str:
 def print_plan(plan: Plan) -> None:
     """What the run computes, at start: the algorithm, the models it holds and the sizes of a step."""
     u = plan.update
+    for line in phase_lines(plan.sft, plan.distill, plan.label, plan.schedule.steps):
+        print(f"covey: {line}")
     if plan.learner == "dpo":
         print(f"covey: dpo | dpo_beta={u.dpo_beta} pairs best vs worst of each group")
-    else:
+    elif plan.learner != "sft":
         print(f"covey: {plan.label} | estimator={plan.estimator} loss={u.policy_loss} agg={u.loss_agg} "
               f"beta={plan.kl.beta} kl_in={plan.kl.placement}")
     models = ["policy"] + ["reference"] * plan.needs_reference + ["critic"] * plan.needs_critic

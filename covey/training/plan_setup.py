@@ -6,9 +6,9 @@ the Plan its sections:
     model      models.load.ModelOptions       the policy, its dtype, LoRA, kernels, the critic's backbone
     engine     rollout.factory.EngineOptions  the sampling engine, its precision, decode loop and vLLM settings
     optimizer  OptimizerOptions               optim.name, learning rates, betas, warm-up, offload
-    rewards    rewards.build.RewardOptions    the reward terms, user functions, learned and remote scorers
+    rewards    rewards.build.RewardOptions    the reward terms, user functions, learned and remote scorers, the judge
     run        RunOptions                     the process (device), the run folder, resume, logger, held-out judge
-    tools      ToolOptions                    rollout.tools / rollout.environment of tool-calling episodes
+    tools      ToolOptions                    rollout.tools / rollout.environment of tool-calling episodes, task.source
 
 A section that a lower layer reads is defined beside the code that reads it (models/, rollout/,
 rewards/ cannot import train/); each builder here takes the config sections it reads. Set-up functions
@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from covey.config import (
     Config,
+    ConfigError,
     EvalConfig,
     ModelConfig,
     OptimConfig,
@@ -29,9 +30,16 @@ from covey.config import (
     RolloutConfig,
     TaskConfig,
     TrainConfig,
+    parse_loggers,
+    parse_source,
 )
+from covey.config.schema_rewards import JudgeConfig
+from covey.envs.harness import harness_options
+from covey.envs.served import PlayOptions
+from covey.envs.verifiers import verifiers_options
 from covey.models.load import ModelOptions
 from covey.rewards.build import RewardOptions
+from covey.rewards.judge import JudgeOptions
 from covey.rollout.factory import EngineOptions
 
 
@@ -57,13 +65,16 @@ class RunOptions:
     device: str
     """train.device: auto | cpu | cuda."""
     dist_timeout_s: float
+    balance_ranks: bool
+    """train.balance_ranks: the update's rows spread over the ranks by tokens (covey/training/balance.py)."""
     output_dir: str
     run_name: str
     """'' = <label>-<start time> (covey/training/setup.py, prepare_run_dir)."""
     resume: str
     """train.resume: '' | auto | a checkpoint or run folder."""
-    logger: str
-    """jsonl | tensorboard."""
+    logger: tuple[str, ...]
+    """train.logger read: the experiment trackers beside metrics.jsonl, e.g. ('trackio', 'tensorboard'); () = none."""
+    logger_project: str
     eval_before_cache: str
     task_name: str
     system_prompt: str
@@ -84,6 +95,11 @@ class ToolOptions:
     """rollout.tool_timeout_s."""
     demo: str
     """rollout.tool_demo."""
+    outside: PlayOptions | None = None
+    """task.source=harness:<command> or verifiers:<taskset> (covey/envs/): who plays the episodes against
+    covey's policy server; None: covey's engine."""
+    openenv: str = ""
+    """task.source=openenv:<target>: module:Class or the server's URL (covey/envs/openenv.py); '' = none."""
 
     @property
     def names(self) -> list[str]:
@@ -97,8 +113,22 @@ def setup_sections(cfg: Config) -> dict:
             "optimizer": optimizer_options(cfg.optim),
             "rewards": reward_options(cfg.reward, cfg.rm, answer_key=cfg.task.answer_key,
                                       max_new_tokens=cfg.rollout.max_new_tokens,
-                                      environment=bool(cfg.rollout.environment), max_steps=cfg.train.steps),
-            "run": run_options(cfg.train, cfg.task, cfg.eval), "tools": tool_options(cfg.rollout)}
+                                      environment=bool(cfg.rollout.environment or openenv_target(cfg.task))
+                                      or outside_source(cfg.task),
+                                      max_steps=cfg.train.steps,
+                                      judge=judge_options(cfg.reward.judge, cfg.rollout.group_size, cfg.train.device)),
+            "run": run_options(cfg.train, cfg.task, cfg.eval), "tools": tool_options(cfg.rollout, cfg.task)}
+
+
+def outside_source(t: TaskConfig) -> bool:
+    """task.source=harness: or verifiers:: the harness's or the environment's reward is the term `environment`."""
+    return parse_source(t.source)[0] in ("harness", "verifiers")
+
+
+def openenv_target(t: TaskConfig) -> str:
+    """task.source=openenv:<target>: the target, the episodes' environment (covey/envs/openenv.py); else ''."""
+    kind, target = parse_source(t.source)
+    return target if kind == "openenv" else ""
 
 
 def model_options(m: ModelConfig) -> ModelOptions:
@@ -113,7 +143,8 @@ def engine_options(r: RolloutConfig, seed: int) -> EngineOptions:
                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=seed,
                          vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization, vllm_sleep=r.vllm_sleep,
                          vllm_max_model_len=r.vllm_max_model_len, vllm_sync_bucket_mb=r.vllm_sync_bucket_mb,
-                         vllm_sync_timeout_s=r.vllm_sync_timeout_s, slots=r.slots)
+                         vllm_sync_timeout_s=r.vllm_sync_timeout_s, slots=r.slots,
+                         speculate=r.speculate)
 
 
 def optimizer_options(o: OptimConfig) -> OptimizerOptions:
@@ -122,8 +153,14 @@ def optimizer_options(o: OptimConfig) -> OptimizerOptions:
                             warmup_steps=o.warmup_steps, offload=o.offload)
 
 
+def judge_options(j: JudgeConfig, group_size: int, device: str) -> JudgeOptions:
+    return JudgeOptions(model=j.model.strip(), weight=j.weight, template=j.template, max_new_tokens=j.max_new_tokens,
+                        endpoint_model=j.endpoint_model, token_env=j.token_env, timeout_s=j.timeout_s,
+                        group_size=group_size, device=device)
+
+
 def reward_options(r: RewardConfig, rm: RMConfig, *, answer_key: str, max_new_tokens: int, environment: bool,
-                   max_steps: int) -> RewardOptions:
+                   max_steps: int, judge: JudgeOptions) -> RewardOptions:
     return RewardOptions(
         correctness=r.correctness, format=r.format, tool_use=r.tool_use, overlong_buffer=r.overlong_buffer,
         overlong_weight=r.overlong_weight, functions=tuple(s.strip() for s in r.functions.split(",") if s.strip()),
@@ -133,14 +170,27 @@ def reward_options(r: RewardConfig, rm: RMConfig, *, answer_key: str, max_new_to
         remote_timeout_s=r.remote_timeout_s, remote_retries=r.remote_retries, remote_batch_size=r.remote_batch_size,
         iterative_every=r.iterative_every, replay_fraction=r.replay_fraction, language=r.language,
         language_target=r.language_target, rm=replace(rm), answer_key=answer_key, max_new_tokens=max_new_tokens,
-        environment=environment, max_steps=max_steps)
+        environment=environment, max_steps=max_steps, judge=judge)
 
 
 def run_options(t: TrainConfig, task: TaskConfig, e: EvalConfig) -> RunOptions:
-    return RunOptions(device=t.device, dist_timeout_s=t.dist_timeout_s, output_dir=t.output_dir, run_name=t.run_name,
-                      resume=t.resume, logger=t.logger, eval_before_cache=t.eval_before_cache, task_name=task.name,
+    return RunOptions(device=t.device, dist_timeout_s=t.dist_timeout_s, balance_ranks=t.balance_ranks,
+                      output_dir=t.output_dir, run_name=t.run_name,
+                      resume=t.resume, logger=parse_loggers(t.logger), logger_project=t.logger_project,
+                      eval_before_cache=t.eval_before_cache, task_name=task.name,
                       system_prompt=task.system_prompt, eval_metric=e.metric, reward_threshold=e.reward_threshold)
 
 
-def tool_options(r: RolloutConfig) -> ToolOptions:
-    return ToolOptions(tools=r.tools, environment=r.environment, timeout_s=r.tool_timeout_s, demo=r.tool_demo)
+def tool_options(r: RolloutConfig, t: TaskConfig) -> ToolOptions:
+    kind, target = parse_source(t.source)
+    if kind == "openenv" and r.environment:
+        raise ConfigError(f"task.source={t.source} is the episodes' environment and rollout.environment="
+                          f"{r.environment} another: set one or the other")
+    if kind and kind != "openenv" and (r.tools or r.environment):
+        raise ConfigError(f"task.source={kind}:... plays its episodes with its own tools: rollout.tools and "
+                          "rollout.environment are covey's tool loop; set one or the other")
+    play = {"harness": harness_options, "verifiers": verifiers_options}.get(kind)
+    outside = (play(target, t.harness.concurrency, t.harness.timeout_s, r.max_turn_tokens or r.max_new_tokens,
+                    r.temperature, r.top_p) if play is not None else None)
+    return ToolOptions(tools=r.tools, environment=r.environment, timeout_s=r.tool_timeout_s, demo=r.tool_demo,
+                       outside=outside, openenv=target if kind == "openenv" else "")

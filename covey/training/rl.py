@@ -15,6 +15,7 @@ from covey.models.offload import release_weights
 from covey.passes.logprobs import batched_logprobs, batched_logprobs_and_entropy, batched_values
 from covey.rewards.steps import add_outcome_to_last_step, process_step_inputs
 from covey.runtime.memory import halving_on_oom, record_gpu_peak
+from covey.training.balance import balance_ranks
 from covey.training.global_batch import global_advantages
 from covey.training.gradvar import measure_grad_variance
 from covey.training.setup import Run, size_update
@@ -34,7 +35,10 @@ def learn_from_advantages(run: Run, rollout: Rollout, examples, prompts) -> dict
     metrics.update(select_tokens(run, rollout))  # over the trained tokens of every rank
     metrics.update(signal_metrics(rollout))  # tokens in the loss and their largest |advantage| (signal_watch.py)
     metrics.update(observe_entropy(run, rollout))
-    metrics.update(update(run, rollout))
+    # under torchrun: the rows spread over the ranks by tokens for the update (train.balance_ranks); the same gradient
+    trained, spread = balance_ranks(rollout, run.tokenizer.pad_token_id, run.plan.run.balance_ranks)
+    metrics.update(spread)
+    metrics.update(update(run, trained))
     return metrics
 
 

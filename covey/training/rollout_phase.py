@@ -27,7 +27,8 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
     """One batch of scored samples; with dynamic sampling, only informative groups, refilled."""
     timings = {"time/generate": 0.0, "time/score": 0.0}
     rollout, metrics = sample_and_score(run, engine, rewarder, examples, prompts, timings)
-    metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / len(rollout.group_ids.unique())
+    groups = max(len(rollout.group_ids.unique()), 1)  # none: every harness episode was dropped
+    metrics["groups/zero_std_frac"] = 1 - len(informative_groups(rollout)) / groups
     if "correctness" in rollout.reward_parts:  # the verifier's share of right samples; no verifier, no accuracy
         metrics["accuracy"] = float(rollout.reward_parts["correctness"].mean())
     if run.plan.sampling.dynamic_sampling:

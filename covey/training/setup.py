@@ -20,6 +20,8 @@ import torch
 import yaml
 
 from covey.config import ConfigError
+from covey.envs.harness import harness_prompts
+from covey.envs.served import served_engines
 from covey.models.critic import ValueModel
 from covey.models.kernels import apply_liger_kernels, check_model_options, resolve_fused_kernels, use_fused_head
 from covey.models.load import ModelOptions, enable_gradient_checkpointing, load_policy
@@ -30,10 +32,12 @@ from covey.rollout.agents import EpisodeEngine
 from covey.rollout.factory import make_engine, make_eval_engine, sampling_precision
 from covey.runtime.dist import DeviceError, SilentLogger, World, broadcast_object, init_distributed, quiet_unless_main
 from covey.runtime.fsdp import shard_model
+from covey.runtime.loggers import PACKAGES, TrackerOptions, missing_tracker, open_trackers
 from covey.runtime.memory import MicroBatchSizes, on_gpu, size_update_pass
 from covey.runtime.metrics import MetricsLogger
 from covey.runtime.precision import resolve_autocast
 from covey.runtime.signals import StopFlag
+from covey.serve import context_length
 from covey.tasks.data import PromptStream, format_prompts
 from covey.tasks.verifiers import resolve_verifier, unreadable_answers
 from covey.training.global_batch import GatheredGeneration
@@ -80,6 +84,10 @@ class Run:
     """The entropy bonus's coefficient: algos.FixedEntropyController or AdaptiveEntropyController."""
     gpu_fit: GpuFit | None = None
     """On one GPU, the memory budget and what the update's sizing reads (covey/training/memory_fit.py)."""
+    teacher: torch.nn.Module | None = None
+    """algo.learner=distill's frozen teacher (covey/training/distill.py)."""
+    sft_stream: PromptStream | None = None
+    """The order of sft.data's conversations over the supervised steps (covey/training/sft.py)."""
 
     def checkpointed(self) -> dict:
         """The state objects a checkpoint holds beside models and optimizers, by name (each has state_dict):
@@ -87,6 +95,8 @@ class Run:
         state = {"clock": self.clock, "micro_batches": self.micro_batches}
         if self.entropy_controller is not None:
             state["entropy_controller"] = self.entropy_controller
+        if self.sft_stream is not None:
+            state["sft_stream"] = self.sft_stream
         state.update({f"reward_model/{r.name}": r for r in self.reward_refreshers if r.every})
         return state
 
@@ -101,6 +111,7 @@ class Feed:
     engine: object
     eval_engine: object
     judge: object = None  # covey.training.evaluate.Judge: how held-out answers are scored
+    demos: object = None  # covey.training.sft.Demos: sft.data rendered to token ids (supervised steps)
 
 
 @dataclass
@@ -188,7 +199,8 @@ def open_world(plan: Plan) -> World:
 def check_extras(plan: Plan) -> None:
     """An optional package a setting needs is one line naming its pip extra, before any model loads."""
     m = plan.model
-    needs = (("train.logger=tensorboard", plan.run.logger == "tensorboard", "tensorboard", "tensorboard"),
+    missing = missing_tracker(plan.run.logger)
+    needs = ((f"train.logger={','.join(plan.run.logger)}", missing is not None, PACKAGES.get(missing), missing),
              (f"model.lora_rank={m.lora_rank}", m.lora_rank > 0, "peft", "lora"),
              ("task.name=hf", plan.run.task_name == "hf", "datasets", "datasets"),
              ("rollout.engine=vllm", plan.engine.engine == "vllm", "vllm", "vllm"))
@@ -326,8 +338,9 @@ def open_feed(run: Run, data, rewarder, agent: AgentInputs | None = None) -> Fee
     tools or an environment (`agent`, from `prepare_agent`), engines that sample whole episodes
     (covey/rollout/agents.py)."""
     plan = run.plan
-    run.logger = (MetricsLogger(run.run_dir, tensorboard=plan.run.logger == "tensorboard") if run.world.is_main
-                  else SilentLogger())
+    trackers = TrackerOptions(plan.run.logger, plan.run.logger_project, run.run_dir, resume=bool(plan.run.resume),
+                              config=run.config_record)
+    run.logger = MetricsLogger(run.run_dir, open_trackers(trackers)) if run.world.is_main else SilentLogger()
     if run.world.is_main:
         (run.run_dir / "config.yaml").write_text(yaml.safe_dump(run.config_record, sort_keys=False))
     agents = None
@@ -346,6 +359,10 @@ def open_feed(run: Run, data, rewarder, agent: AgentInputs | None = None) -> Fee
     if agents is not None:
         engine, eval_engine = (EpisodeEngine(e, a.episodes, run.plan.episodes, a.metrics)
                                for e, a in zip((engine, eval_engine), agents))
+    if plan.tools.outside is not None:  # task.source=harness: / verifiers: (covey/envs/served.py)
+        prompts, eval_prompts = (harness_prompts(run.tokenizer, rows, plan.run.system_prompt)
+                                 for rows in (data.train, data.eval))
+        engine, eval_engine = served_engines(plan.tools.outside, engine, eval_engine, context_length(run.policy))
     return Feed(data=data, prompts=prompts, eval_prompts=eval_prompts, rewarder=rewarder, engine=engine,
                 eval_engine=eval_engine)
 

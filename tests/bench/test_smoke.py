@@ -124,3 +124,19 @@ def test_episodes_driver_runs_the_same_episodes_both_ways(tmp_path, tiny_model_d
     assert tokens["episodes, loop"] == tokens["episodes, turn by turn"]
     assert tokens["episodes, loop"][1] > 0 and tokens["single turn"][1] == 0
     assert (tmp_path / "episodes.md").read_text().count("| episodes,") == 2
+
+
+def test_rollout_driver_runs_the_engine_arms_on_set_lengths(tmp_path, tiny_model_dir):
+    """bench.rollout on the tiny model: every arm samples exactly the rows' budgets (end-of-sequence ignored), the
+    batch arm's calls wait for their longest row, the slot arms keep their slots busier."""
+    from bench import rollout
+    rollout.main(["--rows", "12", "--slots", "4", "--max-new", "40", "--model", tiny_model_dir,
+                  "--arms", "batch,slots,spec,hf", "--out", str(tmp_path / "rollout")])
+    result = json.loads((tmp_path / "rollout.json").read_text())
+    budgets, arms = result["budgets"], result["arms"]
+    assert len(budgets) == 12 and max(budgets) <= 40 and len(set(budgets)) > 3  # long-tailed, capped
+    assert all(runs[0]["tokens"] == sum(budgets) for runs in arms.values())
+    batch = sum(budgets) / sum(4 * max(budgets[i:i + 4]) for i in range(0, 12, 4))  # each call waits for its longest
+    assert arms["batch"][0]["useful"] == pytest.approx(batch)
+    assert arms["slots"][0]["useful"] > batch
+    assert "| spec |" in (tmp_path / "rollout.md").read_text()

@@ -252,16 +252,19 @@ def test_options_the_step_does_not_reproduce_are_refused(family, change, tok):
 
 
 def test_decode_options_resolve_by_device():
-    plain = {"static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True, "slots": 0}
+    plain = {"static_cache": False, "cuda_graphs": False, "compile_decode": False, "persistent": True, "slots": 0,
+             "speculate": 0}
     assert DecodeOptions().resolve("cpu") == plain  # the CPU keeps its plain loop
     assert DecodeOptions("static").resolve("cpu") == {**plain, "static_cache": True}
     assert DecodeOptions("compile").resolve("cpu") == {**plain, "static_cache": True, "compile_decode": True}
     assert DecodeOptions().resolve("cuda") == {**plain, "static_cache": True, "cuda_graphs": True}
     assert DecodeOptions("compile", persistent=False).resolve("cuda") == {
-        "static_cache": True, "cuda_graphs": True, "compile_decode": True, "persistent": False, "slots": 0}
+        "static_cache": True, "cuda_graphs": True, "compile_decode": True, "persistent": False, "slots": 0,
+        "speculate": 0}
     assert DecodeOptions("plain").resolve("cuda") == plain
     # slots decode with plain steps: auto on a GPU is then plain
     assert DecodeOptions(slots=4).resolve("cuda") == {**plain, "slots": 4}
+    assert DecodeOptions(speculate=4).resolve("cuda") == {**plain, "speculate": 4}  # drafts verify in that loop
     with pytest.raises(ValueError, match="rollout.decode=graphs captures CUDA graphs"):
         DecodeOptions("graphs").resolve("cpu")
     with pytest.raises(ValueError, match="rollout.decode='fastest'"):

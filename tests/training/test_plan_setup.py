@@ -39,7 +39,8 @@ def test_each_section_holds_the_keys_of_its_config_section():
     assert names(RewardConfig) - names(RewardOptions) == {"step_source", "process_outcome_weight"}  # step_scoring
     assert names(RewardOptions) - names(RewardConfig) == {"rm", "answer_key", "max_new_tokens", "environment",
                                                           "max_steps"}
-    run_keys = {"device", "dist_timeout_s", "output_dir", "run_name", "resume", "logger", "eval_before_cache"}
+    run_keys = {"device", "dist_timeout_s", "balance_ranks", "output_dir", "run_name", "resume", "logger",
+                "logger_project", "eval_before_cache"}
     assert run_keys <= names(TrainConfig) and names(RunOptions) - run_keys == {
         "task_name", "system_prompt", "eval_metric", "reward_threshold"}
     assert {"metric", "reward_threshold"} == names(EvalConfig)
@@ -57,7 +58,8 @@ def test_make_plan_fills_the_sections_from_the_config():
     assert (r.format, r.timeout_s, r.answer_key, r.max_new_tokens, r.max_steps, r.environment) == (
         0.5, 7.0, "solution", cfg.rollout.max_new_tokens, cfg.train.steps, False)
     assert r.rm.batch_size == 4 and r.rm is not cfg.rm and r.rm == cfg.rm  # a copy of the config's
-    assert (run.run_name, run.logger, run.system_prompt, run.reward_threshold) == ("r", "tensorboard", "Be brief.", 0.5)
+    assert (run.run_name, run.logger, run.system_prompt, run.reward_threshold) == (
+        "r", ("tensorboard",), "Be brief.", 0.5)
     assert tools == ToolOptions(tools="calculator", environment="", timeout_s=3.0, demo="") and tools.names == [
         "calculator"]
 

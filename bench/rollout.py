@@ -1,0 +1,139 @@
+"""Long rollouts (docs/results.md): covey's engine in calls that wait for their longest row (`batch`), through slots
+refilled as rows end (`slots`), with n-gram speculation (`spec`), against transformers' continuous batching (`cb`,
+per-request budgets, its paged cache) and HF `generate` (`hf`), arms interleaved `--rounds` times. Workloads: `tail`,
+word-problem prompts whose rows stop at budgets drawn long-tailed (mean/max about 0.2, end-of-sequence ignored);
+`reason`, word problems asked to reason step by step, ending where the model ends them.
+
+    python -m bench.rollout --rows 256 --slots 64 --rounds 2 --out runs/rollout   # memory-bound: 64 rows fit
+    python -m bench.rollout --rows 64 --slots 64 --workload reason --arms batch,slots,spec,cb"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.harness import interleaved, machine, out_prefix, publish, say, table
+
+REASON = " Reason step by step, one short sentence per step, then write 'Answer: <number>'."
+
+
+def rows_of(tok, workload: str, rows: int, max_new: int, seed: int) -> tuple[list[str], list[int], bool]:
+    """Each row's rendered prompt, its token budget, and whether end-of-sequence ends rows."""
+    from dataclasses import replace
+
+    from covey.config import load_config
+    from covey.tasks.data import format_prompts, load_task_data
+    cfg = load_config(None, ["task.name=wordproblems", "task.word_steps=2", f"task.train_size={rows}"])
+    examples = load_task_data(cfg.task, seed).train[:rows]
+    texts = format_prompts(tok, [replace(e, prompt=e.prompt + (REASON if workload == "reason" else ""))
+                                 for e in examples])
+    if workload == "reason":
+        return texts, [max_new] * rows, True
+    g = torch.Generator().manual_seed(seed)  # log-normal lengths, sigma 1: mean/max about 0.2 once capped
+    lengths = (torch.randn(rows, generator=g) + torch.log(torch.tensor(max_new * 0.13))).exp()
+    return texts, lengths.clamp(8, max_new).round().long().tolist(), False
+
+
+def fast_arm(model, tok, prompts, budgets, eos: bool, slots: int, speculate: int, calls: int) -> dict:
+    """Calls of `calls` rows; `slots` > 0: through that many slots (useful row-steps: busy slots over slots x steps,
+    KV per token: the buffers over the mean tokens they hold); 0: each call's rows wait for its longest."""
+    from covey.rollout.fast import FastEngine
+    engine = FastEngine(model, tok, max_new_tokens=max(budgets), slots=slots, speculate=speculate, ignore_eos=not eos)
+    tokens = busy = room = kv = 0
+    per_token = []
+    for start in range(0, len(prompts), calls):
+        out = engine.generate(prompts[start:start + calls], 1, budgets=budgets[start:start + calls])
+        lengths = out.response_mask.sum(1)
+        tokens += int(lengths.sum())
+        stats = engine.slot_stats
+        if slots or speculate:
+            busy, room = busy + stats.row_steps, room + min(slots or len(lengths), len(lengths)) * stats.steps
+            kv, per_token = max(kv, stats.cache_bytes), [*per_token, stats.kv_bytes_per_token]
+        else:
+            busy, room = busy + int(lengths.sum()), room + len(lengths) * int(lengths.max())
+            kv = max(kv, engine.cache_bytes)
+    return {"tokens": tokens, "useful": busy / room, "kv_mib": kv / 2**20,
+            "kv_per_token": statistics.mean(per_token) if per_token else None}
+
+
+def cb_arm(model, tok, prompts, budgets, eos: bool) -> dict:
+    from transformers import GenerationConfig
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=max(budgets),
+                              eos_token_id=tok.eos_token_id if eos else len(tok) + 7, pad_token_id=tok.pad_token_id)
+    done = {}
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        ids = [manager.add_request(tok(p, add_special_tokens=False)["input_ids"], max_new_tokens=b)
+               for p, b in zip(prompts, budgets)]
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = len(result.generated_tokens)
+    return {"tokens": sum(done.values()), "useful": None, "kv_mib": None, "kv_per_token": None}
+
+
+def hf_arm(model, tok, prompts, budgets, eos: bool, calls: int) -> dict:
+    tokens = row_steps = 0
+    for start in range(0, len(prompts), calls):
+        chunk, limit = prompts[start:start + calls], budgets[start:start + calls]
+        enc = tok(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        out = model.generate(**enc, do_sample=True, max_new_tokens=max(limit), pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id if eos else len(tok) + 7)[:, enc["input_ids"].shape[1]:]
+        ended = (out == tok.eos_token_id).int().cumsum(1) == 0 if eos else torch.ones_like(out, dtype=torch.bool)
+        lengths = torch.minimum(ended.sum(1) + int(eos), torch.tensor(limit))
+        tokens, row_steps = tokens + int(lengths.sum()), row_steps + len(chunk) * out.shape[1]
+    return {"tokens": tokens, "useful": tokens / row_steps, "kv_mib": None, "kv_per_token": None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=("tail", "reason"), default="tail")
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--slots", type=int, default=64, help="rows the KV budget holds at full length")
+    p.add_argument("--max-new", type=int, default=1024)
+    p.add_argument("--arms", default="batch,slots,spec,cb", help="from batch, slots, spec, cb, hf")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, bf16)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    from covey.models.default import prepare_default_model
+    from covey.models.load import load_policy
+    model, tok = load_policy(args.model or prepare_default_model(), dtype=torch.bfloat16)
+    model.eval()
+    prompts, budgets, eos = rows_of(tok, args.workload, args.rows, args.max_new, seed=0)
+    s = args.slots
+    runs = {"batch": lambda: fast_arm(model, tok, prompts, budgets, eos, 0, 0, s),
+            "slots": lambda: fast_arm(model, tok, prompts, budgets, eos, s, 0, len(prompts)),
+            "spec": lambda: fast_arm(model, tok, prompts, budgets, eos, s, 4, len(prompts)),
+            "cb": lambda: cb_arm(model, tok, prompts, budgets, eos),
+            "hf": lambda: hf_arm(model, tok, prompts, budgets, eos, s)}
+
+    def run_one(name: str, tag: str) -> dict:
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = runs[name]()
+        out["seconds"] = time.perf_counter() - t0
+        say(f"{name}{tag}: {out['tokens']} tokens in {out['seconds']:.1f} s")
+        return out
+
+    names = args.arms.split(",")
+    by_arm = interleaved(names, args.rounds, run_one)
+    rate = {n: statistics.median(r["tokens"] / r["seconds"] for r in by_arm[n]) for n in names}
+
+    def cell(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    rows = [[n, f"{rate[n]:.0f}", f"{rate[n] / rate[names[0]]:.2f}", cell(by_arm[n][0]["useful"], ".0%"),
+             cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f")] for n in names]
+    text = "\n".join([f"{args.workload}: {args.rows} rows, KV budget {s} rows x {args.max_new} tokens, "
+                      f"{sum(budgets) / len(budgets):.0f} mean budget; median of {args.rounds} round(s); {machine()}",
+                      "", table(["arm", "tokens/s", f"/ {names[0]}", "useful row-steps", "KV bytes / token in flight",
+                                 "KV MiB"], rows)])
+    publish(out_prefix(args.out, "rollout"), text, {"arms": by_arm, "budgets": budgets})
+
+
+if __name__ == "__main__":
+    main()
