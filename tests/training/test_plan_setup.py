@@ -33,7 +33,8 @@ def test_each_section_holds_the_keys_of_its_config_section():
     """A key added to a config section lands in the plan's section of the same name or is named here with where it
     went: the set-up never reads a key the plan left out."""
     assert names(ModelConfig) - names(ModelOptions) == {"router_aux_coef"}  # the update's (plan.update)
-    engine_keys = {"engine", "precision", "decode", "max_new_tokens", "temperature", "top_p", "top_k", "slots"}
+    engine_keys = {"engine", "precision", "decode", "max_new_tokens", "temperature", "top_p", "top_k", "slots",
+                   "speculate"}
     assert names(EngineOptions) - {"seed"} == engine_keys | {k for k in names(RolloutConfig) if k.startswith("vllm_")}
     assert names(OptimConfig) - names(OptimizerOptions) == {"max_grad_norm", "max_skipped_steps"}  # plan.update
     assert names(RewardConfig) - names(RewardOptions) == {"step_source", "process_outcome_weight"}  # step_scoring
