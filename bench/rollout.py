@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,43 +21,57 @@ from bench.harness import interleaved, machine, out_prefix, publish, say, table
 REASON = " Reason step by step, one short sentence per step, then write 'Answer: <number>'."
 
 
-def rows_of(tok, workload: str, rows: int, max_new: int, seed: int) -> tuple[list[str], list[int], bool]:
-    """Each row's rendered prompt, its token budget, and whether end-of-sequence ends rows."""
+@dataclass
+class Rows:
+    """A workload's rows: each one's rendered prompt (G consecutive rows share one), its token budget, and whether
+    end-of-sequence ends rows."""
+    prompts: list[str]
+    budgets: list[int]
+    eos: bool
+    group: int
+
+
+def rows_of(tok, workload: str, rows: int, max_new: int, group: int) -> Rows:
     from dataclasses import replace
 
     from covey.config import load_config
     from covey.tasks.data import format_prompts, load_task_data
     cfg = load_config(None, ["task.name=wordproblems", "task.word_steps=2", f"task.train_size={rows}"])
-    examples = load_task_data(cfg.task, seed).train[:rows]
+    examples = load_task_data(cfg.task, 0).train[:rows // group]
     texts = format_prompts(tok, [replace(e, prompt=e.prompt + (REASON if workload == "reason" else ""))
                                  for e in examples])
+    texts = [t for t in texts for _ in range(group)]
     if workload == "reason":
-        return texts, [max_new] * rows, True
-    g = torch.Generator().manual_seed(seed)  # log-normal lengths, sigma 1: mean/max about 0.2 once capped
-    lengths = (torch.randn(rows, generator=g) + torch.log(torch.tensor(max_new * 0.13))).exp()
-    return texts, lengths.clamp(8, max_new).round().long().tolist(), False
+        return Rows(texts, [max_new] * len(texts), True, group)
+    g = torch.Generator().manual_seed(0)  # log-normal lengths, sigma 1: mean/max about 0.2 once capped
+    lengths = (torch.randn(len(texts), generator=g) + torch.log(torch.tensor(max_new * 0.13))).exp()
+    return Rows(texts, lengths.clamp(8, max_new).round().long().tolist(), False, group)
 
 
-def fast_arm(model, tok, prompts, budgets, eos: bool, slots: int, speculate: int, calls: int) -> dict:
+def fast_arm(model, tok, rows: Rows, slots: int, speculate: int, calls: int) -> dict:
     """Calls of `calls` rows; `slots` > 0: through that many slots (useful row-steps: busy slots over slots x steps,
     KV per token: the buffers over the mean tokens they hold); 0: each call's rows wait for its longest."""
     from covey.rollout.fast import FastEngine
-    engine = FastEngine(model, tok, max_new_tokens=max(budgets), slots=slots, speculate=speculate, ignore_eos=not eos)
-    tokens = busy = room = kv = 0
+    prompts, budgets, g = rows.prompts, rows.budgets, rows.group
+    engine = FastEngine(model, tok, max_new_tokens=max(budgets), slots=slots, speculate=speculate,
+                        ignore_eos=not rows.eos)
+    tokens = busy = room = kv = drafted = accepted = 0
     per_token = []
     for start in range(0, len(prompts), calls):
-        out = engine.generate(prompts[start:start + calls], 1, budgets=budgets[start:start + calls])
+        out = engine.generate(prompts[start:start + calls:g], g, budgets=budgets[start:start + calls])
         lengths = out.response_mask.sum(1)
         tokens += int(lengths.sum())
         stats = engine.slot_stats
         if slots or speculate:
             busy, room = busy + stats.row_steps, room + min(slots or len(lengths), len(lengths)) * stats.steps
             kv, per_token = max(kv, stats.cache_bytes), [*per_token, stats.kv_bytes_per_token]
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         else:
             busy, room = busy + int(lengths.sum()), room + len(lengths) * int(lengths.max())
             kv = max(kv, engine.cache_bytes)
     return {"tokens": tokens, "useful": busy / room, "kv_mib": kv / 2**20,
-            "kv_per_token": statistics.mean(per_token) if per_token else None}
+            "kv_per_token": statistics.mean(per_token) if per_token else None,
+            "accepted": accepted / drafted if drafted else None}
 
 
 def cb_arm(model, tok, prompts, budgets, eos: bool) -> dict:
@@ -92,21 +107,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", choices=("tail", "reason"), default="tail")
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--slots", type=int, default=64, help="rows the KV budget holds at full length")
+    p.add_argument("--group", type=int, default=8, help="rows per prompt (G); --rows and --slots its multiples")
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--arms", default="batch,slots,spec,cb", help="from batch, slots, spec, cb, hf")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, bf16)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.rows % args.group or args.slots % args.group:
+        p.error("--rows and --slots must be multiples of --group")
     from covey.models.default import prepare_default_model
     from covey.models.load import load_policy
     model, tok = load_policy(args.model or prepare_default_model(), dtype=torch.bfloat16)
     model.eval()
-    prompts, budgets, eos = rows_of(tok, args.workload, args.rows, args.max_new, seed=0)
-    s = args.slots
-    runs = {"batch": lambda: fast_arm(model, tok, prompts, budgets, eos, 0, 0, s),
-            "slots": lambda: fast_arm(model, tok, prompts, budgets, eos, s, 0, len(prompts)),
-            "spec": lambda: fast_arm(model, tok, prompts, budgets, eos, s, 4, len(prompts)),
+    rows = rows_of(tok, args.workload, args.rows, args.max_new, args.group)
+    prompts, budgets, eos, s = rows.prompts, rows.budgets, rows.eos, args.slots
+    runs = {"batch": lambda: fast_arm(model, tok, rows, 0, 0, s),
+            "slots": lambda: fast_arm(model, tok, rows, s, 0, len(prompts)),
+            "spec": lambda: fast_arm(model, tok, rows, s, 4, len(prompts)),
             "cb": lambda: cb_arm(model, tok, prompts, budgets, eos),
             "hf": lambda: hf_arm(model, tok, prompts, budgets, eos, s)}
 
@@ -127,11 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         return "-" if value is None else format(value, fmt)
 
     rows = [[n, f"{rate[n]:.0f}", f"{rate[n] / rate[names[0]]:.2f}", cell(by_arm[n][0]["useful"], ".0%"),
-             cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f")] for n in names]
-    text = "\n".join([f"{args.workload}: {args.rows} rows, KV budget {s} rows x {args.max_new} tokens, "
+             cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f"),
+             cell(by_arm[n][0].get("accepted"), ".0%")] for n in names]
+    text = "\n".join([f"{args.workload}: {args.rows} rows ({args.group} per prompt), KV budget {s} rows x "
+                      f"{args.max_new} tokens, "
                       f"{sum(budgets) / len(budgets):.0f} mean budget; median of {args.rounds} round(s); {machine()}",
                       "", table(["arm", "tokens/s", f"/ {names[0]}", "useful row-steps", "KV bytes / token in flight",
-                                 "KV MiB"], rows)])
+                                 "KV MiB", "drafts accepted"], rows)])
     publish(out_prefix(args.out, "rollout"), text, {"arms": by_arm, "budgets": budgets})
 
 

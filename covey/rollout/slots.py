@@ -142,7 +142,7 @@ class AnswerRows:
 
     def drafts(self, rows: list[int]) -> list[list[int]] | None:
         """Each row's draft for this step, or None: no drafter, a step too wide to pay, or no draft at all."""
-        if self.drafter is None or len(rows) * (self.drafter.k + 1) > SPECULATE_TOKENS:
+        if self.drafter is None or len(rows) * (self.drafter.k + 1) > SPECULATE_TOKENS or not self.drafter.paying():
             return None
         out = [self.drafter.draft(r, self.budgets[r] - self.count[r]) for r in rows]
         return out if any(out) else None

@@ -130,7 +130,7 @@ def test_rollout_driver_runs_the_engine_arms_on_set_lengths(tmp_path, tiny_model
     """bench.rollout on the tiny model: every arm samples exactly the rows' budgets (end-of-sequence ignored), the
     batch arm's calls wait for their longest row, the slot arms keep their slots busier."""
     from bench import rollout
-    rollout.main(["--rows", "12", "--slots", "4", "--max-new", "40", "--model", tiny_model_dir,
+    rollout.main(["--rows", "12", "--slots", "4", "--group", "2", "--max-new", "40", "--model", tiny_model_dir,
                   "--arms", "batch,slots,spec,hf", "--out", str(tmp_path / "rollout")])
     result = json.loads((tmp_path / "rollout.json").read_text())
     budgets, arms = result["budgets"], result["arms"]

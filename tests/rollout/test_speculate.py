@@ -102,6 +102,18 @@ def test_drafts_come_from_the_group_then_from_recent_answers():
     assert d.draft(2, limit=8) == []
 
 
+def test_a_call_stops_drafting_when_too_few_drafts_are_accepted():
+    # PAYING_AFTER = 32 verified draft tokens, PAYING_SHARE = 0.5: 31 verified, none accepted -> still drafting
+    # (too few to tell); 40 verified, 20 accepted (0.5) -> pays; 40 verified, 19 accepted (0.475) -> stops
+    d = Drafter(4, RecentNgrams(4), [[1, 2]], [0])
+    d.drafted, d.accepted = 31, 0
+    assert d.paying()
+    d.drafted, d.accepted = 40, 20
+    assert d.paying()
+    d.accepted = 19
+    assert not d.paying()
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return load_policy(tiny_model_dir)
