@@ -42,7 +42,8 @@ def out_prefix(out: str, name: str) -> Path:
 def publish(prefix: Path, text: str, data: dict) -> None:
     print(text)
     prefix.with_suffix(".md").write_text(text + "\n")
-    write_json(prefix.with_suffix(".json"), {**data, "argv": sys.argv})
+    command = [os.path.relpath(sys.argv[0], ROOT) if os.path.isabs(sys.argv[0]) else sys.argv[0], *sys.argv[1:]]
+    write_json(prefix.with_suffix(".json"), {**data, "argv": command})  # no absolute path of the machine
     say(f"wrote {prefix.with_suffix('.md')} and {prefix.with_suffix('.json')}")
 
 
