@@ -48,7 +48,7 @@ RESULT_NEUTRAL = {"train.device", "model.gradient_checkpointing", "algo.update_m
     "train.logger", "train.logger_project", "train.output_dir", "train.run_name", "train.resume_force", "model.threads",
     "train.samples_every", "rollout.eval_batch_size", "train.max_minutes", "train.dist_timeout_s",
     "rollout.vllm_gpu_memory_utilization", "rollout.vllm_sleep", "rollout.vllm_sync_bucket_mb",
-    "rollout.vllm_sync_timeout_s", "train.eval_before_cache",
+    "rollout.vllm_sync_timeout_s", "train.eval_before_cache", "train.balance_ranks",
 }
 STATE_FILE = "trainer_state.pt"
 
