@@ -102,6 +102,23 @@ def hf_arm(model, tok, prompts, budgets, eos: bool, calls: int) -> dict:
     return {"tokens": tokens, "useful": tokens / row_steps, "kv_mib": None, "kv_per_token": None}
 
 
+def report(args, by_arm: dict, names: list[str], budgets: list[int]) -> str:
+    """The run's table: tokens/s (median over rounds) and its ratio to the first arm, the first round's rest."""
+    rate = {n: statistics.median(r["tokens"] / r["seconds"] for r in by_arm[n]) for n in names}
+
+    def cell(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    rows = [[n, f"{rate[n]:.0f}", f"{rate[n] / rate[names[0]]:.2f}", cell(by_arm[n][0]["useful"], ".0%"),
+             cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f"),
+             cell(by_arm[n][0].get("accepted"), ".0%")] for n in names]
+    return "\n".join([f"{args.workload}: {args.rows} rows ({args.group} per prompt), KV budget {args.slots} rows x "
+                      f"{args.max_new} tokens, "
+                      f"{sum(budgets) / len(budgets):.0f} mean budget; median of {args.rounds} round(s); {machine()}",
+                      "", table(["arm", "tokens/s", f"/ {names[0]}", "useful row-steps", "KV bytes / token in flight",
+                                 "KV MiB", "drafts accepted"], rows)])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=("tail", "reason"), default="tail")
@@ -139,19 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
     names = args.arms.split(",")
     by_arm = interleaved(names, args.rounds, run_one)
-    rate = {n: statistics.median(r["tokens"] / r["seconds"] for r in by_arm[n]) for n in names}
-
-    def cell(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
-    rows = [[n, f"{rate[n]:.0f}", f"{rate[n] / rate[names[0]]:.2f}", cell(by_arm[n][0]["useful"], ".0%"),
-             cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f"),
-             cell(by_arm[n][0].get("accepted"), ".0%")] for n in names]
-    text = "\n".join([f"{args.workload}: {args.rows} rows ({args.group} per prompt), KV budget {s} rows x "
-                      f"{args.max_new} tokens, "
-                      f"{sum(budgets) / len(budgets):.0f} mean budget; median of {args.rounds} round(s); {machine()}",
-                      "", table(["arm", "tokens/s", f"/ {names[0]}", "useful row-steps", "KV bytes / token in flight",
-                                 "KV MiB", "drafts accepted"], rows)])
+    text = report(args, by_arm, names, budgets)
     publish(out_prefix(args.out, "rollout"), text, {"arms": by_arm, "budgets": budgets})
 
 
