@@ -265,7 +265,8 @@ class SlotDecoder:
             self.pack()
         block = torch.tensor([[t, *d] + [pad] * (m - len(d)) for t, d in zip(tokens, drafts)], device=device)
         columns = slice(self.column, self.column + m + 1)
-        self.key_mask[:, columns] = torch.tensor([[1] * (1 + len(d)) + [0] * (m - len(d)) for d in drafts])
+        self.key_mask[:, columns] = torch.tensor([[1] * (1 + len(d)) + [0] * (m - len(d)) for d in drafts],
+                                                 device=device)
         self.record(len(tokens))
         steps = torch.arange(m + 1, device=device)
         logits = self.engine.block_logits(block, self.position[:, None] + steps, self.key_mask[:, :columns.stop],
