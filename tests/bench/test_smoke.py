@@ -140,3 +140,13 @@ def test_rollout_driver_runs_the_engine_arms_on_set_lengths(tmp_path, tiny_model
     assert arms["batch"][0]["useful"] == pytest.approx(batch)
     assert arms["slots"][0]["useful"] > batch
     assert "| spec |" in (tmp_path / "rollout.md").read_text()
+
+
+def test_serve_driver_times_the_server_against_the_engine(tmp_path, tiny_model_dir):
+    """bench.serve on the tiny model: the openai client's concurrent requests are all answered, and both arms
+    sample tokens."""
+    from bench import serve
+    serve.main(["--requests", "6", "--max-tokens", "8", "--model", tiny_model_dir, "--out", str(tmp_path / "serve")])
+    arms = json.loads((tmp_path / "serve.json").read_text())["arms"]
+    assert set(arms) == {"direct", "server"}
+    assert all(0 < runs[0]["tokens"] <= 6 * 8 for runs in arms.values())
