@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -34,6 +33,7 @@ from covey.models.gemma import GEMMA_ALIASES, PLAIN_ALIASES, prepare_gemma
 from covey.models.kernels import quantization_config
 from covey.models.tiny import build_tiny_model
 from covey.runtime.errors import first_line
+from covey.runtime.http import connect_error
 
 __all__ = ["ModelError", "ModelOptions", "as_dtype", "load_policy", "load_pretrained", "load_reference",
            "load_tokenizer", "optimizer_state_mb", "param_memory_mb", "resolve_model_path"]
@@ -129,12 +129,7 @@ def check_hub_id(spec: str) -> None:
 def hub_reachable(timeout_s: float = 2.0) -> bool:
     """Whether the hub (HF_ENDPOINT, default huggingface.co) accepts a connection within `timeout_s`."""
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+    return connect_error(url.hostname, url.port or (443 if url.scheme == "https" else 80), timeout_s) is None
 
 
 def as_dtype(dtype) -> torch.dtype:

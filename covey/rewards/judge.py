@@ -33,7 +33,6 @@ import math
 import os
 import random
 import re
-import socket
 import threading
 import time
 import urllib.error
@@ -52,6 +51,7 @@ from covey.rewards.rules import completion_text
 from covey.rollout.local import DecodeOptions, local_engine
 from covey.runtime.dist import resolve_device
 from covey.runtime.errors import first_line
+from covey.runtime.http import connect_error
 from covey.runtime.precision import native_bf16
 from covey.tasks.base import messages_text
 
@@ -273,13 +273,9 @@ def check_endpoint(url: str, timeout_s: float = 2.0) -> None:
     parts = urlsplit(url)
     if not parts.hostname:
         raise ConfigError(f"reward.judge.model={url}: an endpoint must look like http://host:port/v1")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as err:
-        raise JudgeError(f"reward.judge.model={url}: no connection to {parts.hostname}:{port} within {timeout_s:g} s "
-                         f"({err.strerror or type(err).__name__}): start the judge (covey serve-policy MODEL) or fix "
-                         "the URL") from None
+    why = connect_error(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), timeout_s)
+    if why:
+        raise JudgeError(f"reward.judge.model={url}: {why}: start the judge (covey serve-policy MODEL) or fix the URL")
 
 
 class EndpointJudge:

@@ -24,6 +24,8 @@ import random
 import time
 from urllib.parse import urlsplit
 
+from covey.runtime.http import connect_error
+
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
@@ -34,17 +36,13 @@ class RemoteRewardError(RuntimeError):
 def check_reachable(url: str, timeout_s: float = 2.0) -> None:
     """One TCP connection to the service's host and port, before any model loads: a service that is down
     or a wrong URL is one line now, not a failed step after the model load and the baseline evaluation."""
-    import socket
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteRewardError(f"reward.remote_url must look like http://host:port, got {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as err:
-        raise RemoteRewardError(f"reward.remote_url={url}: no connection to {parts.hostname}:{port} within "
-                                f"{timeout_s:g} s ({err.strerror or type(err).__name__}): start the scorer "
-                                "(covey serve-reward --port N) or fix the URL") from None
+    why = connect_error(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), timeout_s)
+    if why:
+        raise RemoteRewardError(f"reward.remote_url={url}: {why}: start the scorer (covey serve-reward --port N) "
+                                "or fix the URL")
 
 
 def _per_item(columns: dict, n: int) -> list[dict]:

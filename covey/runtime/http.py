@@ -1,13 +1,25 @@
 """JSON over HTTP, for covey's servers (`covey serve-reward`, `covey serve-policy`): the request handler's
 common part. Keep-alive connections, a per-request socket timeout (a client that stalls mid-body is cut
-off), one JSON body per reply with its length, a bearer-token check in constant time. Standard library only.
+off), one JSON body per reply with its length, a bearer-token check in constant time; `connect_error`, the
+one TCP probe of a service covey is about to use. Standard library only.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import socket
 from http.server import BaseHTTPRequestHandler
+
+
+def connect_error(host: str, port: int, timeout_s: float) -> str | None:
+    """None when one TCP connection to host:port opens within `timeout_s`; else why not, in words: "no
+    connection to host:port within T s (reason)" (the reachability checks made before any model loads)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"no connection to {host}:{port} within {timeout_s:g} s ({err.strerror or type(err).__name__})"
+    return None
 
 
 class JsonHandler(BaseHTTPRequestHandler):

@@ -15,11 +15,12 @@ import importlib.util
 import json
 import netrc
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import urlparse
+
+from covey.runtime.http import connect_error
 
 PACKAGES = {"trackio": "trackio", "wandb": "wandb", "tensorboard": "tensorboard"}
 """The package each tracker needs; its pip extra has the tracker's name (covey[trackio], ...)."""
@@ -92,11 +93,7 @@ def wandb_host(env: Mapping[str, str]) -> tuple[str, int]:
 
 def server_answers(host: tuple[str, int], timeout_s: float = 2.0) -> bool:
     """Whether a TCP connection to `host` opens within `timeout_s`."""
-    try:
-        socket.create_connection(host, timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+    return connect_error(*host, timeout_s) is None
 
 
 def wandb_mode(env: Mapping[str, str], key_found: bool, reachable: Callable[[], bool]) -> tuple[str | None, str]:
