@@ -251,7 +251,7 @@ def _csv_rows(path: Path) -> Iterable[tuple[str, Any]]:
             yield f"{path}:{reader.line_num}", _RowError(f"unreadable CSV: {first_line(err)}")
 
 
-def _json_rows(path: Path) -> Iterable[tuple[str, Any]]:
+def json_rows(path: Path) -> Iterable[tuple[str, Any]]:
     """Yield ('file row i', row) from a JSON file holding one list of objects."""
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
@@ -275,7 +275,7 @@ def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
     return ((f"{path} row {i}", row) for i, row in enumerate(rows))
 
 
-FILE_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+FILE_READERS = {".jsonl": _jsonl_rows, ".json": json_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
 
 
 def load_file(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer",

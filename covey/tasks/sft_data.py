@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from covey.runtime.errors import first_line
-from covey.tasks.files import DataError
+from covey.tasks.files import DataError, json_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -74,15 +74,7 @@ def read_rows(path: str | Path, split: str = "") -> Iterable[tuple[str, Any]]:
         return dataset_rows(path, split)
     if not path.is_file():
         raise DataError(f"sft.data={path}: file not found")
-    if path.suffix.lower() == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8-sig"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise DataError(f"{path}: invalid JSON: {first_line(err)}") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: expected a JSON list of objects (one per row), got {type(rows).__name__}")
-        return ((f"{path} row {i}", row) for i, row in enumerate(rows))
-    return jsonl_rows(path)
+    return json_rows(path) if path.suffix.lower() == ".json" else jsonl_rows(path)
 
 
 def jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
