@@ -54,6 +54,7 @@ class Rollout:
     is_weights: Tensor | None = None   # (N, L) the sampler correction's bounded pi_old/mu (algo.tis.*), no gradient
     kept_tokens: Tensor | None = None  # (N, L) bool: the tokens whose policy term the high-entropy selection keeps
     turn_steps: list | None = None     # (N,) an episode's model turns: (index of its last token, score) each
+    cut: Tensor | None = None          # (N,) bool: rows a call's quorum stopped before their end (rollout.partial)
 
     @property
     def input_ids(self) -> Tensor:

@@ -46,6 +46,7 @@ from covey.config.schema import (  # noqa: F401
                                  EvalConfig,
                                  ModelConfig,
                                  OptimConfig,
+                                 PartialConfig,
                                  RewardConfig,
                                  RMConfig,
                                  RolloutConfig,

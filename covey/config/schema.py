@@ -129,6 +129,15 @@ class TaskConfig:
 
 
 @dataclass
+class PartialConfig:
+    """rollout.partial: partial rollouts across steps (docs/rollouts.md; the fast engine's slot loop)."""
+    extra: int = 0
+    """Groups decoded beside the step's B: the step trains on the first groups whose rows have all ended, and rows still going continue at the next step under the new weights, their earlier tokens keeping the log-probs they were sampled with (algo.tis.cap weights them); 0 = off."""
+    max_age: int = 2
+    """Steps a row may be carried: a group carried this many times ends in its next step, however long it runs."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "fast"
     """Generation engine: fast (own loop: prompt encoded once per group) | hf (model.generate) | vllm (GPU; not yet run on a GPU)."""
@@ -180,6 +189,7 @@ class RolloutConfig:
     """With tools: response tokens of a whole episode, the model's and the tools' (0 = 2 x max_turns x the turn's tokens)."""
     tool_timeout_s: float = 10.0
     """With tools: seconds a tool call may take; a slower one answers {"error": ...} to the model and is counted."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
     tool_demo: str = ""
     """With tools: a worked exchange shown before each question (user, assistant call, tool result, answer): builtin (the built-in tools' own, e.g. the calculator's) or a .json file holding a list of chat messages; empty = none."""
 

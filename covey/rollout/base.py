@@ -8,6 +8,7 @@ never decoded and encoded again.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -36,6 +37,19 @@ def encode_prompts(tokenizer, prompts: list[Prompt]) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """When a call of `Engine.generate_until` stops: once `needed` groups have ended (every row of the group
+    at its end of sequence or budget) and every group in `must` has. Rows still going then are cut: their
+    tokens so far are returned and flagged (`Rollout.cut`), and rows not yet started come back empty."""
+    groups: Sequence[int]
+    """Each row's group."""
+    needed: int
+    """Groups that must have ended."""
+    must: frozenset = frozenset()
+    """Groups that end in this call, however long they run."""
+
+
 class Engine(abc.ABC):
     """The interface every sampler implements: the trainer, tool episodes, held-out evaluation and bench call
     only these. A wrapper (`EngineWrapper`) implements each of them, forwarding what it does not change; no
@@ -60,6 +74,13 @@ class Engine(abc.ABC):
         samples then depend on its seed only, not on the rest of the batch (rollout.seeding=per_prompt).
         `budgets`: each row's own token budget, at most max_new_tokens (a row cut at its budget is truncated);
         an engine that cannot stop a row early samples on and cuts it (`cut_to_budgets`): the same tokens."""
+
+    def generate_until(self, prompts: list[Prompt], quorum: Quorum, *, budgets: Sequence[int],
+                       seeds: list[int] | None = None) -> Rollout:
+        """One sampled row per prompt, stopped at `quorum` (rollout.partial): rows in the order they take the
+        engine's slots, `budgets` their token budgets, `seeds` one per row. Only an engine with a slot loop."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stop a call at a quorum of groups (rollout.partial "
+                                  "needs the fast engine)")
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
@@ -133,6 +154,10 @@ class EngineWrapper(Engine):
                  budgets: Sequence[int] | None = None) -> Rollout:
         return self.inner.generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds,
                                    budgets=budgets)
+
+    def generate_until(self, prompts: list[Prompt], quorum: Quorum, *, budgets: Sequence[int],
+                       seeds: list[int] | None = None) -> Rollout:
+        return self.inner.generate_until(prompts, quorum, budgets=budgets, seeds=seeds)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

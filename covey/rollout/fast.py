@@ -38,7 +38,7 @@ from covey.batch import Rollout
 from covey.models.attention import sampling_attention
 from covey.models.families import family_of
 from covey.models.hf_compat import last_positions, with_cache
-from covey.rollout.base import Engine, Prompt, encode_prompts
+from covey.rollout.base import Engine, Prompt, Quorum, encode_prompts
 from covey.rollout.decode_cache import BufferLayer as BufferLayer
 from covey.rollout.decode_cache import buffer_cache, cache_plan, held_bytes
 from covey.rollout.fast_episodes import EpisodeRows, episodes_in_slots, loop_refusal
@@ -267,6 +267,41 @@ class FastEngine(Engine):
             completions=tok.batch_decode(tokens, skip_special_tokens=True), example_index=index.tolist(),
             sample_logp=logps,
         )
+
+    @torch.inference_mode()
+    def generate_until(self, prompts: list[Prompt], quorum: Quorum, *, budgets: Sequence[int],
+                       seeds: list[int] | None = None) -> Rollout:
+        """One row per prompt through the slot loop, stopped at `quorum` (rollout.partial; Engine's docstring).
+        Equal prompts are encoded once, as a group's are."""
+        refusal = loop_refusal(self.model) if self.static is None else "a static cache"
+        if refusal is not None:
+            raise NotImplementedError(f"rollout.partial needs the slot loop, which does not decode {refusal}")
+        keys = [p if isinstance(p, str) else tuple(p) for p in prompts]
+        where = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        index = torch.tensor([where[k] for k in keys], dtype=torch.long)
+        enc = encode_prompts(self.tokenizer, [k if isinstance(k, str) else list(k) for k in where])
+        limits = torch.as_tensor(list(budgets), dtype=torch.long).clamp(min=1)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with sampling_attention(self.model):
+                rows = AnswerRows(self, limits, False, self.drafter(enc["input_ids"], enc["attention_mask"], index),
+                                  quorum)
+                slots = SlotDecoder(self, self.slots, rows)
+                uniforms = Uniforms(len(index), 1, seeds)
+                tokens, logps = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
+                self.slot_stats = slots.stats
+        finally:
+            self.model.train(was_training)
+        mask = (torch.arange(tokens.shape[1])[None, :] < torch.tensor(rows.count)[:, None]).float()
+        cut = torch.tensor(rows.cut(), dtype=torch.bool)
+        ended_eos = (torch.isin(tokens, torch.tensor(self.eos, dtype=torch.long)) & mask.bool()).any(1)
+        tokens = torch.where(mask.bool(), tokens, torch.full_like(tokens, self.tokenizer.pad_token_id))
+        return Rollout(
+            prompt_ids=enc["input_ids"][index], prompt_mask=enc["attention_mask"][index], response_ids=tokens,
+            response_mask=mask, group_ids=torch.as_tensor(list(quorum.groups), dtype=torch.long),
+            truncated=~ended_eos & ~cut, completions=self.tokenizer.batch_decode(tokens, skip_special_tokens=True),
+            example_index=list(range(len(prompts))), sample_logp=logps * mask, cut=cut)
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, capacity: int):
         """Encode the prompts (once each when sharing) and return (cache, first logits) for all rows."""

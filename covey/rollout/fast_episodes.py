@@ -139,6 +139,10 @@ class EpisodeRows:
         """Where each row's k-th uniform comes from (slots.RowUniforms, set by the decoder at the start)."""
         self.uniforms = uniforms
 
+    def enough(self) -> bool:
+        """Episodes run to their ends: no quorum stops them."""
+        return False
+
     def poll(self) -> None:
         self.take_replies(block=False)
 

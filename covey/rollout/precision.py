@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from covey.batch import Rollout
-from covey.rollout.base import EngineWrapper, Prompt
+from covey.rollout.base import EngineWrapper, Prompt, Quorum
 from covey.runtime import precision
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -95,6 +95,12 @@ class LowPrecisionEngine(EngineWrapper):
             self.sync_weights(self.source)
         return super().generate(prompts, group_size, greedy=greedy, max_new_tokens=max_new_tokens, seeds=seeds,
                                 budgets=budgets)
+
+    def generate_until(self, prompts: list[Prompt], quorum: Quorum, *, budgets: Sequence[int],
+                       seeds: list[int] | None = None) -> Rollout:
+        if self.released:
+            self.sync_weights(self.source)
+        return super().generate_until(prompts, quorum, budgets=budgets, seeds=seeds)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

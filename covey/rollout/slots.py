@@ -86,8 +86,15 @@ class AnswerRows:
     """Single answers: each row samples until an end-of-sequence token or its budget; (N, L) tokens and log-probs.
     With a `drafter` (covey/rollout/speculate.py), small steps also verify n-gram drafts."""
 
-    def __init__(self, engine, budgets: Tensor, greedy: bool, drafter=None):
+    def __init__(self, engine, budgets: Tensor, greedy: bool, drafter=None, quorum=None):
+        """`quorum` (covey/rollout/base.py `Quorum`): the call stops once enough groups have ended."""
         self.engine, self.budgets, self.greedy = engine, budgets.tolist(), greedy
+        self.quorum, self.over = quorum, set()  # over: the rows that have ended
+        if quorum is not None:
+            self.left = {}  # rows of each group still to end
+            for g in quorum.groups:
+                self.left[g] = self.left.get(g, 0) + 1
+            self.groups_over, self.must_left = 0, len(set(quorum.must) & set(self.left))
         n, longest = len(self.budgets), max(self.budgets, default=1)
         self.columns, self.slack = longest, max(64, longest // 4)
         self.tokens = torch.full((n, max(longest, 1)), engine.tokenizer.pad_token_id, dtype=torch.long)
@@ -109,6 +116,26 @@ class AnswerRows:
     def all_waiting(self, rows: list[int]) -> bool:
         return False
 
+    def end(self, r: int) -> None:
+        """Row r has ended (end of sequence or budget): its group's count of rows still going falls."""
+        if r in self.over:
+            return
+        self.over.add(r)
+        if self.quorum is not None:
+            g = self.quorum.groups[r]
+            self.left[g] -= 1
+            if not self.left[g]:
+                self.groups_over += 1
+                self.must_left -= g in self.quorum.must
+
+    def enough(self) -> bool:
+        """The quorum is met: the call stops, and the rows still going are cut."""
+        return self.quorum is not None and self.groups_over >= self.quorum.needed and not self.must_left
+
+    def cut(self) -> list[bool]:
+        """Each row: stopped by the quorum before its end (or never started)."""
+        return [r not in self.over for r in range(len(self.budgets))]
+
     def wait(self) -> None:
         """Never called: an answer never waits."""
 
@@ -121,6 +148,8 @@ class AnswerRows:
             tokens, logp = self.sample([rows[j] for j in live], logits[live])
             for j, token, lp in zip(live, tokens, logp):
                 picked[j], done[j] = token, not self.take(rows[j], token, lp)
+                if done[j]:
+                    self.end(rows[j])
         return picked, [not d for d in done], done
 
     def take(self, r: int, token: int, logp: float) -> bool:
@@ -168,6 +197,7 @@ class AnswerRows:
                 a += 1
             if not going:
                 self.ended.add(r)
+                self.end(r)
             elif a < len(drafts[j]):
                 self.ban[r] = drafts[j][a]  # its next token comes from the residual
             kept.append(a)
@@ -238,7 +268,7 @@ class SlotDecoder:
                 self.policy.wait()
                 continue
             tokens, valid = self.turn_over(*self.inputs(self.rows, logits))
-            if not self.rows:
+            if not self.rows or self.policy.enough():  # every row ended, or a quorum of groups (the rest cut)
                 return
             drafts = self.policy.drafts(self.rows)
             logits = self.step(tokens, valid, lean) if drafts is None else self.speculate(tokens, drafts)
@@ -300,7 +330,7 @@ class SlotDecoder:
         logits, again while a new row ends at its first); slots left without a row leave the batch. Returns
         each remaining slot's token and whether it is fed."""
         ended = [j for j, d in enumerate(done) if d]
-        while ended and self.waiting < len(self.index):
+        while ended and self.waiting < len(self.index) and not self.policy.enough():
             slots = ended[:len(self.index) - self.waiting]
             new = list(range(self.waiting, self.waiting + len(slots)))
             self.waiting += len(slots)

@@ -9,7 +9,7 @@ drives loop's open_run -> steps -> finish.
 - setup: what open_run builds (process, run folder, models, optimizers, engines); optim: the optimizers,
   the learning-rate schedule, the KL controller; memory_fit: the GPU memory budget and the batch sizes
   fitted to it
-- rollout_phase: sampling and scoring a step; rl: the advantage learner's stages (step scores, log-probs,
+- rollout_phase: sampling and scoring a step; partial: rows carried across steps (rollout.partial); rl: the advantage learner's stages (step scores, log-probs,
   advantages, token devices, the update); token_weights: what acts on single tokens before the update;
   update: one optimizer_steps for every learner; dpo: iterative DPO; sft: supervised fine-tuning and its
   packed pass of whole conversations; distill: on-policy distillation's teacher and update; phases: which steps

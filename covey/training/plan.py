@@ -18,6 +18,7 @@ from covey.config import (
     ConfigError,
     ModelConfig,
     OptimConfig,
+    PartialConfig,
     RewardConfig,
     RolloutConfig,
     TrainConfig,
@@ -45,16 +46,14 @@ class Sizes:
 @dataclass(frozen=True)
 class UpdateOptions:
     """What the update phase reads (covey.training.update, .dpo, .gradvar)."""
-    epochs: int
-    """Passes over the rollout per step (mu)."""
+    epochs: int  # passes over the rollout per step (mu)
     minibatches: int
     """Optimizer steps per pass; each builds one global loss normaliser."""
     micro_batch_size: int
     """Sequences per forward/backward; never changes the gradient."""
     max_grad_norm: float
     """Clip the gradient's global norm to this (0 = no clipping)."""
-    max_skipped_steps: int
-    """Non-finite updates in a row before the run stops."""
+    max_skipped_steps: int  # non-finite updates in a row before the run stops
     temperature: float
     """Sampling temperature: log-probs are taken of logits / temperature."""
     autocast: str
@@ -143,6 +142,7 @@ class SamplingOptions:
     dynamic_sampling: bool
     """Drop groups whose rewards all tie and sample more prompts (Yu et al. 2025, arXiv:2503.14476)."""
     max_resample_rounds: int
+    partial: PartialConfig = field(default_factory=PartialConfig)  # rollout.partial.*: covey/training/partial.py
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def sampling_options(r: RolloutConfig, a: AlgoConfig) -> SamplingOptions:
                            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                            seeding=r.seeding, eval_batch_size=r.eval_batch_size,
                            eval_max_new_tokens=r.eval_max_new_tokens, dynamic_sampling=a.dynamic_sampling.enabled,
-                           max_resample_rounds=a.dynamic_sampling.max_rounds)
+                           max_resample_rounds=a.dynamic_sampling.max_rounds, partial=copy_group(r.partial))
 
 
 def episode_options(r: RolloutConfig, reward: RewardConfig, episodes: bool) -> EpisodeOptions | None:
@@ -380,7 +380,9 @@ def print_plan(plan: Plan) -> None:
     s, ref, sc = plan.sampling, plan.reference, plan.schedule
     print(f"covey: sampling {s.prompts_per_step} prompts x {s.group_size} samples, {s.max_new_tokens} new tokens, "
           f"temperature={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k} seeding={s.seeding}"
-          + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else ""))
+          + (f"; dynamic sampling, up to {s.max_resample_rounds} refill rounds" if s.dynamic_sampling else "")
+          + (f"; partial rollouts: {s.partial.extra} groups beside the step's, rows carried up to "
+             f"{s.partial.max_age} steps" if s.partial.extra else ""))
     extras = [f"reference refreshed every {ref.refresh_every} steps" if ref.refresh_every else "",
               f"reference EMA {ref.ema:g}" if ref.ema else "",
               (f"importance sampling {plan.tokens.tis.mode} cap {plan.tokens.tis.cap:g}"

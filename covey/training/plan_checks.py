@@ -41,6 +41,7 @@ def check_against_registries(cfg: Config, episodes: bool = False) -> None:
     check_estimator_needs(cfg.algo, cfg.rollout)
     check_policy_loss(cfg.algo)
     check_step_scores(cfg.algo, cfg.reward, cfg.task.name, episodes)
+    check_partial(cfg.rollout, cfg.algo, bool(episodes or cfg.task.source))
 
 
 def check_estimator_needs(a: AlgoConfig, r: RolloutConfig) -> None:
@@ -136,3 +137,28 @@ def check_step_scores(a: AlgoConfig, r: RewardConfig, task_name: str, episodes: 
     elif r.process_outcome_weight:
         raise ConfigError(f"reward.process_outcome_weight adds the outcome to the last step of a step-scored "
                           f"estimator (process supervision); algo.estimator={name} uses the outcome reward already")
+
+
+def check_partial(r: RolloutConfig, a: AlgoConfig, episodes: bool) -> None:
+    """rollout.partial.*: carried rows need the fast engine's slot loop, single answers (`episodes`: tools, an
+    environment or a task.source), a learner from advantages without a greedy baseline, and the sampler
+    correction that weights tokens sampled under older weights."""
+    p = r.partial
+    if p.extra < 0 or p.max_age < 1:
+        raise ConfigError(f"rollout.partial.extra must be >= 0 and rollout.partial.max_age >= 1, got {p.extra} "
+                          f"and {p.max_age}")
+    if not p.extra:
+        return
+    refusals = [
+        (r.engine != "fast" or r.decode in ("static", "graphs", "compile"),
+         f"the fast engine's plain steps (rollout.engine={r.engine}, rollout.decode={r.decode})"),
+        (episodes, "single answers (no tools, environment or task.source)"),
+        (a.dynamic_sampling.enabled, "no algo.dynamic_sampling"),
+        (a.learner != "advantage" or algos.ESTIMATORS[a.estimator].greedy_baseline,
+         f"a learner from advantages without a greedy baseline (algo.learner={a.learner}, "
+         f"algo.estimator={a.estimator})"),
+        (not a.tis.cap, "algo.tis.cap > 0: a carried row's earlier tokens were sampled under older weights"),
+    ]
+    for refused, needs in refusals:
+        if refused:
+            raise ConfigError(f"rollout.partial.extra={p.extra} needs {needs}")

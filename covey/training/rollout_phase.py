@@ -20,6 +20,7 @@ from covey.rewards.scoring import score
 from covey.rollout.base import Engine
 from covey.runtime.memory import halving_on_oom
 from covey.training.global_batch import draw_share, global_episode_metrics, prompt_seed
+from covey.training.partial import sample_partial
 from covey.training.setup import Run
 
 
@@ -41,18 +42,15 @@ def collect_rollout(run: Run, engine, rewarder, examples, prompts) -> tuple[Roll
 
 def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dict) -> tuple[Rollout, dict]:
     """Draw B prompts (this rank's share of them), sample G completions each, score them."""
-    sampling, schedule = run.plan.sampling, run.plan.schedule
-    ids, draws = draw_share(run.stream, sampling.prompts_per_step, run.world)
-    seeds = [prompt_seed(schedule.seed, d) for d in draws] if sampling.seeding == "per_prompt" else None
     t0 = time.perf_counter()
-    rollout = halving_on_oom("generate", run.micro_batches, lambda per_call: sample_in_calls(
-        engine, [prompts[i] for i in ids], sampling.group_size, seeds, per_call), run.world.device)
-    rollout.example_index = [ids[i] for i in rollout.example_index]
+    rollout, metrics = sample_prompts(run, engine, prompts)
     timings["time/generate"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = TrainerState(global_step=run.step, max_steps=schedule.steps)
-    metrics = score(rollout, rewarder, examples, prompts, state, watch=True)  # reward.max_failed_steps counts it
+    state = TrainerState(global_step=run.step, max_steps=run.plan.schedule.steps)
+    metrics.update(score(rollout, rewarder, examples, prompts, state, watch=True))  # reward.max_failed_steps counts
     if run.plan.traits.greedy_baseline:
+        first = dict(zip(reversed(rollout.group_ids.tolist()), reversed(rollout.example_index)))
+        ids = [first[g] for g in sorted(first)]  # each group's prompt, in group order
         t1 = time.perf_counter()
         greedy = engine.generate([prompts[i] for i in ids], 1, greedy=True)
         greedy.example_index = [ids[i] for i in greedy.example_index]
@@ -61,6 +59,20 @@ def sample_and_score(run: Run, engine, rewarder, examples, prompts, timings: dic
         rollout.baseline_scores = greedy.scores[rollout.group_ids]
     timings["time/score"] += time.perf_counter() - t0
     return rollout, metrics
+
+
+def sample_prompts(run: Run, engine, prompts) -> tuple[Rollout, dict]:
+    """B prompts (this rank's share of them) and G samples of each, example_index into the task's examples; with
+    rollout.partial, the groups that ended this step (covey/training/partial.py)."""
+    sampling = run.plan.sampling
+    if sampling.partial.extra:
+        return sample_partial(run, engine, prompts)
+    ids, draws = draw_share(run.stream, sampling.prompts_per_step, run.world)
+    seeds = [prompt_seed(run.plan.schedule.seed, d) for d in draws] if sampling.seeding == "per_prompt" else None
+    rollout = halving_on_oom("generate", run.micro_batches, lambda per_call: sample_in_calls(
+        engine, [prompts[i] for i in ids], sampling.group_size, seeds, per_call), run.world.device)
+    rollout.example_index = [ids[i] for i in rollout.example_index]
+    return rollout, {}
 
 
 def sample_in_calls(engine, prompts: list[str], group_size: int, seeds: list[int] | None, per_call: int) -> Rollout:

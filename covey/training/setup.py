@@ -44,6 +44,7 @@ from covey.training.global_batch import GatheredGeneration
 from covey.training.inputs import AgentInputs, make_agent
 from covey.training.memory_fit import GpuFit, check_loaded_policy, fit_batches, trained_pairs
 from covey.training.optim import check_optimizer, make_kl_controller, make_optimizer, make_scheduler
+from covey.training.partial import CarryPool
 from covey.training.plan import Plan
 from covey.training.plan_setup import RunOptions
 from covey.training.router_aux import with_router_aux
@@ -78,6 +79,8 @@ class Run:
     """Seconds spent in training steps (train.max_minutes is a budget over them, resumes included)."""
     micro_batches: MicroBatchSizes = field(default_factory=lambda: MicroBatchSizes(8))
     """Batch sizes of the phases that halve on out-of-memory."""
+    carried: CarryPool = field(default_factory=CarryPool)
+    """rollout.partial: the groups carried to the next step (checkpointed when partial rollouts are on)."""
     learned_rewards: object = None  # covey.rewards.learned.LearnedRewards: learned RM / PRM
     reward_refreshers: list = field(default_factory=list)  # covey.rm.refresh.RewardModelRefresher
     entropy_controller: object = None
@@ -97,6 +100,8 @@ class Run:
             state["entropy_controller"] = self.entropy_controller
         if self.sft_stream is not None:
             state["sft_stream"] = self.sft_stream
+        if self.plan.sampling.partial.extra:
+            state["carried"] = self.carried
         state.update({f"reward_model/{r.name}": r for r in self.reward_refreshers if r.every})
         return state
 
