@@ -86,6 +86,7 @@ from covey.training.setup import (
     attach_reward_models,
     build_run,
     choose_verifier,
+    make_run_dir,
     open_feed,
     open_world,
     prepare_run_dir,
@@ -130,7 +131,7 @@ def start_run(plan: Plan, data, given: CallerInputs, world: World, record: dict,
     inputs = check_inputs(plan, data, run_dir, given)  # tools, environments, reward functions, model and prompts
     demos = prepare_demos(plan.sft, plan.model)  # sft.data rendered, and the teacher's tokenizer checked, before
     check_teacher(plan.distill, plan.model)      # any model loads
-    run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the run has a folder
+    run_dir = make_run_dir(run_dir, unique=not plan.run.run_name and world.size == 1)  # every check passed
     print(f"covey: device {describe_device(world.device)}")
     print(f"covey: model {inputs.family.describe()}; training pass {training_pass(inputs.family)}")
     print_header(run_dir, plan.run.task_name, data)
@@ -286,7 +287,8 @@ def train_step(run: Run, engine, rewarder, data, prompts) -> dict:
     metrics["kl/beta"] = run.kl_controller.value
     metrics["time/step"] = time.perf_counter() - t0 - metrics.get("time/grad_var", 0.0)  # measurement excluded
     metrics["time/elapsed"] = run.clock.add(metrics["time/step"])
-    metrics["throughput/tokens_per_s"] = float(rollout.response_mask.sum()) / max(metrics["time/generate"], 1e-9)
+    sampled = metrics.get("partial/sampled_tokens", float(rollout.response_mask.sum()))  # this step's, not carried
+    metrics["throughput/tokens_per_s"] = sampled / max(metrics["time/generate"], 1e-9)
     metrics.update(memory_metrics(run))
     every = run.plan.schedule.samples_every
     if every and (run.step % every == 0 or run.step == 1):  # the first step too: a short run shows samples

@@ -103,7 +103,8 @@ def sample_partial(run, engine, prompts: list[str]) -> tuple[Rollout, dict]:
     pool.groups = [g for g in groups if not all(g.ended)]
     for g in pool.groups:
         g.age += 1
-    return ended_rollout(done, run.tokenizer), partial_metrics(done, pool, len(must))
+    metrics = {**partial_metrics(done, pool, len(must)), "partial/sampled_tokens": float(out.response_mask.sum())}
+    return ended_rollout(done, run.tokenizer), metrics
 
 
 def ended_rollout(groups: list[CarriedGroup], tokenizer) -> Rollout:

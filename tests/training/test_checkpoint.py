@@ -184,3 +184,12 @@ def test_resume_from_a_path_of_another_run(tiny_model_dir, tmp_path):
                                              "train.run_name": "b"}) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [3, 3]
     assert names(tmp_path / "b") == ["step-000003"]
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    from covey.training.setup import make_run_dir
+    base = tmp_path / "runs" / "grpo-20261128-062504"
+    assert make_run_dir(base, unique=True) == base
+    assert make_run_dir(base, unique=True) == base.with_name("grpo-20261128-062504-2")  # a second run that second
+    assert make_run_dir(base, unique=False) == base  # a named run (resume) takes its folder as it is
+    assert sorted(p.name for p in base.parent.iterdir()) == ["grpo-20261128-062504", "grpo-20261128-062504-2"]
