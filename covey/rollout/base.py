@@ -50,6 +50,46 @@ class Quorum:
     """Groups that end in this call, however long they run."""
 
 
+@dataclass(eq=False)
+class RowJob:
+    """One prompt's rows for `Engine.serve_rows`: `n` samples of at most `max_tokens` tokens each, greedy or drawn
+    from `seed`'s own stream (each row's samples as `generate([prompt_ids], n, seeds=[seed])` gives them)."""
+    prompt_ids: list[int]
+    n: int
+    max_tokens: int
+    greedy: bool
+    seed: int
+
+
+@dataclass
+class Sample:
+    """One sampled row: its ids (up to and including the end-of-sequence token), the sampler's log-prob of each
+    (None where the engine returned none), and whether it ran out of tokens before ending."""
+    ids: list[int]
+    logprobs: list[float] | None
+    truncated: bool
+
+
+class RowSource(abc.ABC):
+    """Where `Engine.serve_rows` takes its jobs as it runs, and where it hands each job's rows back."""
+
+    max_rows: int
+    """Most rows decoding at once."""
+
+    @abc.abstractmethod
+    def take(self, room: int) -> list[RowJob]:
+        """The jobs to start now, without waiting: at most `room` rows' worth, or one job whose rows wait for
+        slots; none while the source drains (the engine then ends its rows and returns)."""
+
+    @abc.abstractmethod
+    def finish(self, job: RowJob, samples: list[Sample]) -> None:
+        """Every row of `job` has ended: its samples, in row order."""
+
+    @abc.abstractmethod
+    def fail(self, job: RowJob, error: BaseException) -> None:
+        """`job` failed (a bad prompt, or a decode step that raised while it ran)."""
+
+
 class Engine(abc.ABC):
     """The interface every sampler implements: the trainer, tool episodes, held-out evaluation and bench call
     only these. A wrapper (`EngineWrapper`) implements each of them, forwarding what it does not change; no
@@ -59,10 +99,12 @@ class Engine(abc.ABC):
     decode loop; otherwise they run turn by turn through `generate`), `keeps_weights` (its sampling weights
     must stay resident between calls: a static cache's graphs read them in place) and `samples_a_copy` (it
     samples from its own reduced-precision copy of the policy, so held-out evaluation takes an engine on the
-    policy itself)."""
+    policy itself) and `serves_rows` (its `serve_rows` decodes a stream of jobs, each joining the running decode
+    as slots free up)."""
 
     tokenizer: Any
     continues_episodes: bool = False
+    serves_rows: bool = False
     keeps_weights: bool = False
     samples_a_copy: bool = False
 
@@ -86,6 +128,12 @@ class Engine(abc.ABC):
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
         """Whole tool episodes in the engine's decode loop (only where `continues_episodes`)."""
         raise NotImplementedError(f"{type(self).__name__} runs tool episodes turn by turn (covey/rollout/episodes.py)")
+
+    def serve_rows(self, source: RowSource) -> None:
+        """Decode the jobs `source` gives, each joining the running decode as slots free up, until no row runs and
+        the source gives none (only where `serves_rows`: the policy server's engine thread)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve a stream of rows (the fast engine's slot "
+                                  "loop does)")
 
     @abc.abstractmethod
     def sync_weights(self, model) -> None:
@@ -149,6 +197,12 @@ class EngineWrapper(Engine):
     def samples_a_copy(self) -> bool:
         return self.inner.samples_a_copy
 
+    @property
+    def serves_rows(self) -> bool:
+        """False unless the wrapper says otherwise: a stream of rows would bypass a wrapper's own `generate`
+        (a forced greedy switch, whole episodes); one that samples as its inner engine says so."""
+        return False
+
     def generate(self, prompts: list[Prompt], group_size: int, *, greedy: bool = False,
                  max_new_tokens: int | None = None, seeds: list[int] | None = None,
                  budgets: Sequence[int] | None = None) -> Rollout:
@@ -162,6 +216,9 @@ class EngineWrapper(Engine):
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:
         return self.inner.decode_episodes(prompts, group_size, hosts, options, greedy=greedy, seeds=seeds)
+
+    def serve_rows(self, source: RowSource) -> None:
+        self.inner.serve_rows(source)
 
     def sync_weights(self, model) -> None:
         self.inner.sync_weights(model)

@@ -27,7 +27,7 @@ every row, finished or not, so the tokens do not depend on when rows are dropped
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ from covey.batch import Rollout
 from covey.models.attention import sampling_attention
 from covey.models.families import family_of
 from covey.models.hf_compat import last_positions, with_cache
-from covey.rollout.base import Engine, Prompt, Quorum, encode_prompts
+from covey.rollout.base import Engine, Prompt, Quorum, RowSource, encode_prompts
 from covey.rollout.decode_cache import BufferLayer as BufferLayer
 from covey.rollout.decode_cache import buffer_cache, cache_plan, held_bytes
 from covey.rollout.fast_episodes import EpisodeRows, episodes_in_slots, loop_refusal
@@ -48,6 +48,7 @@ from covey.rollout.slots import AnswerRows, SlotDecoder, SlotStats
 from covey.rollout.speculate import SPECULATE_TOKENS, Drafter, RecentNgrams, residual_probs
 from covey.rollout.static_decode import StaticDecoder
 from covey.rollout.static_step import supports_static_decode
+from covey.rollout.stream import serve_stream
 from covey.runtime.signals import check_abort
 
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
@@ -115,6 +116,7 @@ class FastEngine(Engine):
         self.speculate = speculate
         self.recent = RecentNgrams(speculate)  # recent answers' n-grams: drafts across calls
         self.slot_stats = SlotStats()  # of the last call through slots
+        self.slot_use = [0, 0]  # busy row-steps and slot-steps of the calls since `take_metrics`
 
     @property
     def keeps_weights(self) -> bool:
@@ -129,6 +131,15 @@ class FastEngine(Engine):
         """Whether `decode_episodes` runs tool episodes in one loop: not on a static cache's graphs, nor for
         a model whose layers the loop's holes would change (`loop_refusal`: sliding windows)."""
         return self.static is None and loop_refusal(self.model) is None
+
+    @property
+    def serves_rows(self) -> bool:
+        """Whether `serve_rows` streams jobs through the slot loop (covey/rollout/stream.py): where that loop
+        decodes the model, as for `continues_episodes`."""
+        return self.continues_episodes
+
+    def serve_rows(self, source: RowSource) -> None:
+        serve_stream(self, source)
 
     def decode_path(self) -> str:
         """One start-up line: how this engine decodes its model's rows and tool episodes, and why."""
@@ -239,7 +250,7 @@ class FastEngine(Engine):
                     rows = AnswerRows(self, limits, greedy, drafter)
                     slots = SlotDecoder(self, self.slots, rows)
                     out = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
-                    self.slot_stats = slots.stats
+                    self.record_slots(slots.stats, len(index))
                 elif self.static is not None and supports_static_decode(self.model):  # cut at the budgets below
                     longest = min(int(limits.max()), max_new) if len(limits) else max_new
                     out = self.static.decode(self, enc["input_ids"], enc["attention_mask"], index, longest, greedy,
@@ -268,6 +279,21 @@ class FastEngine(Engine):
             sample_logp=logps,
         )
 
+    def record_slots(self, stats: SlotStats, rows: int) -> None:
+        self.slot_stats = stats
+        self.slot_use[0] += stats.row_steps
+        self.slot_use[1] += min(self.slots or rows, rows) * stats.steps
+
+    def take_metrics(self, total: Callable[[Tensor], Tensor] | None = None) -> dict:
+        """rollout/busy_slot_frac: the share of the slots' decode steps that fed a row, over the calls through
+        slots since the last take (summed over processes by `total`); {} without slots."""
+        if not (self.uses_slots() or self.slot_use[1]):  # generate_until's slot loop runs in one process
+            return {}
+        use = torch.tensor(self.slot_use, dtype=torch.float64)
+        self.slot_use = [0, 0]
+        use = total(use) if total is not None else use
+        return {"rollout/busy_slot_frac": float(use[0] / use[1])} if use[1] else {}
+
     @torch.inference_mode()
     def generate_until(self, prompts: list[Prompt], quorum: Quorum, *, budgets: Sequence[int],
                        seeds: list[int] | None = None) -> Rollout:
@@ -290,7 +316,7 @@ class FastEngine(Engine):
                 slots = SlotDecoder(self, self.slots, rows)
                 uniforms = Uniforms(len(index), 1, seeds)
                 tokens, logps = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
-                self.slot_stats = slots.stats
+                self.record_slots(slots.stats, len(index))
         finally:
             self.model.train(was_training)
         mask = (torch.arange(tokens.shape[1])[None, :] < torch.tensor(rows.count)[:, None]).float()

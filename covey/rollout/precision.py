@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from covey.batch import Rollout
-from covey.rollout.base import EngineWrapper, Prompt, Quorum
+from covey.rollout.base import EngineWrapper, Prompt, Quorum, RowSource
 from covey.runtime import precision
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -101,6 +101,16 @@ class LowPrecisionEngine(EngineWrapper):
         if self.released:
             self.sync_weights(self.source)
         return super().generate_until(prompts, quorum, budgets=budgets, seeds=seeds)
+
+    @property
+    def serves_rows(self) -> bool:
+        """The copy samples as the inner engine would: a stream of rows where the inner engine serves one."""
+        return self.inner.serves_rows
+
+    def serve_rows(self, source: RowSource) -> None:
+        if self.released:
+            self.sync_weights(self.source)
+        super().serve_rows(source)
 
     def decode_episodes(self, prompts: list[Prompt], group_size: int, hosts: list, options, *,
                         greedy: bool = False, seeds: list[int] | None = None) -> tuple[Rollout, dict]:

@@ -223,7 +223,7 @@ class SlotDecoder:
     @torch.inference_mode()
     def run(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, uniforms):
         """Decode rows `index` (each row's prompt among `prompt_ids`); the rows object holds what they gave."""
-        device = next(self.engine.model.parameters()).device
+        self.device = device = next(self.engine.model.parameters()).device
         self.prompt_ids, self.prompt_mask, self.index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
         self.policy.draw_from(RowUniforms(uniforms, len(index), self.policy.upfront))
         if len(index):
@@ -236,19 +236,11 @@ class SlotDecoder:
 
     def prefill(self, capacity: int) -> None:
         """Encode every prompt once: its cache rows and last logits are what each of its rows starts from."""
-        model = self.engine.model
-        cache = buffer_cache(model, capacity)
-        positions = (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=self.prompt_ids, attention_mask=self.prompt_mask, position_ids=positions,
-                    **with_cache(cache), use_cache=True,
-                    logits_to_keep=last_positions(1, self.prompt_ids.shape[1], self.prompt_ids.device))
-        self.first_logits = out.logits[:, -1].float()
-        every = torch.arange(len(self.prompt_ids), device=self.prompt_ids.device)
-        self.saved = [layer.save_rows(every) for layer in cache.layers]
-        self.cache = cache
+        self.cache, self.first_logits, self.saved = prefill_prompts(self.engine.model, self.prompt_ids,
+                                                                    self.prompt_mask, capacity)
 
     def loop(self, width: int, capacity: int) -> None:
-        engine, device = self.engine, self.index.device
+        engine, device = self.engine, self.device
         self.prefill(capacity)
         count = len(self.index) if self.slots <= 0 else min(self.slots, len(self.index))
         self.cache.batch_select_indices(self.index[:count])
@@ -275,7 +267,7 @@ class SlotDecoder:
 
     def step(self, tokens: list[int], valid: list[bool], lean: bool) -> Tensor:
         """One column for every slot: its token, fed or (a hole) not; the logits after it."""
-        device = self.index.device
+        device = self.device
         if self.column == self.capacity:
             self.pack()
         valid_t = torch.tensor(valid, device=device)
@@ -290,7 +282,7 @@ class SlotDecoder:
     def speculate(self, tokens: list[int], drafts: list[list[int]]) -> Tensor:
         """m + 1 columns for every slot: its token and its draft (covey/rollout/speculate.py), verified in one
         forward; the columns of rejected drafts are masked out. The logits each row's next token comes from."""
-        device, m, pad = self.index.device, max(len(d) for d in drafts), self.engine.tokenizer.pad_token_id
+        device, m, pad = self.device, max(len(d) for d in drafts), self.engine.tokenizer.pad_token_id
         if self.column + m + 1 > self.capacity:
             self.pack()
         block = torch.tensor([[t, *d] + [pad] * (m - len(d)) for t, d in zip(tokens, drafts)], device=device)
@@ -339,9 +331,13 @@ class SlotDecoder:
             for j, slot in enumerate(slots):
                 tokens[slot], valid[slot], done[slot] = first[j], fed[j], over[j]
             ended = [slot for slot in slots if done[slot]]
+        return self.drop(tokens, valid, done)
+
+    def drop(self, tokens: list[int], valid: list[bool], done: list[bool]) -> tuple[list[int], list[bool]]:
+        """Slots whose row ended (and took no other) leave the batch; the others' tokens and whether each is fed."""
         if any(done):
             keep = [j for j, d in enumerate(done) if not d]
-            keep_t = torch.tensor(keep, dtype=torch.long, device=self.index.device)
+            keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.cache.batch_select_indices(keep_t)
             self.key_mask, self.position = self.key_mask[keep_t], self.position[keep_t]
             self.rows, tokens, valid = ([seq[j] for j in keep] for seq in (self.rows, tokens, valid))
@@ -349,7 +345,7 @@ class SlotDecoder:
 
     def place(self, slots: list[int], rows: list[int]) -> None:
         """Slots `slots` start rows `rows`: their prompt's columns end at the current column."""
-        device = self.index.device
+        device = self.device
         slots_t, groups = torch.tensor(slots, device=device), self.index[rows]
         for layer, saved in zip(self.cache.layers, self.saved, strict=True):
             layer.place_rows(slots_t, saved, groups, self.column)
@@ -358,6 +354,17 @@ class SlotDecoder:
         self.position[slots_t] = self.prompt_mask[groups].sum(-1)
         for slot, row in zip(slots, rows):
             self.rows[slot] = row
+
+
+def prefill_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, capacity: int) -> tuple:
+    """Encode prompts (B, P) once into a new cache of `capacity` columns: (the cache, each prompt's last logits
+    (B, V) in float32, each layer's saved rows of every prompt: what its rows start from)."""
+    cache = buffer_cache(model, capacity)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **with_cache(cache),
+                use_cache=True, logits_to_keep=last_positions(1, prompt_ids.shape[1], prompt_ids.device))
+    every = torch.arange(len(prompt_ids), device=prompt_ids.device)
+    return cache, out.logits[:, -1].float(), [layer.save_rows(every) for layer in cache.layers]
 
 
 def pack_cache(cache, key_mask: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 written whole or not at all. The experiment trackers of train.logger (covey/runtime/loggers.py)
 get the same lines.
 
-Metric names are fixed and documented in docs/metrics.md.
+Metric names are fixed and documented in docs/metrics.md. `make_run_dir` makes the run folder they go in.
 """
 
 from __future__ import annotations
@@ -122,3 +122,20 @@ def write_whole(path: str | Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def make_run_dir(run_dir: Path, unique: bool) -> Path:
+    """Make the run folder. `unique` (a name from the start time, one process): a folder another run made in
+    the same second is not shared; this run takes <name>-2, -3, ... (mkdir claims it atomically)."""
+    if not unique:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{run_dir}: 999 runs of this name already; set train.run_name")

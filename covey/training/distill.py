@@ -36,6 +36,7 @@ from covey.config.schema_algo import DistillOptions
 from covey.models.families import check_model_family
 from covey.models.load import ModelOptions, load_policy, load_tokenizer, resolve_model_path
 from covey.passes.logprobs import batched_logprobs
+from covey.passes.sequences import Sequences, layout, layout_logits, packs_all, stack
 from covey.runtime.dist import World, all_finite
 from covey.runtime.fsdp import shard_model
 from covey.runtime.memory import halving_on_oom, record_gpu_peak
@@ -44,7 +45,6 @@ from covey.training.global_batch import global_normalizer
 from covey.training.plan import Plan, UpdateOptions
 from covey.training.rl import add_advantages, add_logprobs, update
 from covey.training.setup import Run
-from covey.training.sft import Sequences, layout, layout_logits, packs_all, stack
 from covey.training.signal_watch import signal_metrics
 from covey.training.token_weights import correct_sampler_mismatch, observe_entropy, select_tokens
 from covey.training.update import MetricAverager, Optimized, StepGradient, optimizer_steps

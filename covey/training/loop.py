@@ -51,6 +51,7 @@ from covey.runtime.dist import (
     uneven_share,
 )
 from covey.runtime.memory import record_gpu_peak, take_gpu_peak_mb
+from covey.runtime.metrics import make_run_dir
 from covey.runtime.signals import StopFlag, TrainingStopped, fault_point, graceful_stop
 from covey.tasks.data import load_run_data, settle_config
 from covey.training.checkpoint import check_resume_request, load_checkpoint, resolve_resume, save_checkpoint, save_final
@@ -86,7 +87,6 @@ from covey.training.setup import (
     attach_reward_models,
     build_run,
     choose_verifier,
-    make_run_dir,
     open_feed,
     open_world,
     prepare_run_dir,

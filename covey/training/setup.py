@@ -222,23 +222,6 @@ def prepare_run_dir(run: RunOptions, label: str) -> Path:
     return Path(run.output_dir) / name
 
 
-def make_run_dir(run_dir: Path, unique: bool) -> Path:
-    """Make the run folder. `unique` (a name from the start time, one process): a folder another run made in
-    the same second is not shared; this run takes <name>-2, -3, ... (mkdir claims it atomically)."""
-    if not unique:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        path = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{run_dir}: 999 runs of this name already; set train.run_name")
-
-
 def print_header(run_dir: Path, task: str, data) -> None:
     print(f"covey: run folder {run_dir}")
     print(f"covey: task {task}: {len(data.train)} train / {len(data.eval)} held-out examples"

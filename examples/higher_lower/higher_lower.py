@@ -83,8 +83,8 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages.extend(m.model_dump(mode="json", exclude_none=True) for m in prompt or [])
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
-        await client.chat.completions.create(model=ctx.model, messages=messages)
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:  # closed on this loop
+            await client.chat.completions.create(model=ctx.model, messages=messages)
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
 

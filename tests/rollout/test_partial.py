@@ -55,10 +55,15 @@ def test_a_group_that_must_end_runs_past_the_quorum(tiny):
     model, tok = tiny
     a, b = ids(tok, "What is 2 + 3?"), ids(tok, "hello there")
     quorum = Quorum(groups=[0, 1], needed=1, must=frozenset({0}))
-    out = engine(model, tok, eos=False).generate_until([a, b], quorum, budgets=[20, 2], seeds=[1, 2])
+    e = engine(model, tok, eos=False)
+    out = e.generate_until([a, b], quorum, budgets=[20, 2], seeds=[1, 2])
     # group 1 ends first (2 tokens) and meets the quorum, but group 0 must end: it runs to its budget
     assert out.cut.tolist() == [False, False]
     assert out.response_mask.sum(1).tolist() == [20, 2]
+    # the slots' use: a decode step follows each draw but the last, 19 steps; the first feeds both rows, the
+    # other 18 row 0 alone (row 1 ended at its 2nd draw): 2 + 18 = 20 busy of 2 x 19 slot-steps
+    assert e.take_metrics()["rollout/busy_slot_frac"] == pytest.approx(20 / 38)
+    assert e.take_metrics() == {}  # nothing since
 
 
 def test_a_cut_row_continued_from_its_tokens_gives_the_uncut_rows_tokens(tiny):

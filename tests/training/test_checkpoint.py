@@ -187,7 +187,7 @@ def test_resume_from_a_path_of_another_run(tiny_model_dir, tmp_path):
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
-    from covey.training.setup import make_run_dir
+    from covey.runtime.metrics import make_run_dir
     base = tmp_path / "runs" / "grpo-20261128-062504"
     assert make_run_dir(base, unique=True) == base
     assert make_run_dir(base, unique=True) == base.with_name("grpo-20261128-062504-2")  # a second run that second

@@ -16,10 +16,10 @@ from covey.algos import generalized_jsd
 from covey.cli.main import main
 from covey.models.load import load_policy
 from covey.models.tiny import build_tiny_model, tiny_llama, tiny_tokenizer
+from covey.passes.sequences import layout, layout_logits, stack
 from covey.runtime.metrics import read_metrics
 from covey.tasks.sft_data import render_demo, row_to_demo
 from covey.training.distill import tokenizer_mismatch
-from covey.training.sft import layout, layout_logits, stack
 from tests.helpers import tiny_overrides
 from tests.training.test_sft import ROWS, write_rows
 

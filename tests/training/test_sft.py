@@ -14,12 +14,13 @@ import torch
 from covey.cli.main import main
 from covey.config import load_config
 from covey.models.load import load_policy
+from covey.passes.sequences import stack, token_scores
 from covey.runtime.metrics import NONDETERMINISTIC_PREFIXES, read_metrics
 from covey.tasks.data import PromptStream
 from covey.tasks.files import DataError
 from covey.tasks.sft_data import load_demos, render_demo, row_to_demo
 from covey.training.plan import make_plan
-from covey.training.sft import Demos, sft_gradient, stack, token_scores
+from covey.training.sft import Demos, sft_gradient
 from tests.helpers import tiny_overrides
 
 # The tiny template with generation tags around what the assistant writes: its content and <|im_end|>, not the

@@ -45,8 +45,8 @@ class ChatHarness(vf.Harness[vf.HarnessConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs) -> vf.ProgramResult:
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
-        await self.converse(client, ctx.model, wire(self, data))
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            await self.converse(client, ctx.model, wire(self, data))
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
     async def converse(self, client: AsyncOpenAI, model: str, messages: list[dict]) -> None:
