@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
 from bench.harness import interleaved, machine, out_prefix, publish, say, table
+from bench.workloads import SHAPES, build_model
 
 REASON = " Reason step by step, one short sentence per step, then write 'Answer: <number>'."
 
@@ -129,13 +131,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default="batch,slots,spec,cb", help="from batch, slots, spec, cb, hf")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, bf16)")
+    p.add_argument("--shape", default="", choices=("", *SHAPES), help="random weights, --model's tokenizer")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.rows % args.group or args.slots % args.group:
         p.error("--rows and --slots must be multiples of --group")
     from covey.models.default import prepare_default_model
     from covey.models.load import load_policy
-    model, tok = load_policy(args.model or prepare_default_model(), dtype=torch.bfloat16)
+    folder, scratch = args.model or prepare_default_model(), tempfile.TemporaryDirectory(prefix="bench-rollout-")
+    if args.shape:  # e.g. 1.5b: Qwen2.5-1.5B's shape in bf16, end-of-sequence past the vocabulary (never sampled)
+        build_model(args.shape, scratch.name, folder, "gpu")
+    model, tok = load_policy(scratch.name if args.shape else folder, dtype=torch.bfloat16,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
     model.eval()
     rows = rows_of(tok, args.workload, args.rows, args.max_new, args.group)
     prompts, budgets, eos, s = rows.prompts, rows.budgets, rows.eos, args.slots

@@ -27,8 +27,11 @@
 #    adds flags to python -m bench.gpu_capacity (--trainers covey, --no-14b, --dry-run, ...).
 #    It writes to LOG_DIR: summary.txt (tests, the cells' table, the acceptance lines), capacity.md,
 #    capacity.jsonl (one line a cell), pytest.log and logs.tgz (every child's log).
+#
+# The preamble (machine, wheels, tokenizer, tests) is scripts/gpu_common.sh's; scripts/gpu_all.sh runs this script
+# with SKIP_TESTS=1 as one piece of every GPU check.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_common.sh"
 WHEELS="
 trl==1.16.0
 datasets==5.2.0
@@ -44,51 +47,22 @@ if [ "${1:-}" = "--prepare" ]; then
   "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $WHEELS
-  mkdir -p .gpu_assets
-  tar czf .gpu_assets/smollm2-tokenizer.tgz -C "${COVEY_CACHE:-$HOME/.cache/covey}/models/SmolLM2-135M-Instruct" \
-    tokenizer.json tokenizer_config.json chat_template.jinja
+  gpu_pack_tokenizer
   du -sh .whl .gpu_assets
   exit 0
 fi
-LOG=${1:?usage: bash scripts/gpu_capacity.sh LOG_DIR | --prepare}
-PY=${PYTHON:-python3}
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
-WORK=$(mktemp -d)
-export PYTHONUNBUFFERED=1
-status=0
-start=$(date +%s)
-
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
-'| transformers', transformers.__version__)"; } | tee "$LOG/machine.txt"
-
+gpu_begin gpu_capacity "${1:?usage: bash scripts/gpu_capacity.sh LOG_DIR | --prepare}"
+gpu_machine
 # The prepared wheels (only those named in WHEELS: .whl/ may hold others); covey itself from this checkout.
-wheels=""
-for spec in $WHEELS; do
-  name=$(echo "${spec%%==*}" | tr - _)
-  wheels="$wheels $(ls .whl/"$name"-"${spec##*==}"-*.whl 2>/dev/null)"
-done
-if [ -n "${wheels// /}" ]; then
-  # shellcheck disable=SC2086
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $wheels \
-    > "$LOG/install.log" 2>&1 || { echo "gpu_capacity: wheels did not install (see install.log)"; status=1; }
-  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck disable=SC2086
+gpu_wheels .whl "$LOG/install.log" $WHEELS
 "$PY" -c "import trl, torchao, liger_kernel, bitsandbytes; print('trl', trl.__version__, '| torchao',
 torchao.__version__, '| bitsandbytes', bitsandbytes.__version__)" | tee -a "$LOG/machine.txt" \
   || { echo "gpu_capacity: a carried package does not import: some cells will fail"; status=1; }
-TOKENIZER=""
-if [ -f .gpu_assets/smollm2-tokenizer.tgz ]; then
-  mkdir -p "$WORK/tokenizer" && tar xzf .gpu_assets/smollm2-tokenizer.tgz -C "$WORK/tokenizer"
-  TOKENIZER="--tokenizer $WORK/tokenizer"
-fi
+gpu_tokenizer
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  echo "== pytest -m gpu tests/models/test_kernels_gpu.py"
-  timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/models/test_kernels_gpu.py 2>&1 \
-    | tee "$LOG/pytest.log" | tail -15
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  gpu_pytest 120 "$LOG/pytest.log" tests/models/test_kernels_gpu.py || status=1
 else
   echo "skipped (SKIP_TESTS)" > "$LOG/pytest.log"
 fi
@@ -96,16 +70,21 @@ fi
 left=$(( ${TOTAL_S:-450} - ($(date +%s) - start) ))
 echo "== python -m bench.gpu_capacity (budget ${left}s)"
 # shellcheck disable=SC2086
-timeout $(( left + 40 )) "$PY" -m bench.gpu_capacity --out "$WORK/capacity" --work "$WORK/models" $TOKENIZER \
+timeout $(( left + 40 )) "$PY" -m bench.gpu_capacity --out "$WORK/capacity" --work "$WORK/models" \
+  ${TOKENIZER_DIR:+--tokenizer "$TOKENIZER_DIR"} \
   --budget-s "$left" ${BENCH_FLAGS:-} 2>&1 | tee "$WORK/capacity-stdout.txt" | grep -v '^bench: '
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-cp "$WORK/capacity.md" "$WORK/capacity.jsonl" "$LOG/" 2>/dev/null || status=1
+case " ${BENCH_FLAGS:-} " in
+  *" --dry-run "*) ;;  # the cells listed, nothing run: no table
+  *) cp "$WORK/capacity.md" "$WORK/capacity.jsonl" "$LOG/" 2>/dev/null || status=1 ;;
+esac
 
 { echo "machine: $(tr '\n' ' ' < "$LOG/machine.txt")"
   echo "pytest: $(tail -1 "$LOG/pytest.log")"
   echo "seconds: $(( $(date +%s) - start ))"
   cat "$LOG/capacity.md" 2>/dev/null || echo "capacity: no result (capacity-stdout.txt in logs.tgz)"
 } > "$LOG/summary.txt"
+mkdir -p "$WORK/capacity-logs"
 mv "$WORK/capacity-stdout.txt" "$LOG/machine.txt" "$WORK/capacity-logs/" 2>/dev/null
 [ -f "$LOG/install.log" ] && mv "$LOG/install.log" "$WORK/capacity-logs/"
 tar czf "$LOG/logs.tgz" -C "$WORK" capacity-logs

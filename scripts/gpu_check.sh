@@ -3,38 +3,19 @@
 #
 #   bash scripts/gpu_check.sh LOG_DIR [WHEEL_DIR]
 #
-# Installs covey without network and without fetching dependencies (torch, transformers,
-# accelerate, peft and pytest must be installed; anything else can be supplied as wheels in
-# WHEEL_DIR, default ../wheels), runs the tests marked `gpu`, then two short training runs on
-# the tiny model (GRPO and PPO, train.device=cuda), and prints a summary: the tests, and each
-# run's reward, seconds per step and peak GPU memory per phase. Everything it writes (logs,
-# run folders, summary.txt) goes to LOG_DIR. Exit status 0 only if every part passed.
+# Runs covey from this checkout without installing it or fetching anything (torch, transformers, accelerate, peft
+# and pytest must be installed; anything else can be supplied as wheels in WHEEL_DIR, default ../wheels, installed
+# into a temporary folder by scripts/gpu_common.sh), runs the tests marked `gpu`, then two short training runs on
+# the tiny model (GRPO and PPO, train.device=cuda), and prints a summary: the tests, and each run's reward, seconds
+# per step and peak GPU memory per phase. Everything it writes (logs, run folders, summary.txt) goes to LOG_DIR.
+# Exit status 0 only if every part passed. scripts/gpu_all.sh runs every GPU check in one go.
 set -uo pipefail
-LOG=${1:?usage: bash scripts/gpu_check.sh LOG_DIR [WHEEL_DIR]}
-WHEELS=${2:-../wheels}
-PY=${PYTHON:-python3}
-cd "$(dirname "$0")/.."
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
-export PYTHONUNBUFFERED=1
-status=0
+source "$(dirname "$0")/gpu_common.sh"
+gpu_begin gpu_check "${1:?usage: bash scripts/gpu_check.sh LOG_DIR [WHEEL_DIR]}"
+gpu_machine
+gpu_wheels "$(gpu_path "${2:-../wheels}")" "$LOG/install.log"
 
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
-'| transformers', transformers.__version__, '| GPUs', torch.cuda.device_count())"; } | tee "$LOG/machine.txt"
-
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/*.whl > "$LOG/install.log" 2>&1 || status=1
-fi
-if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$LOG/install.log" 2>&1; then
-  echo "gpu_check: pip could not install covey (see $LOG/install.log); using it from the checkout"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-echo "== pytest -m gpu"
-# Only the files that hold gpu tests: collecting the rest would need every optional extra (datasets, ...).
-timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs $(grep -rl "pytest.mark.gpu" tests) 2>&1 \
-  | tee "$LOG/pytest.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+gpu_pytest 240 "$LOG/pytest.log" || status=1
 
 echo "== two short runs on the tiny model"
 "$PY" -c "from covey.models.tiny import build_tiny_model; build_tiny_model('$LOG/tiny')" > /dev/null || status=1

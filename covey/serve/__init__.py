@@ -1,11 +1,13 @@
 """The policy server: covey's engine over an OpenAI-compatible HTTP API, token-faithful (the ids sampled and
-the sampler's log-probs per call, episode traces), batching concurrent requests into engine calls
+the sampler's log-probs per call, episode traces), batching concurrent requests into the engine's decode
 (docs/environments.md).
 
 - server: `PolicyServer` (the routes over the standard library's HTTP server, run in a background thread
   or in the foreground), its status codes and security;
 - service: the routes' work apart from HTTP (prompt ids, context and episode checks, responses);
-- batcher: the engine's one thread, gathering requests into `engine.generate` calls;
+- batcher: the engine's one thread: requests join the engine's running decode as slots free
+  (`Engine.serve_rows`, covey/rollout/stream.py), or, for an engine without it, gathered into
+  `engine.generate` calls;
 - episodes: the traces of multi-turn episodes and the rule that a call extends its episode;
 - requests: request bodies read into typed requests or refused in one line; responses: samples into
   OpenAI's response objects; texts: the server's copy of the tokenizer (chat template, tool calls);

@@ -1,9 +1,10 @@
 """Calculator exchanges for a supervised warm-up before GRPO with the calculator (docs/distillation.md,
 "A tool warm-up instead of demonstrations").
 
-    python examples/calculator_warmup/make_demos.py --out calculator_demos.jsonl --count 160 --seed 0
-    covey train task.name=wordproblems rollout.tools=calculator reward.tool_use=0.2 rollout.max_turns=3 \
-        sft.data=calculator_demos.jsonl sft.num_steps=20 train.seed=0
+    python examples/calculator_warmup/make_demos.py --out calculator_demos.jsonl --count 32 --seed 0
+    covey train task.name=wordproblems rollout.max_new_tokens=64 train.max_minutes=15 train.seed=0 \
+      rollout.tools=calculator reward.tool_use=0.2 rollout.max_turns=3 \
+      sft.data=calculator_demos.jsonl sft.num_steps=16 sft.batch_size=2
 
 Each row is one word problem solved with one calculator call, in TRL's form (`sft.data`, docs/distillation.md):
 `messages` (the prompt's system and user messages, the assistant's call, the calculator's reply, the assistant's

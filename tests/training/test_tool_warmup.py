@@ -7,7 +7,7 @@ GRPO with the calculator, runs both phases on the tiny model."""
 from __future__ import annotations
 
 import importlib.util
-import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,8 @@ from covey.tasks.tools import calculator
 from covey.tasks.wordproblems import held_out, is_correct, wordproblem_splits
 from tests.helpers import tiny_overrides
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "calculator_warmup" / "make_demos.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "calculator_warmup" / "make_demos.py"
 _spec = importlib.util.spec_from_file_location("make_demos", SCRIPT)
 make_demos = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_demos)
@@ -157,26 +158,39 @@ def test_the_script_writes_the_same_file_for_the_same_arguments(tiny_model_dir, 
     assert not (tmp_path / "c.jsonl").exists()
 
 
-def test_a_tool_warm_up_then_grpo_with_the_calculator(tiny_model_dir, tmp_path, capsys):
-    """`covey train task.name=wordproblems rollout.tools=calculator ... sft.data=<exchanges> sft.num_steps=2`:
-    steps 1-2 supervised on the exchanges (the first step's trained tokens are the assistant's tokens of the
-    stream's first two conversations, tool replies not among them), steps 3-4 GRPO episodes with the calculator."""
-    data = tmp_path / "demos.jsonl"
-    assert make_demos.main(["--out", str(data), "--model", tiny_model_dir, "--count", "6"]) == 0
-    keys = {"task.name": "wordproblems", "rollout.tools": "calculator", "reward.tool_use": 0.2,
-            "rollout.max_turns": 3, "sft.data": data, "sft.num_steps": 2, "sft.batch_size": 2, "train.steps": 2,
-            "rollout.max_new_tokens": 16, "task.eval_size": 2, "model.threads": 1, "algo.micro_batch_size": 2}
-    assert main(["train", *tiny_overrides(tiny_model_dir, tmp_path, **keys)]) == 0
+def documented_commands() -> tuple[list[str], list[str]]:
+    """The generator's and the train command's arguments of docs/distillation.md's tool warm-up, as written."""
+    doc = (ROOT / "docs" / "distillation.md").read_text()
+    section = doc.split("## A tool warm-up instead of demonstrations", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    make, train = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert make[:2] == ["python", "examples/calculator_warmup/make_demos.py"] and train[:2] == ["covey", "train"]
+    return make[2:], train[1:]
+
+
+def test_the_documented_warm_up_then_grpo_with_the_calculator(tiny_model_dir, tmp_path, capsys):
+    """The two commands of docs/distillation.md, as written, on the tiny model: the generator's, then `covey train`
+    with the warm-up cut to 2 supervised steps and 2 GRPO steps after it. Steps 1-2 train on the exchanges (the
+    first step's trained tokens are the assistant's tokens of the stream's first two conversations, the tool
+    replies not among them), steps 3-4 are GRPO episodes with the calculator."""
+    make, train = documented_commands()
+    data = tmp_path / "calculator_demos.jsonl"
+    make = [str(data) if a == "calculator_demos.jsonl" else a for a in make]
+    assert make_demos.main([*make, "--model", tiny_model_dir]) == 0
+    train = [f"sft.data={data}" if a == "sft.data=calculator_demos.jsonl" else a for a in train]
+    assert {"rollout.tools=calculator", "sft.num_steps=16", "sft.batch_size=2", "train.seed=0"} <= set(train)
+    small = {"sft.num_steps": 2, "train.steps": 2, "train.max_minutes": 0, "rollout.max_new_tokens": 16,
+             "task.eval_size": 2, "model.threads": 1, "algo.micro_batch_size": 2}
+    assert main([*train, *tiny_overrides(tiny_model_dir, tmp_path, **small)]) == 0
     out = capsys.readouterr().out
-    assert "covey: sft data" in out and "6 conversations" in out
+    assert "covey: sft data" in out and "32 conversations" in out
     assert "covey: phases: sft steps 1-2 on" in out and "then grpo steps 3-4" in out
     lines = read_metrics(tmp_path / "t")
     assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 4]
     tokens = [render_demo(make_demos.load_tokenizer(tiny_model_dir), d, 4096) for d in load_demos(data)]
-    first = PromptStream(6, 0).next(2)
+    first = PromptStream(32, 0).next(2)
     assert lines[1]["sft/tokens"] == sum(sum(tokens[i].trained) for i in first) and lines[1]["sft/sequences"] == 2
     assert "episode/turns_mean" not in lines[2]
     for step in lines[3:5]:
         assert "sft/loss" not in step and "episode/turns_mean" in step and "reward/tool_use" in step
         assert "tools/calls" in step
-    assert json.loads(data.read_text().splitlines()[0])["messages"][-2]["role"] == "tool"
