@@ -345,15 +345,19 @@ class SlotDecoder:
 
     def place(self, slots: list[int], rows: list[int]) -> None:
         """Slots `slots` start rows `rows`: their prompt's columns end at the current column."""
-        device = self.device
-        slots_t, groups = torch.tensor(slots, device=device), self.index[rows]
-        for layer, saved in zip(self.cache.layers, self.saved, strict=True):
-            layer.place_rows(slots_t, saved, groups, self.column)
-        self.key_mask[slots_t] = 0
-        self.key_mask[slots_t, self.column - self.width:self.column] = self.prompt_mask[groups]
-        self.position[slots_t] = self.prompt_mask[groups].sum(-1)
+        slots_t, groups = torch.tensor(slots, device=self.device), self.index[rows]
+        self.write_prompts(slots_t, self.saved, groups, self.prompt_mask[groups])
         for slot, row in zip(slots, rows):
             self.rows[slot] = row
+
+    def write_prompts(self, slots_t: Tensor, saved: list, sources: Tensor, mask: Tensor) -> None:
+        """Slots `slots_t` take saved prompts `sources` (per layer `saved`; their masks `mask` (n, width)): the
+        prompts' columns end at the current column, the slots' earlier columns are masked out."""
+        for layer, held in zip(self.cache.layers, saved, strict=True):
+            layer.place_rows(slots_t, held, sources, self.column)
+        self.key_mask[slots_t] = 0
+        self.key_mask[slots_t, self.column - mask.shape[1]:self.column] = mask
+        self.position[slots_t] = mask.sum(-1)
 
 
 def prefill_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, capacity: int) -> tuple:

@@ -314,11 +314,7 @@ class StreamDecoder(SlotDecoder):
             pairs = [(s, row.source) for s, row in zip(slots, of) if row.admission is admission]
             slots_t = torch.tensor([s for s, _ in pairs], device=self.device)
             sources = torch.tensor([i for _, i in pairs], device=self.device)
-            for layer, saved in zip(self.cache.layers, admission.saved, strict=True):
-                layer.place_rows(slots_t, saved, sources, self.column)
-            self.key_mask[slots_t] = 0
-            self.key_mask[slots_t, self.column - admission.width:self.column] = admission.mask[sources]
-            self.position[slots_t] = admission.mask[sources].sum(-1)
+            self.write_prompts(slots_t, admission.saved, sources, admission.mask[sources])
         for slot, row in zip(slots, rows):
             self.rows[slot] = row
         self.placed(rows)
