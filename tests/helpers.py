@@ -18,6 +18,23 @@ def tiny_overrides(model_dir: str, out_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def resumed_step_two(run) -> tuple[list[dict], dict]:
+    """An episode source's exact resume: `run(folder, steps, *extra)` trains a run and returns its metrics
+    rows. Two steps in one go, and one step then a resume to two, must give the same second step; returns
+    the whole run's rows and its step 2. Timings and memory aside, and sampler/*: the sampler's log-probs
+    round with the rows an engine call holds, which depends on when the episodes asked (1e-9); the tokens,
+    rewards, losses and updates are exact."""
+    def steady(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/", "sampler/"))}
+
+    whole = run("whole", 2)
+    run("parts", 1)
+    resumed = run("parts", 2, "train.resume=auto")
+    step2 = [r for r in whole if r["step"] == 2 and "final" not in r][0]
+    assert steady([r for r in resumed if r["step"] == 2 and "final" not in r][0]) == steady(step2)
+    return whole, step2
+
+
 def varied_reward(prompts, completions, **_):
     """A deterministic reward that differs between samples, so every step updates the policy."""
     return [(sum(map(ord, c)) % 7) / 6 for c in completions]

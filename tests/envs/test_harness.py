@@ -22,7 +22,7 @@ from covey.envs.harness import (
     task_json,
 )
 from covey.tasks.base import Example
-from tests.helpers import tiny_overrides
+from tests.helpers import resumed_step_two, tiny_overrides
 
 AGENT = f"{sys.executable} tests/envs/agent_script.py"
 
@@ -170,16 +170,7 @@ def test_a_harness_run_trains_and_resumes_exactly(tiny_model_dir, tmp_path):
         result = covey.train(harness_config(tiny_model_dir, tmp_path / folder, *extra, **{"train.steps": steps}))
         return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    def steady(row: dict) -> dict:
-        # sampler/*: the sampler's log-probs round with the rows an engine call holds, which depends on when
-        # the harnesses asked (1e-9); the tokens, rewards, losses and updates are exact
-        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/", "sampler/"))}
-
-    whole = run("whole", 2)
-    run("parts", 1)
-    resumed = run("parts", 2, "train.resume=auto")
-    step2 = [r for r in whole if r["step"] == 2 and "final" not in r][0]
-    assert steady([r for r in resumed if r["step"] == 2 and "final" not in r][0]) == steady(step2)
+    whole, step2 = resumed_step_two(run)
     assert step2["harness/episodes"] == 4 and "reward/environment" in step2  # the harness's reward, as a term
     assert step2["optim/grad_norm"] > 0  # the agent's rewards differ within a group: the step learns
     assert whole[0]["eval/harness/episodes"] == 2  # held-out rows run the harness too (greedy)

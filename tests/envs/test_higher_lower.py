@@ -13,7 +13,7 @@ import pytest
 import covey
 from covey.config import load_config
 from examples.higher_lower.higher_lower_game import Game, read_guess
-from tests.helpers import tiny_overrides
+from tests.helpers import resumed_step_two, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = "examples/higher_lower/higher_lower.py"
@@ -156,14 +156,7 @@ def test_the_example_s_command_trains_and_resumes_exactly(tiny_model_dir, tmp_pa
         result = covey.train(cfg)
         return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    def steady(row: dict) -> dict:  # sampler log-probs round with the rows an engine call holds (1e-9)
-        return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/", "sampler/"))}
-
-    whole = run("whole", 2)
-    run("parts", 1)
-    resumed = run("parts", 2, "train.resume=auto")
-    step2 = [r for r in whole if r["step"] == 2 and "final" not in r][0]
-    assert steady([r for r in resumed if r["step"] == 2 and "final" not in r][0]) == steady(step2)
+    whole, step2 = resumed_step_two(run)
     assert step2["verifiers/episodes"] == 4 and step2["reward/environment"] == step2["reward/mean"]
     assert step2["verifiers/reward/game"] == step2["reward/mean"]  # the game's reward is the episode's
     assert whole[0]["eval/verifiers/episodes"] == 2  # held-out rows play the game too (greedy)
