@@ -1,11 +1,12 @@
 """Long rollouts (docs/results.md): covey's engine in calls that wait for their longest row (`batch`), through slots
-refilled as rows end (`slots`), with n-gram speculation (`spec`), against transformers' continuous batching (`cb`,
-per-request budgets, its paged cache) and HF `generate` (`hf`), arms interleaved `--rounds` times. Workloads: `tail`,
+refilled as rows end (`slots`: per-slot buffers; `paged`: KV blocks, as many rows as they hold), with n-gram
+speculation (`spec`), against transformers' continuous batching (`cb`, per-request budgets, its paged cache) and HF
+`generate` (`hf`), arms interleaved `--rounds` times. Workloads: `tail`,
 word-problem prompts whose rows stop at budgets drawn long-tailed (mean/max about 0.2, end-of-sequence ignored);
 `reason`, word problems asked to reason step by step, ending where the model ends them.
 
     python -m bench.rollout --rows 256 --slots 64 --rounds 2 --out runs/rollout   # memory-bound: 64 rows fit
-    python -m bench.rollout --rows 64 --slots 64 --workload reason --arms batch,slots,spec,cb"""
+    python -m bench.rollout --rows 64 --slots 64 --workload reason --arms batch,slots,paged,spec,cb"""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,8 +35,6 @@ class Rows:
 
 
 def rows_of(tok, workload: str, rows: int, max_new: int, group: int) -> Rows:
-    from dataclasses import replace
-
     from covey.config import load_config
     from covey.tasks.data import format_prompts, load_task_data
     cfg = load_config(None, ["task.name=wordproblems", "task.word_steps=2", f"task.train_size={rows}"])
@@ -50,29 +49,33 @@ def rows_of(tok, workload: str, rows: int, max_new: int, group: int) -> Rows:
     return Rows(texts, lengths.clamp(8, max_new).round().long().tolist(), False, group)
 
 
-def fast_arm(model, tok, rows: Rows, slots: int, speculate: int, calls: int) -> dict:
+def fast_arm(model, tok, rows: Rows, slots: int, speculate: int, calls: int, paged: bool = False) -> dict:
     """Calls of `calls` rows; `slots` > 0: through that many slots (useful row-steps: busy slots over slots x steps,
-    KV per token: the buffers over the mean tokens they hold); 0: each call's rows wait for its longest."""
+    KV per token: the buffers over the mean tokens they hold) or KV blocks (`paged`: useful, tokens in flight over
+    each row's block positions; KV per token, blocks in use over them); 0: each call's rows wait for its longest."""
     from covey.rollout.fast import FastEngine
     prompts, budgets, g = rows.prompts, rows.budgets, rows.group
     engine = FastEngine(model, tok, max_new_tokens=max(budgets), slots=slots, speculate=speculate,
-                        ignore_eos=not rows.eos)
-    tokens = busy = room = kv = drafted = accepted = 0
+                        ignore_eos=not rows.eos, paged=paged)
+    tokens = busy = room = kv = drafted = accepted = preempted = widest = 0
     per_token = []
     for start in range(0, len(prompts), calls):
         out = engine.generate(prompts[start:start + calls:g], g, budgets=budgets[start:start + calls])
-        lengths = out.response_mask.sum(1)
+        lengths, st = out.response_mask.sum(1), engine.slot_stats
         tokens += int(lengths.sum())
-        stats = engine.slot_stats
-        if slots or speculate:
-            busy, room = busy + stats.row_steps, room + min(slots or len(lengths), len(lengths)) * stats.steps
-            kv, per_token = max(kv, stats.cache_bytes), [*per_token, stats.kv_bytes_per_token]
-            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        if paged:
+            busy, room, preempted = busy + st.token_columns, room + st.row_block_columns, preempted + st.preempted
+        elif slots or speculate:
+            busy, room = busy + st.row_steps, room + min(slots or len(lengths), len(lengths)) * st.steps
         else:
             busy, room = busy + int(lengths.sum()), room + len(lengths) * int(lengths.max())
+        if slots or speculate:
+            kv, per_token, widest = max(kv, st.cache_bytes), [*per_token, st.kv_bytes_per_token], st.widest
+            drafted, accepted = drafted + st.drafted, accepted + st.accepted
+        else:
             kv = max(kv, engine.cache_bytes)
-    return {"tokens": tokens, "useful": busy / room, "kv_mib": kv / 2**20,
-            "kv_per_token": statistics.mean(per_token) if per_token else None,
+    return {"tokens": tokens, "useful": busy / room, "kv_mib": kv / 2**20, "preempted": preempted,
+            "widest": widest or None, "kv_per_token": statistics.mean(per_token) if per_token else None,
             "accepted": accepted / drafted if drafted else None}
 
 
@@ -107,18 +110,15 @@ def hf_arm(model, tok, prompts, budgets, eos: bool, calls: int) -> dict:
 def report(args, by_arm: dict, names: list[str], budgets: list[int]) -> str:
     """The run's table: tokens/s (median over rounds) and its ratio to the first arm, the first round's rest."""
     rate = {n: statistics.median(r["tokens"] / r["seconds"] for r in by_arm[n]) for n in names}
-
-    def cell(value, fmt):
-        return "-" if value is None else format(value, fmt)
-
+    cell = lambda value, fmt: "-" if value is None else format(value, fmt)  # noqa: E731
     rows = [[n, f"{rate[n]:.0f}", f"{rate[n] / rate[names[0]]:.2f}", cell(by_arm[n][0]["useful"], ".0%"),
              cell(by_arm[n][0]["kv_per_token"], ".0f"), cell(by_arm[n][0]["kv_mib"], ".0f"),
-             cell(by_arm[n][0].get("accepted"), ".0%")] for n in names]
+             cell(by_arm[n][0].get("accepted"), ".0%"), cell(by_arm[n][0].get("widest"), "d")] for n in names]
     return "\n".join([f"{args.workload}: {args.rows} rows ({args.group} per prompt), KV budget {args.slots} rows x "
                       f"{args.max_new} tokens, "
                       f"{sum(budgets) / len(budgets):.0f} mean budget; median of {args.rounds} round(s); {machine()}",
                       "", table(["arm", "tokens/s", f"/ {names[0]}", "useful row-steps", "KV bytes / token in flight",
-                                 "KV MiB", "drafts accepted"], rows)])
+                                 "KV MiB", "drafts accepted", "most rows at once"], rows)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slots", type=int, default=64, help="rows the KV budget holds at full length")
     p.add_argument("--group", type=int, default=8, help="rows per prompt (G); --rows and --slots its multiples")
     p.add_argument("--max-new", type=int, default=1024)
-    p.add_argument("--arms", default="batch,slots,spec,cb", help="from batch, slots, spec, cb, hf")
+    p.add_argument("--arms", default="batch,slots,paged,spec,cb", help="from batch, slots, paged, spec, cb, hf")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--model", default="", help="model folder (default: SmolLM2-135M-Instruct, bf16)")
     p.add_argument("--shape", default="", choices=("", *SHAPES), help="random weights, --model's tokenizer")
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts, budgets, eos, s = rows.prompts, rows.budgets, rows.eos, args.slots
     runs = {"batch": lambda: fast_arm(model, tok, rows, 0, 0, s),
             "slots": lambda: fast_arm(model, tok, rows, s, 0, len(prompts)),
+            "paged": lambda: fast_arm(model, tok, rows, s, 0, len(prompts), paged=True),
             "spec": lambda: fast_arm(model, tok, rows, s, 4, len(prompts)),
             "cb": lambda: cb_arm(model, tok, prompts, budgets, eos),
             "hf": lambda: hf_arm(model, tok, prompts, budgets, eos, s)}

@@ -10,9 +10,10 @@ SmolLM2-135M decode step at N=32 in docs/benchmark.md):
   layer's buffer holds two windows, a linear-attention layer its conv and recurrent states
   (covey/rollout/decode_cache.py), so every family of covey/models/families.py decodes here;
 - rows that finished are dropped from the batch at once, and decoding stops as soon as
-  every row has;
-- a token is drawn by inverse CDF from one uniform per row (`torch.multinomial` draws V
-  exponentials per row: ~30 ms per step at N=32 on one core, as long as the forward);
+  every row has; with `rollout.slots`, a finished row's place goes to a waiting row at once
+  (covey/rollout/slots.py), and single answers on the lean step keep their keys in blocks
+  of 16 positions, memory by tokens in flight (covey/rollout/paged.py);
+- a token is drawn by inverse CDF from one uniform per row (covey/rollout/sampling.py);
 - a bf16 Llama on a CPU decodes with `lean_step` (covey/rollout/lean_decode.py), the same
   operations as HF's forward without its per-module Python and mask building;
 - on a GPU (rollout.decode=graphs, its default there) the cache is allocated once for all steps and calls, and each
@@ -31,7 +32,6 @@ from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache
 
 from covey.batch import Rollout
@@ -44,6 +44,8 @@ from covey.rollout.decode_cache import buffer_cache, cache_plan, held_bytes
 from covey.rollout.fast_episodes import EpisodeRows, episodes_in_slots, loop_refusal
 from covey.rollout.hf import eos_ids, response_mask_from_ids
 from covey.rollout.lean_decode import lean_step, supports_lean_step
+from covey.rollout.paged import BLOCK, PagedDecoder
+from covey.rollout.sampling import Uniforms, hf_warpers, sample_inverse_cdf
 from covey.rollout.slots import AnswerRows, SlotDecoder, SlotStats
 from covey.rollout.speculate import SPECULATE_TOKENS, Drafter, RecentNgrams, residual_probs
 from covey.rollout.static_decode import StaticDecoder
@@ -54,41 +56,6 @@ from covey.runtime.signals import check_abort
 DROP_FINISHED = True  # a dropped row costs one copy of the cache, a kept one a row of every later step
 
 
-def hf_warpers(temperature: float, top_k: int, top_p: float) -> list:
-    """The warpers `generate(do_sample=True)` would apply, in its order (see `_get_logits_processor`)."""
-    warpers = []
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-    return warpers
-
-
-def sample_inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """Token i where cdf[i-1] <= u * total < cdf[i]: exactly P(i) per row (float64 cumulative sums)."""
-    cdf = probs.double().cumsum(-1)
-    target = (uniforms.double() * cdf[:, -1]).unsqueeze(1)
-    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return picked.clamp(max=probs.shape[-1] - 1)
-
-
-class Uniforms:
-    """One uniform per row and step: from torch's global generator, or one generator per prompt."""
-
-    def __init__(self, n_rows: int, group_size: int, seeds: list[int] | None):
-        self.n_rows, self.group_size = n_rows, group_size
-        self.generators = None
-        if seeds is not None:
-            self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-
-    def draw(self) -> Tensor:
-        if self.generators is None:
-            return torch.rand(self.n_rows)
-        return torch.cat([torch.rand(self.group_size, generator=g) for g in self.generators])
-
-
 class FastEngine(Engine):
     """Samples G completions per prompt with a prefix-shared, preallocated KV cache (left padding); per-prompt
     seeds in one batched call (one uniform stream per prompt)."""
@@ -96,12 +63,15 @@ class FastEngine(Engine):
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, share_prefix: bool = True, lean: bool = True,
                  static_cache: bool = False, cuda_graphs: bool = False, compile_decode: bool = False,
-                 persistent: bool = True, slots: int = 0, speculate: int = 0, ignore_eos: bool = False):
+                 persistent: bool = True, slots: int = 0, speculate: int = 0, ignore_eos: bool = False,
+                 paged: bool = True):
         """`static_cache`: decode on buffers allocated once (`cuda_graphs`: each step a graph replay,
         `compile_decode`: through torch.compile); `persistent`: keep them between calls; `slots` > 0: rows
         decode in that many slots, refilled as rows finish (covey/rollout/slots.py); `speculate` > 0: draft
         that many tokens per row and verify them while few rows remain (covey/rollout/speculate.py);
-        `ignore_eos`: rows end at their budgets only (vLLM's ignore_eos: for benchmarks of set lengths)."""
+        `ignore_eos`: rows end at their budgets only (vLLM's ignore_eos: for benchmarks of set lengths);
+        `paged`: single answers through slots keep their keys in blocks where the lean step runs
+        (covey/rollout/paged.py; False: per-slot buffers, for tests and the benchmark)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -112,7 +82,7 @@ class FastEngine(Engine):
         self.eos = [] if ignore_eos else eos_ids(model, tokenizer)
         self.static = StaticDecoder(cuda_graphs, compile_decode, persistent) if static_cache else None
         self.cache_bytes = 0  # of the last call's cache, after its prefill and expansion to every row
-        self.slots = slots
+        self.slots, self.paged = slots, paged
         self.speculate = speculate
         self.recent = RecentNgrams(speculate)  # recent answers' n-grams: drafts across calls
         self.slot_stats = SlotStats()  # of the last call through slots
@@ -164,7 +134,10 @@ class FastEngine(Engine):
                       f"; no drafts (rollout.speculate: {self.speculation_refusal()})")
         episodes = ("tool episodes in one loop" if self.continues_episodes else
                     f"turn-by-turn episodes: {refusal or 'the static cache decodes their turns'}")
-        if self.uses_slots() and self.slots:
+        if self.uses_slots() and self.slots and self.pages(model):
+            steps += (f"; single answers in KV blocks of {BLOCK} positions, as many rows at once as the blocks of "
+                      f"{self.slots} full-length rows hold (episodes through {self.slots} slots)")
+        elif self.uses_slots() and self.slots:
             steps += f"; rows through {self.slots} slots, each taking the next row as its own ends"
         elif self.slots:
             steps += f"; every row at once (rollout.slots={self.slots}: {refusal or 'the static cache has no slots'})"
@@ -210,6 +183,14 @@ class FastEngine(Engine):
         column loop decodes exactly, without a static cache."""
         return bool(self.slots or self.speculate) and self.static is None and loop_refusal(self.model) is None
 
+    def pages(self, model) -> bool:
+        """Single answers through slots keep their keys in blocks (covey/rollout/paged.py): asked for (`paged`,
+        `slots` > 0), without drafts, on the lean step."""
+        return self.paged and self.slots > 0 and not self.speculates() and self.lean and supports_lean_step(model)
+
+    def slot_decoder(self, rows: AnswerRows):
+        return PagedDecoder(self, self.slots, rows) if self.pages(self.model) else SlotDecoder(self, self.slots, rows)
+
     def speculation_refusal(self) -> str | None:
         """Why this engine would not verify drafts (None: it does): a rejected draft's columns are masked out,
         which undoes nothing in a recurrent state."""
@@ -248,7 +229,7 @@ class FastEngine(Engine):
                 if self.uses_slots():
                     drafter = self.drafter(enc["input_ids"], enc["attention_mask"], index)
                     rows = AnswerRows(self, limits, greedy, drafter)
-                    slots = SlotDecoder(self, self.slots, rows)
+                    slots = self.slot_decoder(rows)
                     out = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
                     self.record_slots(slots.stats, len(index))
                 elif self.static is not None and supports_static_decode(self.model):  # cut at the budgets below
@@ -313,7 +294,7 @@ class FastEngine(Engine):
             with sampling_attention(self.model):
                 rows = AnswerRows(self, limits, False, self.drafter(enc["input_ids"], enc["attention_mask"], index),
                                   quorum)
-                slots = SlotDecoder(self, self.slots, rows)
+                slots = self.slot_decoder(rows)
                 uniforms = Uniforms(len(index), 1, seeds)
                 tokens, logps = slots.run(enc["input_ids"], enc["attention_mask"], index, uniforms)
                 self.record_slots(slots.stats, len(index))

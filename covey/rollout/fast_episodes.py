@@ -92,7 +92,7 @@ def loop_refusal(model) -> str | None:
 def episodes_in_slots(engine, prompts: list[Prompt], group_size: int, rows: EpisodeRows,
                       uniforms) -> tuple[Rollout, dict]:
     """The episodes of `prompts` x `group_size` through the engine's slots (`rows`: their hosts and options;
-    `uniforms`: the engine's per-row draws, fast.Uniforms): the Rollout of the whole episodes and their metrics."""
+    `uniforms`: the engine's per-row draws, sampling.Uniforms): the Rollout of the whole episodes and their metrics."""
     tok = engine.tokenizer
     enc = encode_prompts(tok, prompts)
     index = torch.arange(len(prompts)).repeat_interleave(group_size)

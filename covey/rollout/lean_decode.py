@@ -68,14 +68,20 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def attention(layer, hidden: Tensor, cos: Tensor, sin: Tensor, cache_layer, additive_mask: Tensor) -> Tensor:
-    """Self-attention of one new position per row against the row's cached keys and values."""
-    attn = layer.self_attn
+def project(attn, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The new position's rotated queries and keys and its values, each (n, heads, d)."""
     n, d = hidden.shape[0], attn.head_dim
     q = F.linear(hidden, attn.q_proj.weight).view(n, -1, d)
     k = F.linear(hidden, attn.k_proj.weight).view(n, -1, d)
     v = F.linear(hidden, attn.v_proj.weight).view(n, -1, d)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def attention(layer, hidden: Tensor, cos: Tensor, sin: Tensor, cache_layer, additive_mask: Tensor) -> Tensor:
+    """Self-attention of one new position per row against the row's cached keys and values."""
+    attn = layer.self_attn
+    n, d = hidden.shape[0], attn.head_dim
+    q, k, v = project(attn, hidden, cos, sin)
     keys, values = cache_layer.update(k.unsqueeze(2), v.unsqueeze(2))  # (n, kv_heads, T, d)
     groups = q.view(n, keys.shape[1], -1, d)  # the query heads that share each key/value head
     # keys x queries^T, transposed back: the product reads the cache's (T, d) slice in place,
@@ -92,11 +98,12 @@ def mlp(layer, hidden: Tensor) -> Tensor:
                     m.down_proj.weight)
 
 
-def lean_step(model, tokens: Tensor, positions: Tensor, key_mask: Tensor, cache) -> Tensor:
+def lean_step(model, tokens: Tensor, positions: Tensor, key_mask: Tensor, cache, attend=attention) -> Tensor:
     """Logits (n, V) of the next token after `tokens` (n,) at `positions` (n,).
 
     `key_mask` (n, T): which of the T cached positions (this step's included) each row
-    attends to; `cache`: the engine's buffer cache, which the step appends to.
+    attends to; `cache`: the engine's buffer cache, which the step appends to; `attend`: the
+    attention of a layer over it (`attention`, or covey/rollout/paged.py's over blocks).
     """
     body = model.model
     hidden = body.embed_tokens(tokens)
@@ -105,7 +112,7 @@ def lean_step(model, tokens: Tensor, positions: Tensor, key_mask: Tensor, cache)
     additive_mask = torch.zeros(key_mask.shape, dtype=hidden.dtype, device=hidden.device)
     additive_mask = additive_mask.masked_fill(~key_mask.bool(), torch.finfo(hidden.dtype).min)[:, None, None, :]
     for layer, cache_layer in zip(body.layers, cache.layers, strict=True):
-        hidden = hidden + attention(layer, rms_norm(layer.input_layernorm, hidden), cos, sin, cache_layer,
-                                    additive_mask)
+        hidden = hidden + attend(layer, rms_norm(layer.input_layernorm, hidden), cos, sin, cache_layer,
+                                 additive_mask)
         hidden = hidden + mlp(layer, rms_norm(layer.post_attention_layernorm, hidden))
     return model.lm_head(rms_norm(body.norm, hidden))

@@ -24,7 +24,8 @@ row's tokens do not depend on the slot it ran in or when it started (up to the f
 composition), and greedy tokens are the batch loop's (tests/rollout/test_slots.py).
 
 Memory: S rows of prompt + the longest row's columns + slack, where the batch loop holds N rows of prompt +
-max_new_tokens. The buffers are per slot, not per token in flight (no paged blocks yet).
+max_new_tokens. Single answers on the lean step keep their keys in blocks instead (covey/rollout/paged.py):
+memory by the tokens in flight, as many rows at once as those blocks hold.
 """
 
 from __future__ import annotations
@@ -58,16 +59,26 @@ class SlotStats:
     """Draft tokens verified (rollout.speculate)."""
     accepted: int = 0
     """Draft tokens accepted."""
+    block_columns: int = 0
+    """Paged KV (covey/rollout/paged.py): sum over steps of the positions in the blocks in use."""
+    row_block_columns: int = 0
+    """Paged KV: sum over steps and rows of the positions in each row's blocks (a shared block once per row)."""
+    position_bytes: int = 0
+    """Paged KV: bytes of one position's keys and values over every layer."""
+    preempted: int = 0  # paged KV: rows that left the batch for want of blocks (encoded again later)
+    widest: int = 0  # paged KV: the most rows a step decoded
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """The cache's bytes over the mean tokens in flight."""
+        """The cache's bytes over the mean tokens in flight; with paged KV, the blocks in use over them."""
+        if self.block_columns:
+            return self.position_bytes * self.block_columns / max(self.token_columns, 1)
         return self.cache_bytes / max(self.token_columns / max(self.steps, 1), 1.0)
 
 
 class RowUniforms:
-    """Row r's k-th uniform, drawn N at a time from the engine's `Uniforms` (fast.py) as rows first need them:
-    the draws, and so the global stream after the call, are the batch loop's."""
+    """Row r's k-th uniform, drawn N at a time from the engine's `Uniforms` (covey/rollout/sampling.py) as rows
+    first need them: the draws, and so the global stream after the call, are the batch loop's."""
 
     def __init__(self, uniforms, n: int, upfront: int = 0):
         self.uniforms, self.table = uniforms, torch.zeros((0, n))

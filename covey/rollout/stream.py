@@ -64,7 +64,7 @@ def widen(cache, capacity: int) -> None:
 
 
 class JobDraws:
-    """A job's uniforms: draw k is n uniforms of its own generator, as `fast.Uniforms` draws a seeded prompt's;
+    """A job's uniforms: draw k is n uniforms of its own generator, as `sampling.Uniforms` draws a seeded prompt's;
     row g's k-th token takes draw k's g-th."""
 
     def __init__(self, seed: int, n: int):

@@ -131,7 +131,7 @@ def test_rollout_driver_runs_the_engine_arms_on_set_lengths(tmp_path, tiny_model
     batch arm's calls wait for their longest row, the slot arms keep their slots busier."""
     from bench import rollout
     rollout.main(["--rows", "12", "--slots", "4", "--group", "2", "--max-new", "40", "--model", tiny_model_dir,
-                  "--arms", "batch,slots,spec,hf", "--out", str(tmp_path / "rollout")])
+                  "--arms", "batch,slots,paged,spec,hf", "--out", str(tmp_path / "rollout")])
     result = json.loads((tmp_path / "rollout.json").read_text())
     budgets, arms = result["budgets"], result["arms"]
     assert len(budgets) == 12 and max(budgets) <= 40 and len(set(budgets)) > 3  # long-tailed, capped
@@ -139,6 +139,9 @@ def test_rollout_driver_runs_the_engine_arms_on_set_lengths(tmp_path, tiny_model
     batch = sum(budgets) / sum(4 * max(budgets[i:i + 4]) for i in range(0, 12, 4))  # each call waits for its longest
     assert arms["batch"][0]["useful"] == pytest.approx(batch)
     assert arms["slots"][0]["useful"] > batch
+    paged = arms["paged"][0]  # blocks: more rows at once than 4 slots, the KV held near the tokens in flight
+    assert paged["widest"] > 4 and 0.5 < paged["useful"] <= 1.0
+    assert paged["kv_per_token"] < arms["slots"][0]["kv_per_token"]
     assert "| spec |" in (tmp_path / "rollout.md").read_text()
 
 
