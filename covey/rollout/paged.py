@@ -131,8 +131,9 @@ class Paging:
     """The blocks of one call, every layer's pools, and what the next step writes and reads."""
     blocks: Blocks
     layers: list[PagedLayer] = field(default_factory=list)
-    table: Tensor | None = None
-    """(n, nb): each running row's block ids, padded with its first block (masked out)."""
+    groups: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    """The step's rows in groups of similar length, each (rows (m,), their block ids (m, nb) padded with the
+    row's first block, masked out): a group's rows attend over its widest row's blocks only."""
     write_at: tuple[Tensor, Tensor] | None = None
     """(blocks, offsets), each (n,): where each row's new key goes."""
 
@@ -169,13 +170,15 @@ def paged_attention(layer, hidden: Tensor, cos: Tensor, sin: Tensor, cache_layer
     n, d = hidden.shape[0], attn.head_dim
     q, k, v = project(attn, hidden, cos, sin)
     cache_layer.write(*cache_layer.paging.write_at, k, v)
-    keys, values = cache_layer.gather(cache_layer.paging.table)  # (kv_heads, n, T, d)
-    groups = q.view(n, keys.shape[0], -1, d).transpose(0, 1)  # (kv_heads, n, G, d)
-    scores = torch.matmul(keys, groups.transpose(2, 3)).transpose(2, 3).contiguous()
-    scores = scores * attn.scaling + additive_mask[:, 0, 0][None, :, None, :]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.nn.functional.linear(torch.matmul(probs, values).transpose(0, 1).reshape(n, -1),
-                                      attn.o_proj.weight)
+    out = q.new_empty(n, q.shape[1] * d)
+    for rows, table in cache_layer.paging.groups:
+        keys, values = cache_layer.gather(table)  # (kv_heads, m, T, d)
+        groups = q[rows].view(len(rows), keys.shape[0], -1, d).transpose(0, 1)  # (kv_heads, m, G, d)
+        scores = torch.matmul(keys, groups.transpose(2, 3)).transpose(2, 3).contiguous()
+        scores = scores * attn.scaling + additive_mask[rows, 0, 0, :keys.shape[2]][None, :, None, :]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[rows] = torch.matmul(probs, values).transpose(0, 1).reshape(len(rows), -1)
+    return torch.nn.functional.linear(out, attn.o_proj.weight)
 
 
 @dataclass
@@ -294,15 +297,31 @@ class PagedDecoder:
         """One new position for every running row: its token written and attended with its blocks."""
         device, batch = self.device, self.batch
         widest = max(len(run.blocks) for run in batch)
-        table = torch.tensor([run.blocks + [run.blocks[0]] * (widest - len(run.blocks)) for run in batch],
-                             device=device)
         lengths = torch.tensor([run.length for run in batch], device=device)
-        self.paging.table = table
-        self.paging.write_at = (table.gather(1, (lengths // BLOCK)[:, None]).squeeze(1), lengths % BLOCK)
+        self.paging.write_at = (torch.tensor([run.blocks[run.length // BLOCK] for run in batch], device=device),
+                                lengths % BLOCK)
+        self.paging.groups = [(torch.tensor(rows, device=device), self.table(rows)) for rows in self.length_groups()]
         key_mask = (torch.arange(widest * BLOCK, device=device)[None, :] <= lengths[:, None]).long()
         self.record(sum(run.length + 1 for run in batch))
         tokens = torch.tensor([run.token for run in batch], device=device)
         return lean_step(self.engine.model, tokens, lengths, key_mask, self.paging, paged_attention).float()
+
+    def table(self, rows: list[int]) -> Tensor:
+        """Rows `rows`' block ids (longest first), each padded with its first block to the first row's count."""
+        width = len(self.batch[rows[0]].blocks)
+        return torch.tensor([self.batch[j].blocks + self.batch[j].blocks[:1] * (width - len(self.batch[j].blocks))
+                             for j in rows], device=self.device)
+
+    def length_groups(self) -> list[list[int]]:
+        """The batch's rows, longest first, in groups whose shortest row has more than half the blocks of the
+        longest: attention over padded blocks costs at most twice a group's own."""
+        order = sorted(range(len(self.batch)), key=lambda j: -len(self.batch[j].blocks))
+        groups = [[order[0]]]
+        for j in order[1:]:
+            if 2 * len(self.batch[j].blocks) <= len(self.batch[groups[-1][0]].blocks):
+                groups.append([])
+            groups[-1].append(j)
+        return groups
 
     def record(self, in_flight: int) -> None:
         """A step's rows, tokens in flight (prompt and answer, per row) and positions in blocks in use."""

@@ -9,7 +9,7 @@ import torch
 from covey.models.load import load_policy
 from covey.rollout.base import Quorum
 from covey.rollout.fast import FastEngine
-from covey.rollout.paged import BLOCK, Blocks, PagedDecoder
+from covey.rollout.paged import BLOCK, Blocks, PagedDecoder, Running
 from covey.rollout.precision import low_precision_copy
 from covey.rollout.slots import SlotDecoder
 
@@ -46,6 +46,16 @@ def test_blocks_hand_out_the_lowest_free_id_and_count_sharers():
     assert blocks.take() == 0  # the freed id, not a new one
     blocks.release([1, 2, 0])
     assert blocks.used == 0 and blocks.top == 3
+
+
+def test_rows_attend_in_groups_of_similar_length():
+    # blocks per row 5, 1, 3, 2, 6 -> longest first 6 (row 4), 5 (0), 3 (2), 2 (3), 1 (1); a group ends before
+    # a row with at most half its first row's blocks: 6 | 3 (2 x 3 <= 6), 3 | 1 (2 x 1 <= 3), 2 stays with 3
+    decoder = PagedDecoder(None, 1, None)
+    decoder.batch = [Running(r, list(range(n)), 16 * n - 1, 0) for r, n in enumerate([5, 1, 3, 2, 6])]
+    decoder.device = "cpu"
+    assert decoder.length_groups() == [[4, 0], [2, 3], [1]]
+    assert decoder.table([2, 3]).tolist() == [[0, 1, 2], [0, 1, 0]]  # padded with the row's first block
 
 
 @pytest.mark.parametrize("slots", [1, 2, 5, 12])
