@@ -162,7 +162,7 @@ class RolloutConfig:
     decode: str = "auto"
     """fast engine's decoding: auto (graphs on CUDA, plain elsewhere) | plain | static (a KV cache allocated once) | graphs (static, each step a CUDA graph replay) | compile (graphs of torch.compile's kernels)."""
     slots: int = 0
-    """fast engine: decode a step's rows through this many slots, each taken by the next waiting row as soon as its row ends (covey/rollout/slots.py; the same tokens as without); 0 = every row at once, rows only leaving the batch."""
+    """fast engine: decode a step's rows through this many slots, each taken by the next waiting row as soon as its row ends (covey/rollout/slots.py; the same tokens as without); where the lean step runs (a Llama in bf16 on a CPU), single answers keep their keys in blocks instead, and this is their memory budget: as many rows at once as the blocks of this many full-length rows hold (covey/rollout/paged.py); 0 = every row at once, rows only leaving the batch."""
     speculate: int = 0
     """fast engine: draft up to this many tokens per row from n-grams of the row's group and of recent answers, and verify them in one forward while few rows remain (covey/rollout/speculate.py; the sampled distribution is unchanged, greedy tokens too), at most 16; 0 = off. Off by default until measured on more than one machine."""
     seeding: str = "global"

@@ -135,8 +135,8 @@ class FastEngine(Engine):
         episodes = ("tool episodes in one loop" if self.continues_episodes else
                     f"turn-by-turn episodes: {refusal or 'the static cache decodes their turns'}")
         if self.uses_slots() and self.slots and self.pages(model):
-            steps += (f"; single answers in KV blocks of {BLOCK} positions, as many rows at once as the blocks of "
-                      f"{self.slots} full-length rows hold (episodes through {self.slots} slots)")
+            steps += (f"; a call of more than {self.slots} single answers in KV blocks of {BLOCK} positions, as many "
+                      f"rows at once as the blocks of {self.slots} full-length rows hold (others through the slots)")
         elif self.uses_slots() and self.slots:
             steps += f"; rows through {self.slots} slots, each taking the next row as its own ends"
         elif self.slots:
@@ -189,7 +189,11 @@ class FastEngine(Engine):
         return self.paged and self.slots > 0 and not self.speculates() and self.lean and supports_lean_step(model)
 
     def slot_decoder(self, rows: AnswerRows):
-        return PagedDecoder(self, self.slots, rows) if self.pages(self.model) else SlotDecoder(self, self.slots, rows)
+        """Blocks for a call with more rows than slots (memory-bound); when every row has a slot, the slots'
+        buffers: they read the keys in place, where a step over blocks first gathers them (docs/rollouts.md)."""
+        if self.pages(self.model) and len(rows.budgets) > self.slots:
+            return PagedDecoder(self, self.slots, rows)
+        return SlotDecoder(self, self.slots, rows)
 
     def speculation_refusal(self) -> str | None:
         """Why this engine would not verify drafts (None: it does): a rejected draft's columns are masked out,
@@ -261,9 +265,10 @@ class FastEngine(Engine):
         )
 
     def record_slots(self, stats: SlotStats, rows: int) -> None:
+        """Busy slot-steps over slot-steps; with KV blocks, tokens in flight over the rows' block positions."""
         self.slot_stats = stats
-        self.slot_use[0] += stats.row_steps
-        self.slot_use[1] += min(self.slots or rows, rows) * stats.steps
+        self.slot_use[0] += stats.token_columns if stats.row_block_columns else stats.row_steps
+        self.slot_use[1] += stats.row_block_columns or min(self.slots or rows, rows) * stats.steps
 
     def take_metrics(self, total: Callable[[Tensor], Tensor] | None = None) -> dict:
         """rollout/busy_slot_frac: the share of the slots' decode steps that fed a row, over the calls through

@@ -236,6 +236,7 @@ class PagedDecoder:
             self.batch = [run for run, over in zip(self.batch, done) if not over]
             self.admit()
         self.stats.cache_bytes, self.stats.position_bytes = self.paging.held_bytes(), self.paging.position_bytes()
+        self.stats.tokens = self.policy.sampled
 
     def admit(self) -> None:
         """Start waiting rows while blocks are free beyond one per running row: preempted rows first (encoded
@@ -326,7 +327,7 @@ class PagedDecoder:
     def record(self, in_flight: int) -> None:
         """A step's rows, tokens in flight (prompt and answer, per row) and positions in blocks in use."""
         s = self.stats
-        s.steps, s.row_steps, s.tokens = s.steps + 1, s.row_steps + len(self.batch), self.policy.sampled
+        s.steps, s.row_steps = s.steps + 1, s.row_steps + len(self.batch)
         s.token_columns += in_flight
         s.block_columns += BLOCK * self.paging.blocks.used
         s.row_block_columns += BLOCK * sum(len(run.blocks) for run in self.batch)
