@@ -48,7 +48,8 @@ def check_estimator_needs(a: AlgoConfig, r: RolloutConfig) -> None:
     """Group sizes, dynamic sampling and a KL penalty in the reward, from the estimator's traits (its
     normalisation and token credit are checked by the entry itself, in make_plan)."""
     estimator = algos.ESTIMATORS[a.estimator]
-    if r.group_size < estimator.min_group_size:
+    uses_estimator = a.learner == "advantage" or (a.learner == "distill" and a.distill.reward_weight > 0)
+    if uses_estimator and r.group_size < estimator.min_group_size:  # distillation alone needs no group
         raise ConfigError(f"algo.estimator={a.estimator} compares samples of a prompt: rollout.group_size "
                           f"must be >= {estimator.min_group_size}")
     if a.dynamic_sampling.enabled and estimator.min_group_size < 2:

@@ -256,3 +256,12 @@ def test_no_guess_lands_on_an_unrelated_key(key, old_guess, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"{key}=1"])
     assert str(err.value) == message
+
+
+def test_distillation_alone_needs_no_group():
+    """The reverse-KL advantage is per token, against the teacher: one sample per prompt is enough; with
+    algo.distill.reward_weight the estimator's group baseline comes back, and its group size with it."""
+    base = ["algo.learner=distill", "algo.distill.teacher=teacher", "algo.beta=0", "rollout.group_size=1"]
+    assert plan_of(*base).learner == "distill"
+    with pytest.raises(ConfigError, match="rollout.group_size must be >= 2"):
+        plan_of(*base, "algo.distill.reward_weight=0.5")
