@@ -19,14 +19,16 @@ keeps its keys and values in blocks of `BLOCK` positions, and each running row h
 - the pools are (heads, blocks, BLOCK, dim) tensors per layer, grown by doubling to the highest block id
   used (ids are handed out lowest first), so memory follows the call's peak of tokens in flight.
 
-A decode step gathers each row's blocks into one (heads, rows, T, dim) tensor per layer (T: the widest
-row's blocks) and runs the lean step's attention on it (covey/rollout/lean_decode.py): the same products in
-another layout. The gather copies a layer's keys once per step; it is the price of blocks without a paged
-attention kernel, and is measured by bench/rollout.py against the per-slot buffers.
+A decode step gathers each row's blocks into one (heads, rows, T, dim) tensor per layer (rows of similar
+length together, T: a group's widest row's blocks) and runs the lean step's attention on it
+(covey/rollout/lean_decode.py): the same products in another layout. The gather copies a layer's keys once
+per step, the price of blocks without a paged attention kernel (bench/rollout.py: at 64 rows of up to 1024
+tokens that all fit their slots, blocks ran 0.69x the per-slot buffers' batch loop).
 
 Where it runs: single answers (`AnswerRows`: a step's rows and `generate_until`'s quorum calls) on the
-lean step (a plain Llama in bf16/fp16 on a CPU), without speculation. Tool episodes, speculation, the
-policy server's stream and every other model keep the per-slot buffers.
+lean step (a plain Llama in bf16/fp16 on a CPU), without speculation, in a call with more rows than slots
+(`FastEngine.slot_decoder`). Tool episodes, speculation, the policy server's stream, every other model and
+a call whose rows all have a slot keep the per-slot buffers.
 """
 
 from __future__ import annotations
