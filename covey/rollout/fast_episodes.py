@@ -136,7 +136,7 @@ class EpisodeRows:
         self.pool.shutdown(wait=True)
 
     def draw_from(self, uniforms) -> None:
-        """Where each row's k-th uniform comes from (slots.RowUniforms, set by the decoder at the start)."""
+        """Where each row's k-th uniform comes from (sampling.RowUniforms, set by the decoder at the start)."""
         self.uniforms = uniforms
 
     def enough(self) -> bool:

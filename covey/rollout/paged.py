@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from covey.rollout.lean_decode import lean_step, project
-from covey.rollout.slots import RowUniforms, SlotStats, prefill_prompts
+from covey.rollout.slots import SlotStats, begin_call, prefill_prompts
 from covey.runtime.signals import check_abort
 
 BLOCK = 16
@@ -202,9 +202,7 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def run(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, uniforms):
-        self.device = device = next(self.engine.model.parameters()).device
-        self.prompt_ids, self.prompt_mask, self.index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
-        self.policy.draw_from(RowUniforms(uniforms, len(index), self.policy.upfront))
+        begin_call(self, prompt_ids, prompt_mask, index, uniforms)
         if len(index):
             self.loop()
         return self.policy.result()

@@ -3,7 +3,8 @@
 The same temperature, top-k and top-p warpers as `generate(do_sample=True)` (transformers' own classes, in
 its order), and a token drawn from one uniform per row (`torch.multinomial` draws V exponentials per row:
 about 30 ms a step at 32 rows on one core, as long as the forward). The uniforms come from torch's global
-generator, or one generator per prompt (per-prompt seeds in one batched call).
+generator, or one generator per prompt (per-prompt seeds in one batched call); a decode loop whose rows start
+at different steps takes row r's k-th uniform from them as the batch loop would have drawn it (`RowUniforms`).
 """
 
 from __future__ import annotations
@@ -46,3 +47,20 @@ class Uniforms:
         if self.generators is None:
             return torch.rand(self.n_rows)
         return torch.cat([torch.rand(self.group_size, generator=g) for g in self.generators])
+
+
+class RowUniforms:
+    """Row r's k-th uniform, drawn N at a time from the engine's `Uniforms` (above) as rows first need
+    them: the draws, and so the global stream after the call, are the batch loop's."""
+
+    def __init__(self, uniforms, n: int, upfront: int = 0):
+        self.uniforms, self.table = uniforms, torch.zeros((0, n))
+        self.reserve(upfront)
+
+    def reserve(self, count: int) -> None:
+        while len(self.table) < count:
+            self.table = torch.cat([self.table, self.uniforms.draw()[None]])
+
+    def take(self, rows: list[int], ks: list[int]) -> Tensor:
+        self.reserve(max(ks, default=-1) + 1)
+        return self.table[ks, rows]

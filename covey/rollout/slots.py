@@ -18,10 +18,10 @@ is masked out for it and a linear-attention state is held still) and then feeds 
 forced tokens through the same decode step (`EpisodeRows`, covey/rollout/fast_episodes.py). So tool
 episodes and long answers share one loop, one cache and one refill.
 
-Sampling is independent of slots: row r's k-th sampled token uses the k-th uniform of row r (`RowUniforms`:
-from torch's global generator, N per draw as the batch loop draws them, or from its prompt's seed). So a
-row's tokens do not depend on the slot it ran in or when it started (up to the float rounding of a batch's
-composition), and greedy tokens are the batch loop's (tests/rollout/test_slots.py).
+Sampling is independent of slots: row r's k-th sampled token uses the k-th uniform of row r (`RowUniforms`,
+covey/rollout/sampling.py: from torch's global generator, N per draw as the batch loop draws them, or from
+its prompt's seed). So a row's tokens do not depend on the slot it ran in or when it started (up to the float
+rounding of a batch's composition), and greedy tokens are the batch loop's (tests/rollout/test_slots.py).
 
 Memory: S rows of prompt + the longest row's columns + slack, where the batch loop holds N rows of prompt +
 max_new_tokens. Single answers on the lean step keep their keys in blocks instead (covey/rollout/paged.py):
@@ -38,6 +38,7 @@ from torch import Tensor
 from covey.models.hf_compat import last_positions, with_cache
 from covey.rollout.decode_cache import buffer_cache, column_layers, held_bytes, rows_held
 from covey.rollout.lean_decode import supports_lean_step
+from covey.rollout.sampling import RowUniforms
 from covey.rollout.speculate import SPECULATE_TOKENS, accepted_counts
 from covey.runtime.signals import check_abort
 
@@ -74,23 +75,6 @@ class SlotStats:
         if self.block_columns:
             return self.position_bytes * self.block_columns / max(self.token_columns, 1)
         return self.cache_bytes / max(self.token_columns / max(self.steps, 1), 1.0)
-
-
-class RowUniforms:
-    """Row r's k-th uniform, drawn N at a time from the engine's `Uniforms` (covey/rollout/sampling.py) as rows
-    first need them: the draws, and so the global stream after the call, are the batch loop's."""
-
-    def __init__(self, uniforms, n: int, upfront: int = 0):
-        self.uniforms, self.table = uniforms, torch.zeros((0, n))
-        self.reserve(upfront)
-
-    def reserve(self, count: int) -> None:
-        while len(self.table) < count:
-            self.table = torch.cat([self.table, self.uniforms.draw()[None]])
-
-    def take(self, rows: list[int], ks: list[int]) -> Tensor:
-        self.reserve(max(ks, default=-1) + 1)
-        return self.table[ks, rows]
 
 
 class AnswerRows:
@@ -234,9 +218,7 @@ class SlotDecoder:
     @torch.inference_mode()
     def run(self, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, uniforms):
         """Decode rows `index` (each row's prompt among `prompt_ids`); the rows object holds what they gave."""
-        self.device = device = next(self.engine.model.parameters()).device
-        self.prompt_ids, self.prompt_mask, self.index = prompt_ids.to(device), prompt_mask.to(device), index.to(device)
-        self.policy.draw_from(RowUniforms(uniforms, len(index), self.policy.upfront))
+        begin_call(self, prompt_ids, prompt_mask, index, uniforms)
         if len(index):
             width = prompt_ids.shape[1]
             self.loop(width, width + self.policy.columns + self.policy.slack)
@@ -369,6 +351,15 @@ class SlotDecoder:
         self.key_mask[slots_t] = 0
         self.key_mask[slots_t, self.column - mask.shape[1]:self.column] = mask
         self.position[slots_t] = mask.sum(-1)
+
+
+def begin_call(decoder, prompt_ids: Tensor, prompt_mask: Tensor, index: Tensor, uniforms) -> None:
+    """A decoder's call (`SlotDecoder`, paged.py's `PagedDecoder`): the model's device, the prompts and each row's
+    prompt there, and where each row's k-th uniform comes from."""
+    decoder.device = device = next(decoder.engine.model.parameters()).device
+    decoder.prompt_ids, decoder.prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    decoder.index = index.to(device)
+    decoder.policy.draw_from(RowUniforms(uniforms, len(index), decoder.policy.upfront))
 
 
 def prefill_prompts(model, prompt_ids: Tensor, prompt_mask: Tensor, capacity: int) -> tuple:
