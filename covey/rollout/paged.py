@@ -197,7 +197,7 @@ class PagedDecoder:
     within the blocks `slots` rows hold at full length; the same interface as `SlotDecoder`."""
 
     def __init__(self, engine, slots: int, rows):
-        self.engine, self.slots, self.policy = engine, max(slots, 1), rows
+        self.engine, self.slots, self.policy = engine, slots, rows
         self.stats = SlotStats()
 
     @torch.inference_mode()
